@@ -1,0 +1,108 @@
+"""Every collective the framework issues goes through this module.
+
+Convention: a process group of `None` stands for a group of one rank, so every function here is a
+no-op (or a copy) for it. This lets a model built for a single process run without
+`torch.distributed` being initialized at all. (It never means the default world group.)
+
+Gloo lacks some collectives on some PyTorch versions; each such case has a fallback built from
+collectives gloo does have, chosen by backend, so every parallel feature runs on CPU.
+"""
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+Group = Optional[dist.ProcessGroup]
+
+
+def size(group: Group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def rank(group: Group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def global_rank_of(group: dist.ProcessGroup, group_rank: int) -> int:
+    return dist.get_global_rank(group, group_rank)
+
+
+def _is_gloo(group: Group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def all_reduce(tensor: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """In-place all-reduce. Returns a work handle when async_op (None for a group of one)."""
+    if group is None:
+        return None
+    if op == dist.ReduceOp.AVG and _is_gloo(group):
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        if work is not None:
+            work.wait()
+        tensor.div_(size(group))
+        return None
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def all_reduce_max(tensor: torch.Tensor, group: Group) -> None:
+    all_reduce(tensor, group, op=dist.ReduceOp.MAX)
+
+
+def all_gather_into_tensor(output: torch.Tensor, input_: torch.Tensor, group: Group, async_op: bool = False):
+    """Gathers equal-sized `input_` from every rank into `output` along dim 0."""
+    if group is None:
+        output.copy_(input_)
+        return None
+    return dist.all_gather_into_tensor(output, input_.contiguous(), group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input_: torch.Tensor, group: Group, async_op: bool = False):
+    """Sums `input_` over ranks and leaves rank r's dim-0 chunk in `output`."""
+    if group is None:
+        output.copy_(input_)
+        return None
+    if _is_gloo(group):
+        # Gloo: all-reduce the whole tensor and keep this rank's chunk. More traffic, same result.
+        reduced = input_.contiguous().clone()
+        dist.all_reduce(reduced, group=group)
+        output.copy_(reduced.chunk(size(group), dim=0)[rank(group)])
+        return None
+    return dist.reduce_scatter_tensor(output, input_.contiguous(), group=group, async_op=async_op)
+
+
+def all_gather_object(obj, group: Group) -> list:
+    if group is None:
+        return [obj]
+    out = [None] * size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast(tensor: torch.Tensor, src_global_rank: int, group: Group) -> None:
+    if group is not None:
+        dist.broadcast(tensor, src=src_global_rank, group=group)
+
+
+def barrier(group: Group = None) -> None:
+    """Barrier over `group`; with None, over the world when distributed is initialized."""
+    if group is not None:
+        dist.barrier(group=group)
+    elif dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def batch_send_recv(ops: list) -> list:
+    """Runs point-to-point ops given as (kind, tensor, peer_global_rank, group), kind 'send'/'recv'.
+
+    Batched (one `batch_isend_irecv`) where the backend allows; returns the request handles.
+    """
+    if not ops:
+        return []
+    p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer, group)
+           for kind, tensor, peer, group in ops]
+    return dist.batch_isend_irecv(p2p)
+
+
+def wait_all(requests: list) -> None:
+    for request in requests:
+        request.wait()

@@ -1,0 +1,1 @@
+from megatron.core.models.gpt.model import GPTModel

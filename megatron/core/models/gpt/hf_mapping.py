@@ -1,0 +1,325 @@
+"""Mapping between Hugging Face `transformers` checkpoints (Llama, GPT-2) and GPTModel.
+
+The meeting point is the *logical* state: {global parameter name: {part name: full tensor}}, the
+unsharded tensors a `TPLayout` cuts each rank's parameter from (see tensor_parallel.layers). So:
+
+    HF state dict --hf_to_logical--> logical --load_logical_into_model--> any TP rank / PP stage
+    single-process model --model_to_logical--> logical --logical_to_hf--> HF state dict
+
+Everything here is pure tensor manipulation: no file I/O, no communication beyond `local_to_full`.
+
+Differences the mapping absorbs:
+- HF keeps q/k/v (Llama) and gate/up (SwiGLU) as separate tensors; GPTModel fuses them, and the
+  fused parameters' layouts carry the parts by name ("q", "k", "v", "gate", "up").
+- GPT-2 uses `Conv1D`, whose weight is [in, out]: the transpose of `nn.Linear`. Its fused `c_attn`
+  is [q; k; v] along the output features.
+- The vocabulary is padded to a multiple of `make_vocab_size_divisible_by * tp_size` (as Megatron
+  does); padded rows are zeros going in and dropped coming out.
+- Llama checkpoints in HF format are already in the rotate-half rotary convention GPTModel uses, so
+  q/k rows need no permutation.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron.core.models.gpt.model import WORD_EMBEDDINGS
+from megatron.core.transformer.config import TransformerConfig
+
+ARCHITECTURES = ("llama", "gpt2")
+POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
+OUTPUT_LAYER = "output_layer.weight"
+FINAL_NORM = "decoder.final_layernorm"
+
+_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
+# ------------------------------------------------------------------------------------------------
+# Config
+# ------------------------------------------------------------------------------------------------
+def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128, tp_size: int = 1) -> int:
+    """`vocab_size` rounded up to a multiple of make_vocab_size_divisible_by * tp_size."""
+    multiple = make_vocab_size_divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def hf_config_to_transformer_config(hf_config, *, make_vocab_size_divisible_by: int = 128,
+                                    tp_size: int = 1) -> TransformerConfig:
+    """A TransformerConfig equivalent to a `transformers` LlamaConfig or GPT2Config.
+
+    Raises ValueError for options GPTModel does not implement, rather than converting them silently.
+    """
+    arch = architecture_of(hf_config)
+    vocab = padded_vocab_size(hf_config.vocab_size, make_vocab_size_divisible_by, tp_size)
+    if arch == "llama":
+        config = _llama_config(hf_config, vocab)
+    else:
+        config = _gpt2_config(hf_config, vocab)
+    config.check_tensor_parallel(tp_size)
+    return config
+
+
+def architecture_of(hf_config) -> str:
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"unsupported Hugging Face model_type {model_type!r}; supported: {ARCHITECTURES}")
+    return model_type
+
+
+def _llama_rope(hf_config) -> dict:
+    """Rotary settings from either transformers 5 (`rope_parameters`) or 4.x (`rope_theta`,
+    `rope_scaling`)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    legacy_scaling = getattr(hf_config, "rope_scaling", None) or {}
+    for key, value in legacy_scaling.items():
+        params.setdefault(key, value)
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    out = dict(rotary_base=float(params["rope_theta"]))
+    if "partial_rotary_factor" in params:
+        out["rotary_percent"] = float(params["partial_rotary_factor"])
+    if rope_type == "llama3":
+        out.update(rope_scaling=True,
+                   rope_scaling_factor=float(params["factor"]),
+                   rope_low_freq_factor=float(params["low_freq_factor"]),
+                   rope_high_freq_factor=float(params["high_freq_factor"]),
+                   rope_original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+    elif rope_type != "default":
+        raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default' and 'llama3')")
+    return out
+
+
+def _llama_config(hf_config, vocab_size: int) -> TransformerConfig:
+    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
+        raise ValueError("Llama attention_bias / mlp_bias are not supported by GPTModel")
+    if hf_config.hidden_act != "silu":
+        raise ValueError(f"Llama hidden_act {hf_config.hidden_act!r} is not supported (only 'silu')")
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    return TransformerConfig(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        vocab_size=vocab_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        kv_channels=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
+        num_query_groups=num_kv_heads,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        normalization="RMSNorm",
+        norm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation="silu",
+        add_bias_linear=False,
+        position_embedding_type="rope",
+        untie_embeddings_and_output_weights=not hf_config.tie_word_embeddings,
+        hidden_dropout=0.0,
+        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
+        init_method_std=hf_config.initializer_range,
+        **_llama_rope(hf_config),
+    )
+
+
+def _gpt2_config(hf_config, vocab_size: int) -> TransformerConfig:
+    if getattr(hf_config, "scale_attn_by_inverse_layer_idx", False):
+        raise ValueError("GPT-2 scale_attn_by_inverse_layer_idx is not supported by GPTModel")
+    if not getattr(hf_config, "scale_attn_weights", True):
+        raise ValueError("GPT-2 scale_attn_weights=False is not supported by GPTModel")
+    activation = _GPT2_ACTIVATIONS.get(hf_config.activation_function)
+    if activation is None:
+        raise ValueError(f"GPT-2 activation_function {hf_config.activation_function!r} is not supported; "
+                         f"supported: {sorted(_GPT2_ACTIVATIONS)}")
+    return TransformerConfig(
+        num_layers=hf_config.n_layer,
+        hidden_size=hf_config.n_embd,
+        num_attention_heads=hf_config.n_head,
+        vocab_size=vocab_size,
+        ffn_hidden_size=hf_config.n_inner or 4 * hf_config.n_embd,
+        max_position_embeddings=hf_config.n_positions,
+        normalization="LayerNorm",
+        norm_epsilon=hf_config.layer_norm_epsilon,
+        activation=activation,
+        add_bias_linear=True,
+        position_embedding_type="learned_absolute",
+        untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", True),
+        hidden_dropout=float(hf_config.resid_pdrop),
+        attention_dropout=float(hf_config.attn_pdrop),
+        init_method_std=hf_config.initializer_range,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Weights
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Entry:
+    """One HF tensor and where it lives in the logical state.
+
+    `parts`: the logical parts the HF tensor is split into along dim 0 (after the Conv1D
+    transpose), with their `sizes`; most tensors are one part. `conv1d`: stored as [in, out].
+    `vocab`: rows are vocabulary entries (padded in the logical state).
+    """
+
+    hf_name: str
+    name: str
+    parts: tuple = ("",)
+    sizes: Optional[tuple] = None
+    conv1d: bool = False
+    vocab: bool = False
+
+
+def _llama_entries(config: TransformerConfig) -> list:
+    entries = [_Entry("model.embed_tokens.weight", WORD_EMBEDDINGS, vocab=True)]
+    for i in range(config.num_layers):
+        hf, ours = f"model.layers.{i}", f"decoder.layers.{i}"
+        qkv = f"{ours}.self_attention.linear_qkv.weight"
+        fc1 = f"{ours}.mlp.linear_fc1.weight"
+        entries += [
+            _Entry(f"{hf}.input_layernorm.weight", f"{ours}.input_layernorm.weight"),
+            _Entry(f"{hf}.self_attn.q_proj.weight", qkv, ("q",)),
+            _Entry(f"{hf}.self_attn.k_proj.weight", qkv, ("k",)),
+            _Entry(f"{hf}.self_attn.v_proj.weight", qkv, ("v",)),
+            _Entry(f"{hf}.self_attn.o_proj.weight", f"{ours}.self_attention.linear_proj.weight"),
+            _Entry(f"{hf}.post_attention_layernorm.weight", f"{ours}.pre_mlp_layernorm.weight"),
+            _Entry(f"{hf}.mlp.gate_proj.weight", fc1, ("gate",)),
+            _Entry(f"{hf}.mlp.up_proj.weight", fc1, ("up",)),
+            _Entry(f"{hf}.mlp.down_proj.weight", f"{ours}.mlp.linear_fc2.weight"),
+        ]
+    entries.append(_Entry("model.norm.weight", f"{FINAL_NORM}.weight"))
+    if config.untie_embeddings_and_output_weights:
+        entries.append(_Entry("lm_head.weight", OUTPUT_LAYER, vocab=True))
+    return entries
+
+
+def _gpt2_entries(config: TransformerConfig) -> list:
+    h = config.hidden_size
+    entries = [
+        _Entry("transformer.wte.weight", WORD_EMBEDDINGS, vocab=True),
+        _Entry("transformer.wpe.weight", POSITION_EMBEDDINGS),
+    ]
+    for i in range(config.num_layers):
+        hf, ours = f"transformer.h.{i}", f"decoder.layers.{i}"
+        attention, mlp = f"{ours}.self_attention", f"{ours}.mlp"
+        for suffix in ("weight", "bias"):
+            conv1d = suffix == "weight"
+            entries += [
+                _Entry(f"{hf}.ln_1.{suffix}", f"{ours}.input_layernorm.{suffix}"),
+                _Entry(f"{hf}.attn.c_attn.{suffix}", f"{attention}.linear_qkv.{suffix}",
+                       ("q", "k", "v"), (h, h, h), conv1d=conv1d),
+                _Entry(f"{hf}.attn.c_proj.{suffix}", f"{attention}.linear_proj.{suffix}", conv1d=conv1d),
+                _Entry(f"{hf}.ln_2.{suffix}", f"{ours}.pre_mlp_layernorm.{suffix}"),
+                _Entry(f"{hf}.mlp.c_fc.{suffix}", f"{mlp}.linear_fc1.{suffix}", conv1d=conv1d),
+                _Entry(f"{hf}.mlp.c_proj.{suffix}", f"{mlp}.linear_fc2.{suffix}", conv1d=conv1d),
+            ]
+    entries += [_Entry(f"transformer.ln_f.{suffix}", f"{FINAL_NORM}.{suffix}") for suffix in ("weight", "bias")]
+    if config.untie_embeddings_and_output_weights:
+        entries.append(_Entry("lm_head.weight", OUTPUT_LAYER, vocab=True))
+    return entries
+
+
+def _entries(config: TransformerConfig, arch: str) -> list:
+    if arch == "llama":
+        return _llama_entries(config)
+    if arch == "gpt2":
+        return _gpt2_entries(config)
+    raise ValueError(f"unsupported architecture {arch!r}; supported: {ARCHITECTURES}")
+
+
+def _ignored_hf_key(key: str, config: TransformerConfig, arch: str) -> bool:
+    """Keys HF state dicts may carry that hold no weights of their own."""
+    if key == "lm_head.weight" and not config.untie_embeddings_and_output_weights:
+        return True  # the tied copy of the embedding
+    if arch == "gpt2" and (key.endswith(".attn.bias") or key.endswith(".attn.masked_bias")):
+        return True  # causal-mask buffers of older transformers versions
+    return key.endswith("rotary_emb.inv_freq")
+
+
+def _normalize_gpt2_key(key: str) -> str:
+    """Original GPT-2 checkpoints name the base model's tensors without the `transformer.` prefix."""
+    if key.startswith("transformer.") or key.startswith("lm_head."):
+        return key
+    return f"transformer.{key}"
+
+
+def hf_to_logical(hf_state_dict: dict, config: TransformerConfig, arch: str) -> dict:
+    """{global param name: {part name: full tensor}} from a HF Llama or GPT-2 state dict.
+
+    The vocabulary rows of the embedding (and untied output layer) are zero-padded to
+    `config.vocab_size`. Raises on missing or unrecognized keys.
+    """
+    if arch == "gpt2":
+        hf_state_dict = {_normalize_gpt2_key(k): v for k, v in hf_state_dict.items()}
+    entries = _entries(config, arch)
+    known = {entry.hf_name for entry in entries}
+    unexpected = [k for k in hf_state_dict if k not in known and not _ignored_hf_key(k, config, arch)]
+    missing = [name for name in known if name not in hf_state_dict]
+    if unexpected or missing:
+        raise KeyError(f"HF state dict does not match the {arch} config: missing {sorted(missing)}, "
+                       f"unexpected {sorted(unexpected)}")
+    logical = {}
+    for entry in entries:
+        tensor = hf_state_dict[entry.hf_name]
+        if entry.conv1d:
+            tensor = tensor.t()
+        if entry.vocab:
+            tensor = _pad_rows(tensor, config.vocab_size)
+        pieces = tensor.split(list(entry.sizes)) if entry.sizes else (tensor,)
+        parts = logical.setdefault(entry.name, {})
+        for part, piece in zip(entry.parts, pieces, strict=True):
+            parts[part] = piece.contiguous()
+    return logical
+
+
+def logical_to_hf(logical: dict, config: TransformerConfig, arch: str, *,
+                  vocab_size: Optional[int] = None) -> dict:
+    """The HF state dict of a logical state (the inverse of `hf_to_logical`).
+
+    `vocab_size`: the unpadded vocabulary size (HF's `config.vocab_size`); padded rows past it are
+    dropped. None keeps all `config.vocab_size` rows. A tied output layer is not emitted, as in
+    the checkpoints `save_pretrained` writes.
+    """
+    out = {}
+    for entry in _entries(config, arch):
+        parts = logical[entry.name]
+        tensor = torch.cat([parts[p] for p in entry.parts], dim=0) if len(entry.parts) > 1 else parts[entry.parts[0]]
+        if entry.vocab and vocab_size is not None:
+            tensor = tensor[:vocab_size]
+        if entry.conv1d:
+            tensor = tensor.t()
+        out[entry.hf_name] = tensor.contiguous()
+    return out
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    if tensor.shape[0] > rows:
+        raise ValueError(f"vocabulary of {tensor.shape[0]} rows exceeds the padded vocab size {rows}")
+    if tensor.shape[0] == rows:
+        return tensor
+    padding = tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))
+    return torch.cat((tensor, padding), dim=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Model
+# ------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def load_logical_into_model(model, logical: dict) -> None:
+    """Copies each parameter's slice of the logical state into `model` (any TP rank / PP stage)."""
+    for name, param in model.named_parameters():
+        global_name = model.global_param_name(name)
+        if global_name not in logical:
+            raise KeyError(f"logical state has no {global_name!r} (parameter {name!r})")
+        local = param.tp_layout.full_to_local(logical[global_name])
+        if local.shape != param.shape:
+            raise ValueError(f"{global_name}: logical state gives shape {tuple(local.shape)} for this rank, "
+                             f"the parameter is {tuple(param.shape)}")
+        param.copy_(local)
+
+
+@torch.no_grad()
+def model_to_logical(model) -> dict:
+    """The logical state of `model` (collective over its TP group; single process: group None)."""
+    logical = {}
+    for name, param in model.named_parameters():
+        full = param.tp_layout.local_to_full(param, group=model.groups.tp)
+        logical[model.global_param_name(name)] = {part: tensor.clone() for part, tensor in full.items()}
+    return logical

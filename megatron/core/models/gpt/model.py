@@ -1,0 +1,162 @@
+"""GPTModel: Llama 2, Llama 3/3.1 and GPT-2/3 from one TransformerConfig.
+
+    tokens [b, s] -> embedding [s, b, h] -> decoder layers -> final norm -> logits [s, b, V/tp]
+                  -> per-token loss [b, s] (when labels are given)
+
+With pipeline parallelism a stage builds only its part: `pre_process` (the embedding, first stage),
+`post_process` (final norm, output layer and loss, last stage) and `layer_numbers` (the global
+indices of its decoder layers). Stages after the first take `hidden_states` instead of tokens.
+"""
+import re
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.parallel_state import ParallelGroups
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.layers import (
+    TPLayout,
+    VocabParallelEmbedding,
+    initialize_param,
+    replicated_layout,
+    set_layout,
+    split_layout,
+)
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from megatron.core.tensor_parallel.random import RNGStatesTracker
+from megatron.core.transformer.block import TransformerBlock
+from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.rope import RotaryEmbedding
+
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+
+
+class GPTModel(torch.nn.Module):
+    def __init__(self, config: TransformerConfig, groups: ParallelGroups, *,
+                 rng_tracker: Optional[RNGStatesTracker] = None, pre_process: bool = True,
+                 post_process: bool = True, layer_numbers: Optional[list] = None, device=None):
+        super().__init__()
+        config.check_tensor_parallel(groups.tp_size)
+        self.config = config
+        self.groups = groups
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.sequence_parallel = config.sequence_parallel and groups.tp_size > 1
+        self.share_embeddings = not config.untie_embeddings_and_output_weights
+        device = device if device is not None else groups.device
+        tp = dict(tp_size=groups.tp_size, tp_rank=groups.tp_rank)
+        layer_numbers = list(range(config.num_layers)) if layer_numbers is None else list(layer_numbers)
+
+        if pre_process:
+            self.embedding = _Embedding(config, groups, rng_tracker, device)
+        self.rotary = RotaryEmbedding(config, device) if config.position_embedding_type == "rope" else None
+        self.decoder = TransformerBlock(config, layer_numbers=layer_numbers, post_process=post_process,
+                                        tp_group=groups.tp, rng_tracker=rng_tracker, device=device, **tp)
+        self.input_tensor = None  # set by the pipeline schedule on stages after the first
+        if post_process and (not self.share_embeddings or not pre_process):
+            # Untied output layer, or the last stage's copy of the tied embedding (kept equal to the
+            # first stage's by an all-reduce of gradients over the embedding group).
+            weight = torch.empty(config.vocab_size // groups.tp_size, config.hidden_size,
+                                 dtype=config.params_dtype, device=device)
+            self.output_layer = torch.nn.Parameter(weight)
+            layout = split_layout(0, config.vocab_size, groups.tp_size, groups.tp_rank, "padded vocabulary size")
+            set_layout(self.output_layer, layout, "normal")
+            self.output_layer.shared_embedding = self.share_embeddings
+
+    # ----------------------------------------------------------------------------------------
+    def global_param_name(self, local_name: str) -> str:
+        """The layout-independent name of a parameter: global layer numbers, tied copies unified."""
+        if local_name == "output_layer" and self.share_embeddings:
+            return WORD_EMBEDDINGS
+        if local_name == "output_layer":
+            return "output_layer.weight"
+        match = re.match(r"decoder\.layers\.(\d+)\.(.*)", local_name)
+        if match:
+            return f"decoder.layers.{self.decoder.layer_numbers[int(match.group(1))]}.{match.group(2)}"
+        return local_name
+
+    @torch.no_grad()
+    def initialize_parameters(self, seed: int) -> None:
+        """Deterministic, layout-independent initialization (see tensor_parallel.layers)."""
+        for name, param in self.named_parameters():
+            initialize_param(param, self.global_param_name(name), seed, self.config.init_method_std,
+                             self.config.num_layers)
+
+    def set_input_tensor(self, tensor: Optional[torch.Tensor]) -> None:
+        """The activation received from the previous pipeline stage, used as `hidden_states`."""
+        self.input_tensor = tensor
+
+    def output_weight(self) -> torch.Tensor:
+        if self.pre_process and self.share_embeddings:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer
+
+    # ----------------------------------------------------------------------------------------
+    def forward(self, tokens: Optional[torch.Tensor], position_ids: torch.Tensor,
+                labels: Optional[torch.Tensor] = None, hidden_states: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None):
+        """tokens/position_ids/labels: [b, s]. Returns the per-token loss [b, s] when labels are
+        given on the last stage, logits [s, b, V/tp] on the last stage otherwise, else the hidden
+        states [s, b, h] ([s/tp, b, h] with sequence parallelism) for the next stage."""
+        if not self.pre_process:
+            x = hidden_states if hidden_states is not None else self.input_tensor
+        else:
+            x = self.embedding(tokens, position_ids)
+        rotary = self.rotary(position_ids) if self.rotary is not None else None
+        x = self.decoder(x, rotary, attention_mask)
+        if not self.post_process:
+            return x
+        logits = self._logits(x)
+        if labels is None:
+            return logits
+        vocab_start = self.groups.tp_rank * logits.shape[-1]
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_start)  # [s, b]
+        return loss.t()
+
+    def _logits(self, x):
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.groups.tp)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.groups.tp)
+        return F.linear(x, self.output_weight())  # [s, b, V/tp]
+
+
+class _Embedding(torch.nn.Module):
+    """Word embeddings (vocab-parallel), optional learned positions, embedding dropout."""
+
+    def __init__(self, config, groups, rng_tracker, device):
+        super().__init__()
+        self.groups = groups
+        self.sequence_parallel = config.sequence_parallel and groups.tp_size > 1
+        self.word_embeddings = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp_group=groups.tp, tp_size=groups.tp_size,
+            tp_rank=groups.tp_rank, sequence_parallel=config.sequence_parallel,
+            params_dtype=config.params_dtype, device=device)
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = torch.nn.Embedding(config.max_position_embeddings, config.hidden_size,
+                                                          dtype=config.params_dtype, device=device)
+            layout: TPLayout = replicated_layout(self.position_embeddings.weight.shape, groups.tp_size, groups.tp_rank)
+            set_layout(self.position_embeddings.weight, layout, "normal")
+        else:
+            self.position_embeddings = None
+        self.dropout = config.hidden_dropout
+        self.rng_tracker = rng_tracker if self.sequence_parallel else None
+
+    def forward(self, tokens, position_ids):
+        x = self.word_embeddings(tokens)  # [s, b, h] or [s/tp, b, h]
+        if self.position_embeddings is not None:
+            positions = self.position_embeddings(position_ids.t())  # [s, b, h]
+            if self.sequence_parallel:
+                positions = scatter_to_sequence_parallel_region(positions, self.groups.tp)
+            x = x + positions
+        if self.training and self.dropout > 0.0:
+            if self.rng_tracker is not None:
+                with self.rng_tracker.fork():
+                    return F.dropout(x, self.dropout, training=True)
+            return F.dropout(x, self.dropout, training=True)
+        return x

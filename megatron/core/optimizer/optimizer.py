@@ -1,0 +1,144 @@
+"""The optimizer step for low-precision models: fp32 master weights, fp32 gradients, loss scaling.
+
+The model's parameters may be bf16/fp16; their gradients live in fp32 `param.main_grad` buffers
+(see distributed.ddp). The inner torch optimizer works on fp32 master copies whose `.grad` is the
+`main_grad` view itself (no copy). A step: unscale (fp16) -> detect inf/NaN on every rank alike ->
+global-norm clip -> inner step -> copy masters back into the model's dtype.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron.core.distributed import comm
+from megatron.core.optimizer.clip_grads import clip_grads, global_grad_norm
+from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron.core.parallel_state import ParallelGroups
+
+
+@dataclass
+class OptimizerConfig:
+    optimizer: str = "adam"           # "adam" (AdamW: decoupled weight decay, as Megatron) or "sgd"
+    lr: float = 1e-4
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0
+    fp16: bool = False
+    bf16: bool = False
+    loss_scale: Optional[float] = None  # constant scale; None = dynamic (fp16 only)
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+
+
+def _param_groups(params: list, masters: list, weight_decay: float) -> list:
+    """Weight decay on matrices only: norms and biases (1-D) are not decayed."""
+    decay = [m for p, m in zip(params, masters) if p.ndim > 1]
+    no_decay = [m for p, m in zip(params, masters) if p.ndim <= 1]
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": weight_decay})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_inner_optimizer(config: OptimizerConfig, param_groups: list) -> torch.optim.Optimizer:
+    on_accelerator = any(p.device.type == "cuda" for g in param_groups for p in g["params"])
+    if config.optimizer == "adam":
+        return torch.optim.AdamW(param_groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+                                 eps=config.adam_eps, fused=on_accelerator or None)
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(param_groups, lr=config.lr, momentum=config.sgd_momentum)
+    raise ValueError(f"--optimizer must be adam or sgd, got {config.optimizer!r}")
+
+
+def build_grad_scaler(config: OptimizerConfig):
+    if config.loss_scale is not None:
+        return ConstantGradScaler(config.loss_scale)
+    if config.fp16:
+        return DynamicGradScaler(config.initial_loss_scale, config.min_loss_scale,
+                                 growth_interval=config.loss_scale_window, hysteresis=config.hysteresis)
+    return None
+
+
+class MixedPrecisionOptimizer:
+    def __init__(self, config: OptimizerConfig, params: list, groups: ParallelGroups):
+        self.config = config
+        self.groups = groups
+        self.model_params = list(params)
+        self.master_params = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_()
+                              for p in self.model_params]
+        for master, param in zip(self.master_params, self.model_params):
+            if master is not param:
+                master.tp_layout = param.tp_layout
+        self.optimizer = build_inner_optimizer(config, _param_groups(self.model_params, self.master_params,
+                                                                     config.weight_decay))
+        self.grad_scaler = build_grad_scaler(config)
+
+    @property
+    def param_groups(self) -> list:
+        return self.optimizer.param_groups
+
+    def loss_scale(self) -> float:
+        return 1.0 if self.grad_scaler is None else self.grad_scaler.scale.item()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.grad_scaler is None else loss * self.grad_scaler.scale.to(loss.device)
+
+    def grads(self) -> list:
+        return [p.main_grad for p in self.model_params]
+
+    def found_inf_groups(self) -> list:
+        """Groups over which inf/NaN detection must agree (all ranks of one model replica)."""
+        return [self.groups.mp]
+
+    def norm_groups(self) -> list:
+        return [self.groups.mp]
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, Optional[float]]:
+        """Returns (update applied, gradient norm before clipping)."""
+        grads = self.grads()
+        if self.grad_scaler is not None:
+            torch._foreach_mul_(grads, 1.0 / self.grad_scaler.scale.item())
+            found_inf = self._found_inf(grads)
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return False, None
+        grad_norm = global_grad_norm(self.model_params, grads, self.norm_groups())
+        if not torch.isfinite(torch.tensor(grad_norm)):
+            return False, grad_norm
+        clip_grads(grads, grad_norm, self.config.clip_grad)
+        for master, grad in zip(self.master_params, grads):
+            master.grad = grad
+        self.optimizer.step()
+        for master in self.master_params:
+            master.grad = None
+        self._copy_masters_to_model()
+        return True, grad_norm
+
+    def _found_inf(self, grads: list) -> bool:
+        device = grads[0].device if grads else self.groups.device
+        flag = torch.zeros(1, dtype=torch.float32, device=device)
+        if grads:
+            norms = torch._foreach_norm(grads)
+            flag += (~torch.isfinite(torch.stack(norms))).any().float()
+        for group in self.found_inf_groups():
+            comm.all_reduce_max(flag, group)
+        return bool(flag.item() > 0)
+
+    def _copy_masters_to_model(self) -> None:
+        pairs = [(p, m) for p, m in zip(self.model_params, self.master_params) if m is not p]
+        if pairs:
+            torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
+
+    def state_dict(self) -> dict:
+        state = {"optimizer": self.optimizer.state_dict()}
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state

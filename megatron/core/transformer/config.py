@@ -1,0 +1,78 @@
+"""TransformerConfig: the model's shape and numerics, independent of how it is launched."""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron.core.utils import divide
+
+
+@dataclass
+class TransformerConfig:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int                              # padded vocabulary size (divisible by TP)
+    ffn_hidden_size: Optional[int] = None        # default 4 * hidden_size
+    kv_channels: Optional[int] = None            # default hidden_size // num_attention_heads
+    num_query_groups: Optional[int] = None       # default num_attention_heads (multi-head attention)
+    max_position_embeddings: int = 4096
+    normalization: str = "LayerNorm"             # or "RMSNorm"
+    norm_epsilon: float = 1e-5
+    gated_linear_unit: bool = False              # SwiGLU when True (with silu)
+    activation: str = "gelu"                     # "gelu", "gelu_tanh" or "silu"
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False                   # bias on q/k/v alone (Qwen style); implied by add_bias_linear
+    position_embedding_type: str = "learned_absolute"  # or "rope", "none"
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    rope_scaling: bool = False                   # Llama 3.1 frequency scaling
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+    untie_embeddings_and_output_weights: bool = False
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    params_dtype: torch.dtype = torch.float32
+    sequence_parallel: bool = False
+    attention_backend: str = "sdpa"              # "sdpa" or "flash_attn"
+    recompute_granularity: Optional[str] = None  # None, "full" or "selective"
+    recompute_method: Optional[str] = None       # "uniform" or "block" (with full)
+    recompute_num_layers: Optional[int] = None
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.kv_channels is None:
+            self.kv_channels = divide(self.hidden_size, self.num_attention_heads,
+                                      "--hidden-size by --num-attention-heads")
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        divide(self.num_attention_heads, self.num_query_groups, "--num-attention-heads by --num-query-groups")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}")
+        if self.position_embedding_type not in ("rope", "learned_absolute", "none"):
+            raise ValueError("--position-embedding-type must be rope, learned_absolute or none, "
+                             f"got {self.position_embedding_type!r}")
+
+    @property
+    def query_projection_size(self) -> int:
+        return self.kv_channels * self.num_attention_heads
+
+    @property
+    def kv_projection_size(self) -> int:
+        return self.kv_channels * self.num_query_groups
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        """Raises, naming the flags, when this shape cannot be split over `tp_size` ranks."""
+        flag = "--tensor-model-parallel-size"
+        divide(self.num_attention_heads, tp_size, f"--num-attention-heads by {flag}")
+        divide(self.ffn_hidden_size, tp_size, f"--ffn-hidden-size by {flag}")
+        divide(self.vocab_size, tp_size, f"padded vocabulary size by {flag}")
+        groups = self.num_query_groups
+        if groups >= tp_size:
+            divide(groups, tp_size, f"--num-query-groups by {flag}")
+        else:
+            divide(tp_size, groups, f"{flag} by --num-query-groups (key/value heads are replicated)")

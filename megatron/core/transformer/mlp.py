@@ -1,0 +1,35 @@
+"""The feed-forward block: fc1 (column-parallel), activation, fc2 (row-parallel)."""
+import torch
+import torch.nn.functional as F
+
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, Part, RowParallelLinear
+
+_ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+class MLP(torch.nn.Module):
+    """GeLU MLP, or SwiGLU (fc1 holds gate and up projections fused: silu(gate) * up)."""
+
+    def __init__(self, config, *, tp_group, tp_size: int, tp_rank: int, device):
+        super().__init__()
+        self.gated = config.gated_linear_unit
+        self.activation = _ACTIVATIONS[config.activation]
+        ffn = config.ffn_hidden_size
+        parts = (Part("gate", ffn, tp_size), Part("up", ffn, tp_size)) if self.gated else None
+        common = dict(tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank, bias=config.add_bias_linear,
+                      sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype, device=device)
+        self.linear_fc1 = ColumnParallelLinear(config.hidden_size, ffn, parts=parts, **common)
+        self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, **common)
+
+    def forward(self, x):
+        h = self.linear_fc1(x)  # [s, b, ffn/tp] (x2 when gated)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = self.activation(gate) * up
+        else:
+            h = self.activation(h)
+        return self.linear_fc2(h)

@@ -1,0 +1,51 @@
+"""Rotary position embeddings (rotate-half convention, as Llama), with Llama 3.1 scaling."""
+import math
+
+import torch
+
+
+def inverse_frequencies(config) -> torch.Tensor:
+    rotary_dim = int(config.kv_channels * config.rotary_percent)
+    inv_freq = 1.0 / (config.rotary_base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    if config.rope_scaling:
+        inv_freq = _llama31_scaling(inv_freq, config)
+    return inv_freq.float()
+
+
+def _llama31_scaling(inv_freq: torch.Tensor, config) -> torch.Tensor:
+    """Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated."""
+    factor, low, high = config.rope_scaling_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
+    original = config.rope_original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    low_freq_wavelength, high_freq_wavelength = original / low, original / high
+    smooth = (original / wavelength - low) / (high - low)
+    interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelength > low_freq_wavelength, inv_freq / factor, inv_freq)
+    middle = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
+    return torch.where(middle, interpolated, scaled)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    def __init__(self, config, device):
+        super().__init__()
+        self.register_buffer("inv_freq", inverse_frequencies(config).to(device), persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [b, s] -> (cos, sin), each [s, b, 1, rotary_dim] in fp32."""
+        angles = position_ids.t().unsqueeze(-1).float() * self.inv_freq  # [s, b, rotary_dim/2]
+        angles = torch.cat((angles, angles), dim=-1).unsqueeze(2)
+        return angles.cos(), angles.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [s, b, heads, d]; rotates the first rotary_dim channels, computed in fp32."""
+    rotary_dim = cos.shape[-1]
+    rotated, passthrough = x[..., :rotary_dim], x[..., rotary_dim:]
+    x32 = rotated.float()
+    out = (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
+    return torch.cat((out, passthrough), dim=-1) if passthrough.shape[-1] else out

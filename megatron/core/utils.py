@@ -1,0 +1,64 @@
+"""Small shared helpers. The only module in `megatron.core` that names a device type."""
+import torch
+
+
+def divide(numerator: int, denominator: int, what: str = "") -> int:
+    """Exact integer division; raises with both numbers in the message when it does not divide."""
+    if denominator == 0 or numerator % denominator != 0:
+        label = f" ({what})" if what else ""
+        raise ValueError(f"{numerator} is not divisible by {denominator}{label}")
+    return numerator // denominator
+
+
+def default_device(backend: str) -> torch.device:
+    """The device a rank computes on: the local CUDA/ROCm device for nccl, else the CPU."""
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def accelerator_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def set_accelerator_device(local_rank: int) -> None:
+    torch.cuda.set_device(local_rank)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated bytes since the last reset; on CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def rng_state(device: torch.device):
+    """The RNG state of `device` (CUDA generator, or the CPU generator)."""
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def set_rng_state(device: torch.device, state) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def manual_seed(device: torch.device, seed: int) -> None:
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)
+    torch.manual_seed(seed)

@@ -1,0 +1,102 @@
+"""Builds this rank's model chunks, wraps them for data parallelism, and builds the optimizer.
+
+The order in which wrappers are applied is fixed here and nowhere else:
+  1. the model is built with tensor/sequence parallelism inside it (its layers take the TP group);
+  2. pipeline parallelism decides which layers (and which chunks, when interleaved) this rank builds;
+  3. parameters are initialized from the seed by global name (layout-independent);
+  4. data parallelism wraps each chunk (gradient buffer and reduction);
+  5. the optimizer is built over the wrapped chunks.
+"""
+import torch
+
+from megatron.core.distributed.ddp import DistributedDataParallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import LRScheduleConfig, OptimizerConfig, OptimizerParamScheduler, get_megatron_optimizer
+from megatron.core.parallel_state import ParallelGroups
+from megatron.core.transformer.config import TransformerConfig
+from megatron.training.config import Config
+
+
+def padded_vocab_size(vocab_size: int, make_divisible_by: int, tp_size: int) -> int:
+    multiple = make_divisible_by * tp_size
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def params_dtype(config: Config) -> torch.dtype:
+    if config.training.bf16:
+        return torch.bfloat16
+    if config.training.fp16:
+        return torch.float16
+    return torch.float32
+
+
+def transformer_config(config: Config, vocab_size: int) -> TransformerConfig:
+    m, t = config.model, config.training
+    return TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by,
+                                     config.parallel.tensor_model_parallel_size),
+        ffn_hidden_size=m.ffn_hidden_size, kv_channels=m.kv_channels,
+        num_query_groups=m.num_query_groups if m.group_query_attention else None,
+        max_position_embeddings=m.max_position_embeddings or t.seq_length,
+        normalization=m.normalization, norm_epsilon=m.norm_epsilon,
+        gated_linear_unit=m.swiglu,
+        activation="silu" if m.swiglu else ("gelu_tanh" if m.openai_gelu else "gelu"),
+        add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_qkv_bias,
+        position_embedding_type=m.position_embedding_type, rotary_base=float(m.rotary_base),
+        rotary_percent=m.rotary_percent, rope_scaling=m.use_rope_scaling, rope_scaling_factor=m.rope_scaling_factor,
+        untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
+        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std, params_dtype=params_dtype(config),
+        sequence_parallel=config.parallel.sequence_parallel,
+        attention_backend="flash_attn" if m.use_flash_attn else "sdpa",
+        recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
+        recompute_num_layers=t.recompute_num_layers,
+    )
+
+
+def stage_layer_numbers(config: Config, groups: ParallelGroups) -> list:
+    """Global layer indices of each model chunk on this rank (one chunk without interleaving)."""
+    return [list(range(config.model.num_layers))]
+
+
+def build_model_chunks(config: Config, groups: ParallelGroups, model_config: TransformerConfig,
+                       rng_tracker) -> list:
+    chunks = []
+    layer_lists = stage_layer_numbers(config, groups)
+    for index, layers in enumerate(layer_lists):
+        first = groups.is_first_stage and index == 0
+        last = groups.is_last_stage and index == len(layer_lists) - 1
+        model = GPTModel(model_config, groups, rng_tracker=rng_tracker, pre_process=first,
+                         post_process=last, layer_numbers=layers, device=groups.device)
+        model.initialize_parameters(config.training.seed)
+        chunks.append(model)
+    return chunks
+
+
+def wrap_data_parallel(chunks: list, config: Config, groups: ParallelGroups) -> list:
+    return [DistributedDataParallel(chunk, groups) for chunk in chunks]
+
+
+def optimizer_config(config: Config) -> OptimizerConfig:
+    o, t = config.optimizer, config.training
+    return OptimizerConfig(
+        optimizer=o.optimizer, lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, sgd_momentum=o.sgd_momentum, clip_grad=o.clip_grad,
+        fp16=t.fp16, bf16=t.bf16, loss_scale=t.loss_scale, initial_loss_scale=t.initial_loss_scale,
+        min_loss_scale=t.min_loss_scale, loss_scale_window=t.loss_scale_window, hysteresis=t.hysteresis)
+
+
+def lr_schedule_config(config: Config) -> LRScheduleConfig:
+    o = config.optimizer
+    decay_steps = o.lr_decay_iters or config.training.train_iters
+    warmup = int(o.lr_warmup_fraction * decay_steps) if o.lr_warmup_fraction is not None else o.lr_warmup_iters
+    return LRScheduleConfig(max_lr=o.lr, min_lr=o.min_lr, warmup_steps=warmup, decay_steps=decay_steps,
+                            decay_style=o.lr_decay_style, wsd_decay_steps=o.lr_wsd_decay_iters,
+                            wsd_decay_style=o.lr_wsd_decay_style)
+
+
+def build_optimizer(config: Config, wrapped_chunks: list, groups: ParallelGroups):
+    optimizer = get_megatron_optimizer(optimizer_config(config), wrapped_chunks, groups)
+    scheduler = OptimizerParamScheduler(optimizer, lr_schedule_config(config))
+    return optimizer, scheduler

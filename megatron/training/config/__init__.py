@@ -1,0 +1,27 @@
+"""Typed configuration: one dataclass per concern; the command-line flags are generated from it."""
+from dataclasses import dataclass
+
+from megatron.training.config.data import DataConfig
+from megatron.training.config.logging import LoggingConfig
+from megatron.training.config.model import ModelConfig
+from megatron.training.config.parallel import ParallelConfig
+from megatron.training.config.training import OptimizerArgs, TrainingConfig
+
+SECTIONS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "training": TrainingConfig,
+    "optimizer": OptimizerArgs,
+    "data": DataConfig,
+    "logging": LoggingConfig,
+}
+
+
+@dataclass
+class Config:
+    model: ModelConfig
+    parallel: ParallelConfig
+    training: TrainingConfig
+    optimizer: OptimizerArgs
+    data: DataConfig
+    logging: LoggingConfig

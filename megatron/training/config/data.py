@@ -1,0 +1,40 @@
+"""Data and tokenizer flags."""
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+@dataclass
+class DataConfig:
+    data_path: list = field(default_factory=list)
+    """Dataset prefixes, optionally weighted: 'prefix' or '0.3 a_text_document 0.7 b_text_document'."""
+    split: str = "969,30,1"
+    """Train/validation/test proportions of --data-path."""
+    train_data_path: list = field(default_factory=list)
+    """Separate training dataset prefixes (instead of --split)."""
+    valid_data_path: list = field(default_factory=list)
+    """Separate validation dataset prefixes."""
+    test_data_path: list = field(default_factory=list)
+    """Separate test dataset prefixes."""
+    mock_data: bool = False
+    """Train on deterministic random tokens (no files needed)."""
+    data_cache_path: Optional[str] = None
+    """Directory for the cached sample/shuffle indices; default beside the data."""
+    num_workers: int = 2
+    """Data-loader worker processes."""
+    reset_position_ids: bool = False
+    """Restart position ids after each end-of-document token."""
+    reset_attention_mask: bool = False
+    """Stop attention across end-of-document tokens."""
+    eod_mask_loss: bool = False
+    """Do not compute the loss on end-of-document tokens."""
+    tokenizer_type: Optional[Literal["GPT2BPETokenizer", "SentencePieceTokenizer", "Llama2Tokenizer",
+                                     "HuggingFaceTokenizer", "NullTokenizer"]] = None
+    """Tokenizer: GPT2BPETokenizer, SentencePieceTokenizer, Llama2Tokenizer, HuggingFaceTokenizer, NullTokenizer."""
+    tokenizer_model: Optional[str] = None
+    """tokenizer.model (SentencePiece) or a local Hugging Face tokenizer directory / tokenizer.json."""
+    vocab_file: Optional[str] = None
+    """vocab.json of a GPT-2 BPE tokenizer."""
+    merge_file: Optional[str] = None
+    """merges.txt of a GPT-2 BPE tokenizer."""
+    vocab_size: Optional[int] = None
+    """Vocabulary size for NullTokenizer (including the end-of-document token)."""

@@ -1,0 +1,39 @@
+"""Parallel layout and distributed-runtime flags."""
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel size: ranks that split each layer's weights."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel size: stages the decoder layers are split into."""
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Layers per virtual stage (interleaved 1F1B schedule)."""
+    num_virtual_stages_per_pipeline_rank: Optional[int] = None
+    """Virtual stages per pipeline rank (alternative to --num-layers-per-virtual-pipeline-stage)."""
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    """Layers on the first pipeline stage (uneven split); the rest are spread evenly."""
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    """Layers on the last pipeline stage (uneven split); the rest are spread evenly."""
+    sequence_parallel: bool = False
+    """Shard norms and dropout along the sequence across tensor-parallel ranks."""
+    use_distributed_optimizer: bool = False
+    """Shard fp32 master weights and optimizer state over data-parallel ranks (ZeRO-1)."""
+    overlap_grad_reduce: bool = False
+    """Overlap the data-parallel gradient reduction with backward."""
+    overlap_param_gather: bool = False
+    """Overlap the distributed optimizer's parameter all-gather with the next forward."""
+    use_torch_fsdp2: bool = False
+    """Shard parameters, gradients and optimizer state with PyTorch FSDP2."""
+    ddp_bucket_size: Optional[int] = None
+    """Elements per gradient-reduction bucket; default 40M (one bucket without overlap)."""
+    grad_reduce_in_bf16: bool = False
+    """Reduce gradients in bf16 instead of fp32."""
+    average_in_collective: bool = False
+    """Average gradients inside the collective instead of pre-scaling by 1/DP."""
+    distributed_backend: Optional[Literal["nccl", "gloo"]] = None
+    """Communication backend; default nccl when a GPU is present, else gloo."""
+    distributed_timeout_minutes: int = 10
+    """Timeout of collective operations, in minutes."""

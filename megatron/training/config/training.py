@@ -1,0 +1,77 @@
+"""Batch, schedule, precision and optimizer flags."""
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int
+    """Samples per micro-batch per data-parallel rank."""
+    seq_length: int
+    """Tokens per sample."""
+    train_iters: int
+    """Optimizer steps to train for."""
+    global_batch_size: Optional[int] = None
+    """Samples per optimizer step over all data-parallel ranks; default micro-batch x DP."""
+    eval_interval: int = 1000
+    """Evaluate on the validation set every this many iterations."""
+    eval_iters: int = 100
+    """Micro-batch steps (global batches) per evaluation."""
+    seed: int = 1234
+    """Random seed for initialization, dropout and data order."""
+    bf16: bool = False
+    """Train in bf16 with fp32 master weights."""
+    fp16: bool = False
+    """Train in fp16 with fp32 master weights and loss scaling."""
+    loss_scale: Optional[float] = None
+    """Constant loss scale for fp16; default dynamic scaling."""
+    initial_loss_scale: float = 4294967296.0
+    """Initial dynamic loss scale."""
+    min_loss_scale: float = 1.0
+    """Minimum dynamic loss scale."""
+    loss_scale_window: int = 1000
+    """Clean iterations before the dynamic loss scale grows."""
+    hysteresis: int = 2
+    """Overflowing iterations tolerated before the dynamic loss scale shrinks."""
+    recompute_granularity: Optional[Literal["full", "selective"]] = None
+    """Activation recomputation: full layers or the attention core only."""
+    recompute_method: Optional[Literal["uniform", "block"]] = None
+    """With full recompute: uniform (groups of layers) or block (the first N layers per stage)."""
+    recompute_num_layers: Optional[int] = None
+    """With full recompute: layers per group (uniform) or recomputed layers per stage (block)."""
+    exit_interval: Optional[int] = None
+    """Stop after an iteration number divisible by this."""
+
+
+@dataclass
+class OptimizerArgs:
+    lr: float
+    """Peak learning rate."""
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """Optimizer (adam is AdamW: decoupled weight decay)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "linear"
+    """Shape of the learning-rate decay after warmup."""
+    lr_decay_iters: Optional[int] = None
+    """Iterations over which to decay; default --train-iters."""
+    lr_warmup_iters: int = 0
+    """Iterations of linear warmup from 0."""
+    lr_warmup_fraction: Optional[float] = None
+    """Warmup as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)."""
+    lr_wsd_decay_style: Literal["exponential", "linear", "cosine"] = "exponential"
+    """Decay shape of the WSD tail."""
+    lr_wsd_decay_iters: Optional[int] = None
+    """Iterations of the WSD decay tail."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (not applied to norms and biases)."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    sgd_momentum: float = 0.9
+    """SGD momentum."""
