@@ -1,0 +1,40 @@
+"""Start-up: torch.distributed, the device, the process groups and the RNG streams."""
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import utils
+from megatron.core.parallel_state import ParallelGroups, initialize_model_parallel
+from megatron.core.tensor_parallel.random import RNGStatesTracker, build_tracker
+from megatron.training.config import Config
+
+
+def resolve_backend(config: Config) -> str:
+    return config.parallel.distributed_backend or ("nccl" if utils.accelerator_available() else "gloo")
+
+
+def initialize_distributed(config: Config) -> tuple[ParallelGroups, RNGStatesTracker]:
+    """Joins the torchrun rendezvous (or runs as one process) and builds the layout."""
+    backend = resolve_backend(config)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        if not utils.accelerator_available():
+            raise ValueError("--distributed-backend nccl needs a GPU; use --distributed-backend gloo on CPU")
+        utils.set_accelerator_device(local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(
+            minutes=config.parallel.distributed_timeout_minutes))
+    if backend == "gloo":
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
+    device = utils.default_device(backend)
+    groups = initialize_model_parallel(config.parallel.tensor_model_parallel_size,
+                                       config.parallel.pipeline_model_parallel_size, 1, device=device)
+    tracker = build_tracker(config.training.seed, groups.tp_rank, groups.pp_rank, device)
+    return groups, tracker
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,0 +1,67 @@
+"""The iteration log line, throughput (TFLOP/s/GPU by DESIGN.md's formula) and TensorBoard."""
+import datetime
+from typing import Optional
+
+from megatron.core.transformer.config import TransformerConfig
+
+
+def flops_per_iteration(model: TransformerConfig, global_batch_size: int, seq_length: int) -> float:
+    """6*B*s*[ L*( m*h*f + 2*h*q + 2*h*k*g + s*q ) + h*V ], causal attention counted as half.
+
+    m = 3 for SwiGLU else 2; q = heads*kv_channels; k = kv_channels; g = query groups; V = padded vocab.
+    """
+    h, f, L, V = model.hidden_size, model.ffn_hidden_size, model.num_layers, model.vocab_size
+    m = 3 if model.gated_linear_unit else 2
+    q = model.num_attention_heads * model.kv_channels
+    k = model.kv_channels
+    g = model.num_query_groups
+    per_layer = m * h * f + 2 * h * q + 2 * h * k * g + seq_length * q
+    return 6.0 * global_batch_size * seq_length * (L * per_layer + h * V)
+
+
+def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
+                   tflops_per_gpu: float, tokens_per_gpu: float, learning_rate: float, global_batch_size: int,
+                   losses: dict, loss_scale: float, grad_norm: Optional[float], skipped: int, nan: int,
+                   peak_memory_gb: float) -> str:
+    now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    parts = [
+        f" [{now}] iteration {iteration:8d}/{train_iters:8d}",
+        f"consumed samples: {consumed_samples:12d}",
+        f"elapsed time per iteration (ms): {elapsed_ms:.1f}",
+        f"throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.1f}",
+        f"tokens per GPU (tokens/s/GPU): {tokens_per_gpu:.1f}",
+        f"learning rate: {learning_rate:.6E}",
+        f"global batch size: {global_batch_size:5d}",
+    ]
+    parts += [f"{name}: {value:.6E}" for name, value in losses.items()]
+    parts.append(f"loss scale: {loss_scale:.1f}")
+    if grad_norm is not None:
+        parts.append(f"grad norm: {grad_norm:.3f}")
+    parts += [f"number of skipped iterations: {skipped:3d}", f"number of nan iterations: {nan:3d}",
+              f"peak memory (GB): {peak_memory_gb:.2f}"]
+    return " | ".join(parts) + " |"
+
+
+class TensorBoardWriter:
+    """Scalars to TensorBoard when --tensorboard-dir is given (and the package is installed)."""
+
+    def __init__(self, directory: Optional[str]):
+        self.writer = None
+        if directory:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as error:
+                raise ValueError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from error
+            self.writer = SummaryWriter(log_dir=directory)
+
+    def scalars(self, iteration: int, values: dict) -> None:
+        if self.writer is None:
+            return
+        for name, value in values.items():
+            if value is not None:
+                self.writer.add_scalar(name, value, iteration)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,84 @@
+"""Pretrain a GPT / Llama model.
+
+    torchrun --nproc_per_node 8 pretrain_gpt.py --tensor-model-parallel-size 2 ... (Megatron-LM flags)
+    python pretrain_gpt.py ...                                                    (one process)
+
+This file only says what a GPT step is (batch -> model -> masked token loss) and where the data
+comes from; `megatron.training` does the rest.
+"""
+import sys
+from functools import partial
+
+import torch
+
+from megatron.training.arguments import parse_args
+from megatron.training.config import Config
+from megatron.training.training import pretrain, print_rank_0
+
+
+def get_batch(data_iterator, device: torch.device) -> dict:
+    batch = next(data_iterator)
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    """Mean loss over unmasked tokens; reports [sum, count] so averages weight tokens equally."""
+    loss_mask = loss_mask.float()
+    total = (per_token_loss.float() * loss_mask).sum()
+    count = loss_mask.sum()
+    return total / count.clamp(min=1.0), {"lm loss": torch.stack([total.detach(), count])}
+
+
+def forward_step(data_iterator, model):
+    device = next(model.parameters()).device
+    batch = get_batch(data_iterator, device)
+    attention_mask = batch.get("attention_mask")
+    if attention_mask is not None:
+        attention_mask = attention_mask.unsqueeze(1) if attention_mask.dim() == 3 else attention_mask
+    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], attention_mask=attention_mask)
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def build_tokenizer(config: Config):
+    d = config.data
+    if d.tokenizer_type is None:
+        return None
+    from megatron.core.tokenizers import build_tokenizer as build
+
+    return build(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
+                 tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size)
+
+
+def datasets_provider(config: Config, groups, num_samples: tuple, tokenizer=None, vocab_size: int = 0):
+    from megatron.core.datasets import GPTDatasetConfig, build_gpt_datasets
+    from megatron.core.distributed import comm
+
+    d, t = config.data, config.training
+    dataset_config = GPTDatasetConfig(
+        seq_length=t.seq_length, seed=t.seed, data_path=d.data_path or None, split=d.split,
+        train_data_path=d.train_data_path or None, valid_data_path=d.valid_data_path or None,
+        test_data_path=d.test_data_path or None, data_cache_path=d.data_cache_path, mock=d.mock_data,
+        vocab_size=vocab_size, eod_token=tokenizer.eod if tokenizer is not None else None,
+        reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
+        eod_mask_loss=d.eod_mask_loss)
+    return build_gpt_datasets(dataset_config, num_samples=num_samples, is_builder_rank=groups.global_rank == 0,
+                              barrier=comm.barrier)
+
+
+def main(argv=None):
+    config = parse_args(argv)
+    tokenizer = build_tokenizer(config)
+    vocab_size = tokenizer.vocab_size if tokenizer is not None else config.data.vocab_size
+    if vocab_size is None:
+        raise SystemExit("error: no vocabulary size: pass --tokenizer-type (with its files) or --vocab-size N")
+    provider = partial(datasets_provider, tokenizer=tokenizer, vocab_size=vocab_size)
+    state = pretrain(config, forward_step_func=forward_step, datasets_provider=provider, vocab_size=vocab_size)
+    print_rank_0(f"> training finished after {state.iteration} iterations")
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except ValueError as error:  # configuration and input errors: one clear line, no traceback
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
