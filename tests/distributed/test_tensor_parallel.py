@@ -1,0 +1,70 @@
+"""Tensor and sequence parallelism match the single-process model: losses, gradient norms and
+gathered gradients over 3 optimizer steps, then the weights (fp32, relative tolerance 1e-5)."""
+import pytest
+
+from megatron.core.parallel_state import initialize_model_parallel
+from tests.distributed.harness import run_distributed
+from tests.distributed.parity import (
+    assert_runs_match,
+    global_batches,
+    gpt2_config,
+    llama_config,
+    reference_steps,
+    train_steps,
+)
+
+STEPS, GLOBAL_BATCH, MICRO_BATCH, SEQ = 3, 4, 2, 16
+
+
+def _compare(rank, world_size, tp, dp, cases):
+    groups = initialize_model_parallel(tp, 1)
+    assert groups.dp_size == dp
+    for name, config, sequence_parallel in cases:
+        batches = global_batches(STEPS, GLOBAL_BATCH, SEQ, config.vocab_size)
+        run = train_steps(config, groups, batches, MICRO_BATCH, sequence_parallel=sequence_parallel)
+        reference = reference_steps(config, batches, MICRO_BATCH)
+        try:
+            assert_runs_match(run, reference)
+        except AssertionError as error:
+            raise AssertionError(f"case {name} (tp={tp}, dp={dp}, sp={sequence_parallel}): {error}") from None
+    return True
+
+
+def _cases():
+    return [
+        ("llama-gqa", llama_config(), False),
+        ("llama-gqa-sp", llama_config(), True),
+        ("gpt2-tied-biases", gpt2_config(), False),
+        ("gpt2-tied-biases-sp", gpt2_config(), True),
+    ]
+
+
+def test_tp2_with_and_without_sequence_parallel():
+    # 8 heads, 2 query groups: each TP rank owns one key/value group.
+    assert all(run_distributed(2, _compare, 2, 1, _cases()))
+
+
+def test_tp4_replicated_kv_heads_with_and_without_sequence_parallel():
+    # 8 heads, 2 query groups, TP=4: each key/value group is replicated on two ranks.
+    cases = [c for c in _cases() if c[0].startswith("llama")] + [
+        ("llama-mha-sp", llama_config(num_query_groups=8, num_attention_heads=8), True)]
+    assert all(run_distributed(4, _compare, 4, 1, cases))
+
+
+def test_dp2_equals_gradient_accumulation():
+    cases = [("llama-gqa", llama_config(), False), ("gpt2", gpt2_config(), False)]
+    assert all(run_distributed(2, _compare, 1, 2, cases))
+
+
+def test_tp2_dp2():
+    assert all(run_distributed(4, _compare, 2, 2, [("llama-gqa-sp", llama_config(), True)]))
+
+
+@pytest.mark.parametrize("heads, groups, tp, message", [
+    (6, 6, 4, r"--num-attention-heads by --tensor-model-parallel-size"),
+    (12, 3, 2, r"--num-query-groups by --tensor-model-parallel-size"),
+])
+def test_bad_head_split_names_flags(heads, groups, tp, message):
+    config = llama_config(num_attention_heads=heads, num_query_groups=groups, hidden_size=heads * 8)
+    with pytest.raises(ValueError, match=message):
+        config.check_tensor_parallel(tp)
