@@ -17,6 +17,8 @@ from megatron.core.models.gpt.hf_mapping import (  # noqa: E402
 )
 from megatron.core.parallel_state import ParallelGroups  # noqa: E402
 
+# Resolved at import: transformers imports model code lazily, and the first access costs seconds.
+LlamaForCausalLM, GPT2LMHeadModel = transformers.LlamaForCausalLM, transformers.GPT2LMHeadModel
 TOLERANCE = 1e-4
 BATCH, SEQ = 2, 48
 
@@ -68,7 +70,7 @@ def randomize(hf_model, seed=0):
 
 
 def build_pair(hf_config, arch):
-    cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.GPT2LMHeadModel
+    cls = LlamaForCausalLM if arch == "llama" else GPT2LMHeadModel
     hf = randomize(cls(hf_config)).eval()
     config = hf_config_to_transformer_config(hf_config)
     ours = GPTModel(config, parallel_state.single_process()).eval()
@@ -178,7 +180,7 @@ ROUND_TRIP_CASES = {
 def test_round_trip_hf_logical_hf_exact(case):
     make_config, arch = ROUND_TRIP_CASES[case]
     hf_config = make_config()
-    cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.GPT2LMHeadModel
+    cls = LlamaForCausalLM if arch == "llama" else GPT2LMHeadModel
     hf_state = randomize(cls(hf_config)).state_dict()
     if hf_config.tie_word_embeddings:
         del hf_state["lm_head.weight"]  # as save_pretrained writes it
@@ -204,11 +206,11 @@ def test_round_trip_hf_logical_hf_exact(case):
 def test_round_trip_loads_into_hf_model():
     """HF's own loader accepts what logical_to_hf writes (tied head left to HF to tie)."""
     hf_config = llama_config(num_key_value_heads=2, tie=True)
-    source = randomize(transformers.LlamaForCausalLM(hf_config))
+    source = randomize(LlamaForCausalLM(hf_config))
     config = hf_config_to_transformer_config(hf_config)
     state = logical_to_hf(hf_to_logical(source.state_dict(), config, "llama"), config, "llama",
                           vocab_size=hf_config.vocab_size)
-    target = transformers.LlamaForCausalLM(hf_config)
+    target = LlamaForCausalLM(hf_config)
     result = target.load_state_dict(state, strict=False)
     assert list(result.missing_keys) in ([], ["lm_head.weight"]) and not result.unexpected_keys
     assert torch.equal(target.lm_head.weight, source.model.embed_tokens.weight)
@@ -217,7 +219,7 @@ def test_round_trip_loads_into_hf_model():
 def test_load_into_tensor_parallel_rank_slices_heads():
     """With TP=2 and 2 KV groups, rank r's fused qkv holds query heads [2r, 2r+1], KV group r."""
     hf_config = llama_config(num_key_value_heads=2)
-    hf_state = randomize(transformers.LlamaForCausalLM(hf_config)).state_dict()
+    hf_state = randomize(LlamaForCausalLM(hf_config)).state_dict()
     config = hf_config_to_transformer_config(hf_config, tp_size=2)
     logical = hf_to_logical(hf_state, config, "llama")
     head_dim = config.kv_channels
@@ -234,6 +236,17 @@ def test_load_into_tensor_parallel_rank_slices_heads():
         vocab_rows = config.vocab_size // 2
         embedding = model.embedding.word_embeddings.weight
         assert torch.equal(embedding, logical["embedding.word_embeddings.weight"][""][rank * vocab_rows:][:vocab_rows])
+
+
+def test_load_into_last_pipeline_stage_with_tied_head():
+    hf_config = llama_config(num_key_value_heads=2, tie=True)
+    hf_state = randomize(LlamaForCausalLM(hf_config)).state_dict()
+    config = hf_config_to_transformer_config(hf_config)
+    stage = GPTModel(config, parallel_state.single_process(), pre_process=False, layer_numbers=[1])
+    load_logical_into_model(stage, hf_to_logical(hf_state, config, "llama"))
+    assert torch.equal(stage.output_layer[:1000], hf_state["model.embed_tokens.weight"])
+    assert torch.equal(stage.output_layer[1000:], torch.zeros(24, 64))
+    assert torch.equal(stage.decoder.layers[0].mlp.linear_fc2.weight, hf_state["model.layers.1.mlp.down_proj.weight"])
 
 
 def test_config_mapping_and_vocab_padding():
@@ -264,7 +277,7 @@ def test_unsupported_configs_raise():
 
 def test_missing_and_unexpected_keys_raise():
     hf_config = gpt2_config()
-    state = randomize(transformers.GPT2LMHeadModel(hf_config)).state_dict()
+    state = randomize(GPT2LMHeadModel(hf_config)).state_dict()
     config = hf_config_to_transformer_config(hf_config)
     broken = dict(state)
     del broken["transformer.h.1.mlp.c_fc.bias"]

@@ -1,0 +1,108 @@
+# Shared by train_llama2.sh and train_llama3.sh (sourced, not run): env defaults, the flag arrays
+# that do not depend on the model, the torchrun launch and the end-of-run summary.
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  HAS_GPU=1; GPUS_PER_NODE=$(nvidia-smi -L | wc -l)
+else
+  HAS_GPU=0; GPUS_PER_NODE=0
+fi
+if [ "$HAS_GPU" = 1 ]; then
+  MODEL_SIZE=${MODEL_SIZE:-${DEFAULT_GPU_MODEL_SIZE:-8}}
+else
+  MODEL_SIZE=${MODEL_SIZE:-tiny}
+fi
+IS_TINY=$([ "$MODEL_SIZE" = tiny ] && echo 1 || echo 0)
+TP=${TP:-1}
+PP=${PP:-1}
+VPP=${VPP:-1}
+CP=${CP:-1}
+MBS=${MBS:-$([ "$IS_TINY" = 1 ] && echo 4 || echo 1)}
+SEQ_LENGTH=${SEQ_LENGTH:-$([ "$IS_TINY" = 1 ] && echo 128 || echo "${DEFAULT_SEQ_LENGTH:-8192}")}
+TOTAL_ITERS=${TOTAL_ITERS:-$([ "$IS_TINY" = 1 ] && echo 60 || echo 10)}
+RECOMPUTE=${RECOMPUTE:-0}
+FSDP=${FSDP:-0}
+USE_FLASH_ATTN=${USE_FLASH_ATTN:-0}
+TE_FP8=${TE_FP8:-0}
+NO_TORCH_COMPILE=${NO_TORCH_COMPILE:-0}
+GEMM_TUNING=${GEMM_TUNING:-0}
+ENABLE_PROFILING=${ENABLE_PROFILING:-0}
+TEE_OUTPUT=${TEE_OUTPUT:-1}
+MASTER_ADDR=${MASTER_ADDR:-localhost}
+MASTER_PORT=${MASTER_PORT:-29500}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+DATA_PATH=${DATA_PATH:-}
+TOKENIZER_MODEL=${TOKENIZER_MODEL:-}
+DATA_CACHE_PATH=${DATA_CACHE_PATH:-}
+EXTRA_ARGS=${EXTRA_ARGS:-}
+if [ "$HAS_GPU" = 1 ]; then
+  NPROC=${NPROC:-$GPUS_PER_NODE}; BACKEND=nccl; PRECISION=(--bf16)
+else
+  NPROC=${NPROC:-2}; BACKEND=gloo; PRECISION=()
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+fi
+WORLD=$((NPROC * NNODES))
+
+if [ "$CP" != 1 ]; then echo "CP=$CP: context parallelism is not available yet; use CP=1" >&2; exit 2; fi
+if [ "$TE_FP8" = 1 ]; then echo "TE_FP8=1: FP8 training is not available yet; use TE_FP8=0" >&2; exit 2; fi
+
+run_training() {
+  DP=$((WORLD / (TP * PP)))
+  if [ "$DP" -lt 1 ] || [ $((DP * TP * PP)) -ne "$WORLD" ]; then
+    echo "TP=$TP x PP=$PP does not divide the $WORLD processes (NPROC=$NPROC x NNODES=$NNODES)" >&2; exit 2
+  fi
+  BS=${BS:-$((8 * MBS * DP))}
+  PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+                 --distributed-backend "$BACKEND")
+  if [ "$TP" -gt 1 ]; then PARALLEL_ARGS+=(--sequence-parallel); fi
+  if [ "$VPP" -gt 1 ]; then PARALLEL_ARGS+=(--num-virtual-stages-per-pipeline-rank "$VPP"); fi
+  if [ "$FSDP" = 1 ]; then PARALLEL_ARGS+=(--use-torch-fsdp2); elif [ "$DP" -gt 1 ]; then
+    PARALLEL_ARGS+=(--use-distributed-optimizer --overlap-grad-reduce); fi
+  if [ "$RECOMPUTE" = 1 ]; then PARALLEL_ARGS+=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1); fi
+  if [ "$USE_FLASH_ATTN" = 1 ]; then PARALLEL_ARGS+=(--use-flash-attn); fi
+
+  TRAINING_ARGS=(--micro-batch-size "$MBS" --global-batch-size "$BS" --seq-length "$SEQ_LENGTH"
+                 --train-iters "$TOTAL_ITERS" --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine
+                 --lr-warmup-iters "$((TOTAL_ITERS / 10))" --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95
+                 --clip-grad 1.0 "${PRECISION[@]}" --seed 1234)
+  if [ -n "$DATA_PATH" ]; then
+    if [ -z "$TOKENIZER_MODEL" ]; then echo "DATA_PATH needs TOKENIZER_MODEL" >&2; exit 2; fi
+    DATA_ARGS=(--data-path $DATA_PATH --split 99,1,0 --tokenizer-type "$TOKENIZER_TYPE" --tokenizer-model "$TOKENIZER_MODEL")
+    if [ -n "$DATA_CACHE_PATH" ]; then DATA_ARGS+=(--data-cache-path "$DATA_CACHE_PATH"); fi
+  else
+    DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size "$VOCAB")
+  fi
+  LOGGING_ARGS=(--log-interval 1 --log-throughput --eval-interval "$TOTAL_ITERS" --eval-iters 2)
+
+  LAUNCH=(torchrun --nproc_per_node "$NPROC" --nnodes "$NNODES" --node_rank "$NODE_RANK"
+          --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
+  mkdir -p "$ROOT/logs"
+  LOG="$ROOT/logs/train_llama_${MODEL_SIZE}_tp${TP}_pp${PP}_mbs${MBS}_bs${BS}_seq${SEQ_LENGTH}_$(date +%Y%m%d_%H%M%S).log"
+  COMMAND=("${LAUNCH[@]}" "$ROOT/pretrain_gpt.py" "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}"
+           "${DATA_ARGS[@]}" "${LOGGING_ARGS[@]}" $EXTRA_ARGS)
+  echo "${COMMAND[*]}"
+  if [ "$TEE_OUTPUT" = 1 ]; then
+    "${COMMAND[@]}" 2>&1 | tee "$LOG"
+  else
+    "${COMMAND[@]}" > "$LOG" 2>&1
+  fi
+  summarize "$LOG"
+}
+
+summarize() {
+  # Mean over the logged iterations after the first (which includes warm-up / compilation).
+  awk -F'|' '/ iteration +[0-9]+\// {
+      for (i = 1; i <= NF; i++) {
+        if ($i ~ /elapsed time per iteration/) { split($i, a, ":"); ms = a[2] }
+        if ($i ~ /TFLOP\/s\/GPU/) { split($i, b, ":"); tf = b[2] }
+        if ($i ~ /tokens\/s\/GPU/) { split($i, c, ":"); tok = c[2] }
+      }
+      n++; if (n > 1) { sms += ms; stf += tf; stok += tok; m++ }
+    }
+    END {
+      if (m == 0) { print "no iterations logged (see the log above)"; exit 1 }
+      printf "mean elapsed time per iteration (ms): %.1f\n", sms / m
+      printf "mean throughput per GPU (TFLOP/s/GPU): %.2f\n", stf / m
+      printf "mean tokens per GPU (tokens/s/GPU): %.1f\n", stok / m
+    }' "$1"
+}

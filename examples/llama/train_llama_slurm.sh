@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+#SBATCH --job-name=llama-pretrain
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --output=logs/slurm-%j.out
+#
+# Multi-node Llama 3 training under Slurm: one torchrun per node, rendezvous from Slurm's environment.
+#
+#   sbatch --nodes 4 examples/llama/train_llama_slurm.sh <MODEL_SIZE> <MBS> <BS_PER_NODE> <SEQ> <ITERS> <FSDP> <RECOMPUTE>
+#   e.g. sbatch --nodes 4 examples/llama/train_llama_slurm.sh 70 1 16 8192 20 0 1
+#
+# Other knobs (TP, PP, VPP, DATA_PATH, TOKENIZER_MODEL, LLAMA_VERSION, ...) pass through the environment
+# to train_llama3.sh (see its header). The global batch is BS_PER_NODE x number of nodes.
+set -euo pipefail
+if [ $# -ne 7 ]; then
+  echo "usage: sbatch [--nodes N] $0 MODEL_SIZE MBS BS_PER_NODE SEQ ITERS FSDP RECOMPUTE" >&2
+  exit 2
+fi
+: "${SLURM_JOB_NODELIST:?run this under sbatch (SLURM_JOB_NODELIST is not set)}"
+ROOT=${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
+NODES=${SLURM_JOB_NUM_NODES:-1}
+export MODEL_SIZE=$1 MBS=$2 BS=$(($3 * NODES)) SEQ_LENGTH=$4 TOTAL_ITERS=$5 FSDP=$6 RECOMPUTE=$7
+export NNODES=$NODES
+export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export MASTER_PORT=${MASTER_PORT:-29500}
+mkdir -p "$ROOT/logs"
+# One task per node; each computes its NODE_RANK from Slurm and starts torchrun for its GPUs.
+srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
+  bash -c "NODE_RANK=\$SLURM_NODEID bash '$ROOT/examples/llama/train_llama3.sh'"
