@@ -28,7 +28,7 @@ def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, e
         f" [{now}] iteration {iteration:8d}/{train_iters:8d}",
         f"consumed samples: {consumed_samples:12d}",
         f"elapsed time per iteration (ms): {elapsed_ms:.1f}",
-        f"throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.1f}",
+        f"throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.2f}",
         f"tokens per GPU (tokens/s/GPU): {tokens_per_gpu:.1f}",
         f"learning rate: {learning_rate:.6E}",
         f"global batch size: {global_batch_size:5d}",

@@ -1,0 +1,94 @@
+"""Single-GPU training throughput for the DESIGN.md presets: TFLOP/s/GPU, MFU, tokens/s, memory.
+
+    python bench/bench_pretrain.py --preset llama3-8b-8layers          # bf16, seq 4096, 8 micro-batches
+    python bench/bench_pretrain.py --preset llama3.2-1b
+    python bench/bench_pretrain.py --preset tiny --device cpu          # smoke run of this script on CPU
+    python bench/bench_pretrain.py --preset llama3.2-1b -- --recompute-granularity full ...  (extra flags)
+
+Protocol (DESIGN.md section 5): the median of --steps optimizer steps after --warmup steps, each
+timed with a device synchronize; FLOPs by Megatron's formula; MFU against the dense BF16 peak.
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from megatron.core import utils  # noqa: E402
+from megatron.training.arguments import parse_args  # noqa: E402
+from megatron.training.data import build_loader  # noqa: E402
+from megatron.training.logging import flops_per_iteration  # noqa: E402
+from megatron.training.training import setup, train_step  # noqa: E402
+from megatron.core.datasets.mock_dataset import MockGPTDataset  # noqa: E402
+from pretrain_gpt import forward_step  # noqa: E402
+
+COMMON = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+          "--group-query-attention", "--num-query-groups", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
+          "--lr", "1e-4", "--mock-data", "--num-workers", "1", "--log-interval", "1000000", "--eval-iters", "0"]
+PRESETS = {
+    "llama3.2-1b": ["--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "32",
+                    "--ffn-hidden-size", "8192", "--vocab-size", "128256", "--micro-batch-size", "2",
+                    "--rotary-base", "500000", "--seq-length", "4096", "--bf16"],
+    "llama3-8b-8layers": ["--num-layers", "8", "--hidden-size", "4096", "--num-attention-heads", "32",
+                          "--ffn-hidden-size", "14336", "--vocab-size", "128256", "--micro-batch-size", "1",
+                          "--untie-embeddings-and-output-weights", "--rotary-base", "500000",
+                          "--seq-length", "4096", "--bf16"],
+    "tiny": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--ffn-hidden-size", "128",
+             "--vocab-size", "256", "--micro-batch-size", "2", "--seq-length", "64"],
+}
+PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H100/H200 SXM dense
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), required=True)
+    parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps (median reported)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps first")
+    parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per optimizer step")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    args, extra = parser.parse_known_args()
+    extra = [a for a in extra if a != "--"]
+    flags = PRESETS[args.preset] + COMMON + extra
+    micro = int(flags[flags.index("--micro-batch-size") + 1])
+    seq = int(flags[flags.index("--seq-length") + 1])
+    total = args.warmup + args.steps
+    flags += ["--global-batch-size", str(micro * args.micro_batches), "--train-iters", str(total),
+              "--max-position-embeddings", str(seq),
+              "--distributed-backend", "nccl" if args.device == "cuda" else "gloo"]
+    config = parse_args(flags)
+    run = setup(config, forward_step, config.data.vocab_size)
+    dataset = MockGPTDataset(total * run.global_batch_size, seq, config.data.vocab_size, seed=1)
+    iterators = [iter(build_loader(dataset, 0, micro, run.groups, config.data.num_workers))]
+    device = run.groups.device
+    times = []
+    for step in range(total):
+        if step == args.warmup:
+            utils.reset_peak_memory(device)
+        utils.synchronize(device)
+        start = time.perf_counter()
+        train_step(run, iterators)
+        utils.synchronize(device)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    flops = flops_per_iteration(run.model_config, run.global_batch_size, seq)
+    tflops = flops / seconds / 1e12 / run.groups.world_size
+    tokens = run.global_batch_size * seq / seconds / run.groups.world_size
+    precision = "bf16"
+    print(f"preset: {args.preset} | device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'} | "
+          f"torch {torch.__version__}")
+    print(f"global batch: {run.global_batch_size} x {seq} tokens ({args.micro_batches} micro-batches of {micro})")
+    print(f"median step time (ms): {seconds * 1000:.1f}  (min {min(times) * 1000:.1f}, max {max(times) * 1000:.1f})")
+    print(f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}")
+    if device.type == "cuda":
+        print(f"MFU ({precision}, peak {PEAK_TFLOPS[precision]:.0f}): {100 * tflops / PEAK_TFLOPS[precision]:.1f}%")
+    print(f"tokens per GPU (tokens/s/GPU): {tokens:.0f}")
+    print(f"peak memory (GB): {utils.peak_memory_bytes(device) / 1e9:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""pretrain_gpt.py end to end: torchrun layouts reproduce the single-process loss curve."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_LLAMA = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
+    "--num-query-groups", "2", "--ffn-hidden-size", "96", "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "5", "--lr", "1e-3",
+    "--lr-warmup-iters", "1", "--lr-decay-style", "cosine", "--normalization", "RMSNorm", "--swiglu",
+    "--disable-bias-linear", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "256", "--log-interval", "1", "--eval-interval", "5", "--eval-iters", "1",
+    "--num-workers", "0", "--distributed-backend", "gloo", "--adam-eps", "1e-4",
+]
+
+
+def run_pretrain(extra: list, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    if nproc == 1:
+        command = [sys.executable, str(ROOT / "pretrain_gpt.py")]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                   "--master_port", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
+                   str(ROOT / "pretrain_gpt.py")]
+    return subprocess.run(command + TINY_LLAMA + extra, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def losses(output: str) -> list:
+    return [float(v) for v in re.findall(r"\| lm loss: ([0-9.E+-]+) \|", output)]
+
+
+def validation_losses(output: str) -> list:
+    return [float(v) for v in re.findall(r"lm loss value: ([0-9.E+-]+)", output)]
+
+
+@pytest.fixture(scope="module")
+def single_process_run():
+    result = run_pretrain([])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_single_process_trains_and_logs(single_process_run):
+    curve = losses(single_process_run)
+    assert len(curve) == 5
+    assert "throughput per GPU (TFLOP/s/GPU)" in single_process_run
+    assert "tokens per GPU (tokens/s/GPU)" in single_process_run
+    assert len(validation_losses(single_process_run)) == 1
+    assert "------------------------ arguments ------------------------" in single_process_run
+
+
+def test_torchrun_tp2_dp2_matches_single_process(single_process_run):
+    result = run_pretrain(["--tensor-model-parallel-size", "2", "--sequence-parallel"], nproc=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got, want = losses(result.stdout), losses(single_process_run)
+    assert len(got) == len(want) == 5
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"iteration {step + 1}: {a} vs {b}"
+    assert validation_losses(result.stdout) == pytest.approx(validation_losses(single_process_run), rel=1e-5)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-attention-heads", "6", "--num-query-groups", "6", "--tensor-model-parallel-size", "4"],
+     "--num-attention-heads (6) must be divisible by --tensor-model-parallel-size (4)"),
+    (["--global-batch-size", "6"], "--global-batch-size (6) must be divisible by --micro-batch-size (2)"),
+    (["--seq-length", "64"], "--seq-length (64) exceeds --max-position-embeddings (32)"),
+    (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine"),
+])
+def test_bad_flags_fail_before_building(flags, message):
+    result = run_pretrain(flags)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_unknown_flag_is_an_error():
+    result = run_pretrain(["--no-such-flag"])
+    assert result.returncode == 2
+    assert "unrecognized arguments: --no-such-flag" in result.stderr
