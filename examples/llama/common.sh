@@ -81,6 +81,7 @@ run_training() {
   COMMAND=("${LAUNCH[@]}" "$ROOT/pretrain_gpt.py" "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}"
            "${DATA_ARGS[@]}" "${LOGGING_ARGS[@]}" $EXTRA_ARGS)
   echo "${COMMAND[*]}"
+  if [ "${DRY_RUN:-0}" = 1 ]; then return 0; fi
   if [ "$TEE_OUTPUT" = 1 ]; then
     "${COMMAND[@]}" 2>&1 | tee "$LOG"
   else

@@ -26,6 +26,7 @@
 #   NPROC           processes per node                                   [GPUs on the node; 2 on CPU]
 #   TEE_OUTPUT      1: also write the log to a file under logs/          [1]
 #   EXTRA_ARGS      any further pretrain_gpt.py flags                    []
+#   DRY_RUN         1: print the torchrun command and stop               [0]
 # At the end it prints the mean elapsed ms/iteration, TFLOP/s/GPU and tokens/s/GPU of the run.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)

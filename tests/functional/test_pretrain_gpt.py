@@ -66,8 +66,8 @@ def test_torchrun_tp2_dp2_matches_single_process(single_process_run):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--num-attention-heads", "6", "--num-query-groups", "6", "--tensor-model-parallel-size", "4"],
-     "--num-attention-heads (6) must be divisible by --tensor-model-parallel-size (4)"),
+    (["--hidden-size", "65"], "--hidden-size (65) must be divisible by --num-attention-heads (8)"),
+    (["--tensor-model-parallel-size", "2"], "world size (1) is not divisible by tensor (2)"),
     (["--global-batch-size", "6"], "--global-batch-size (6) must be divisible by --micro-batch-size (2)"),
     (["--seq-length", "64"], "--seq-length (64) exceeds --max-position-embeddings (32)"),
     (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine"),

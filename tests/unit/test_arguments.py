@@ -1,0 +1,96 @@
+"""The public surface: the flag list is frozen, example scripts parse, bad flags fail clearly."""
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron.training.arguments import all_flags, build_parser, parse_args
+from megatron.training.validation import ConfigError, validate
+
+ROOT = Path(__file__).resolve().parents[2]
+FLAGS_FILE = Path(__file__).with_name("flags.txt")
+MINIMAL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--micro-batch-size", "2",
+           "--seq-length", "32", "--train-iters", "3", "--lr", "1e-3", "--mock-data", "--tokenizer-type",
+           "NullTokenizer", "--vocab-size", "128"]
+
+
+def test_flag_list_is_frozen():
+    """Adding or renaming a flag is a public change: update tests/unit/flags.txt in the same commit."""
+    expected = FLAGS_FILE.read_text().split()
+    assert all_flags() == expected
+
+
+def test_every_flag_has_help_text():
+    parser = build_parser()
+    missing = [a.option_strings[0] for a in parser._actions
+               if a.option_strings and a.option_strings[0] != "-h" and not a.help]
+    assert missing == []
+
+
+def test_megatron_names_map_to_fields():
+    config = parse_args(MINIMAL + ["--disable-bias-linear", "--tensor-model-parallel-size", "2",
+                                   "--data-cache-path", "/tmp/x", "--swiglu"])
+    assert config.model.add_bias_linear is False
+    assert config.parallel.tensor_model_parallel_size == 2
+    assert config.model.swiglu is True
+    assert config.data.data_cache_path == "/tmp/x"
+
+
+def test_weighted_data_path_is_a_list():
+    config = parse_args([a for a in MINIMAL if a != "--mock-data"] + ["--data-path", "0.3", "a", "0.7", "b"])
+    assert config.data.data_path == ["0.3", "a", "0.7", "b"]
+
+
+@pytest.mark.parametrize("flags, world, message", [
+    (["--num-attention-heads", "6", "--hidden-size", "96", "--tensor-model-parallel-size", "4"], 4,
+     "--num-attention-heads (6) must be divisible by --tensor-model-parallel-size (4)"),
+    (["--hidden-size", "65"], 1, "--hidden-size (65) must be divisible by --num-attention-heads (4)"),
+    (["--global-batch-size", "6"], 2, "--global-batch-size (6) must be divisible by --micro-batch-size (2) x data-parallel size (2) = 4"),
+    (["--seq-length", "64", "--max-position-embeddings", "32"], 1, "--seq-length (64) exceeds --max-position-embeddings (32)"),
+    (["--tensor-model-parallel-size", "3"], 4, "world size (4) is not divisible by tensor (3)"),
+    (["--bf16", "--fp16"], 1, "--bf16 and --fp16 are mutually exclusive"),
+    (["--group-query-attention", "--num-query-groups", "3"], 1, "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
+    (["--transformer-impl", "transformer_engine"], 1, "--transformer-impl transformer_engine"),
+    (["--recompute-granularity", "full"], 1, "--recompute-granularity full needs --recompute-method"),
+    (["--lr-decay-style", "WSD"], 1, "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
+])
+def test_bad_flags_name_the_flag_and_values(flags, world, message):
+    with pytest.raises(ConfigError) as error:
+        validate(parse_args(MINIMAL + flags), world)
+    assert message in str(error.value)
+
+
+def test_missing_data_source_is_an_error():
+    with pytest.raises(ConfigError, match="--data-path"):
+        validate(parse_args([a for a in MINIMAL if a != "--mock-data"]), 1)
+
+
+def test_missing_required_flag_names_it(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--num-layers", "2"])
+    assert "--hidden-size" in capsys.readouterr().err
+
+
+def _script_args(script: str, env: dict) -> list:
+    result = subprocess.run(["bash", str(ROOT / "examples/llama" / script)], capture_output=True, text=True,
+                            env={**os.environ, "DRY_RUN": "1", "PATH": os.environ["PATH"], **env}, timeout=60)
+    assert result.returncode == 0, result.stderr
+    command = shlex.split(result.stdout.strip().splitlines()[-1])
+    return command[command.index(next(c for c in command if c.endswith("pretrain_gpt.py"))) + 1:]
+
+
+@pytest.mark.parametrize("script, env, world", [
+    ("train_llama3.sh", {}, 2),
+    ("train_llama3.sh", {"MODEL_SIZE": "8", "TP": "2", "MBS": "2", "BS": "64", "SEQ_LENGTH": "8192", "NPROC": "8"}, 8),
+    ("train_llama3.sh", {"MODEL_SIZE": "70", "LLAMA_VERSION": "3.1", "TP": "8", "NPROC": "8"}, 8),
+    ("train_llama2.sh", {"MODEL_SIZE": "7", "NPROC": "8"}, 8),
+    ("train_llama2.sh", {"MODEL_SIZE": "13", "TP": "2", "NPROC": "4"}, 4),
+])
+def test_example_scripts_pass_valid_flags(script, env, world):
+    args = _script_args(script, env)
+    config = parse_args(args)
+    validate(config, world)
+    if env.get("LLAMA_VERSION") == "3.1":
+        assert config.model.use_rope_scaling

@@ -1,0 +1,87 @@
+"""Learning-rate schedules, loss scaling, the FLOPs formula, the log line and the data sampler."""
+import math
+
+import pytest
+
+from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+from megatron.core.optimizer.lr_scheduler import LRScheduleConfig, learning_rate
+from megatron.core.transformer.config import TransformerConfig
+from megatron.training.data import PretrainingSampler
+from megatron.training.logging import flops_per_iteration, iteration_line
+
+
+def test_warmup_then_cosine_to_min():
+    c = LRScheduleConfig(max_lr=1.0, min_lr=0.1, warmup_steps=10, decay_steps=110, decay_style="cosine")
+    assert learning_rate(c, 0) == 0.0
+    assert learning_rate(c, 5) == pytest.approx(0.5)
+    assert learning_rate(c, 10) == pytest.approx(1.0)
+    assert learning_rate(c, 60) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert learning_rate(c, 110) == pytest.approx(0.1)
+    assert learning_rate(c, 500) == pytest.approx(0.1)
+
+
+def test_linear_and_constant():
+    linear = LRScheduleConfig(max_lr=2.0, min_lr=0.0, warmup_steps=0, decay_steps=100, decay_style="linear")
+    assert learning_rate(linear, 25) == pytest.approx(1.5)
+    constant = LRScheduleConfig(max_lr=2.0, min_lr=0.0, warmup_steps=4, decay_steps=100, decay_style="constant")
+    assert learning_rate(constant, 2) == pytest.approx(1.0)
+    assert learning_rate(constant, 90) == pytest.approx(2.0)
+
+
+def test_wsd_is_stable_then_decays_in_the_tail():
+    c = LRScheduleConfig(max_lr=1.0, min_lr=0.0, warmup_steps=0, decay_steps=100, decay_style="WSD",
+                         wsd_decay_steps=20, wsd_decay_style="linear")
+    assert learning_rate(c, 50) == pytest.approx(1.0)
+    assert learning_rate(c, 80) == pytest.approx(1.0)
+    assert learning_rate(c, 90) == pytest.approx(0.5)
+    assert learning_rate(c, 100) == pytest.approx(0.0)
+    exponential = LRScheduleConfig(max_lr=1.0, min_lr=0.0, warmup_steps=0, decay_steps=100, decay_style="WSD",
+                                   wsd_decay_steps=20, wsd_decay_style="exponential")
+    assert learning_rate(exponential, 100) == pytest.approx(0.0)
+    assert 0.0 < learning_rate(exponential, 90) < 1.0
+
+
+def test_dynamic_loss_scale_backs_off_after_hysteresis_and_grows():
+    scaler = DynamicGradScaler(initial_scale=1024.0, min_scale=1.0, growth_interval=3, hysteresis=2)
+    scaler.update(found_inf=True)
+    assert scaler.scale.item() == 1024.0  # first overflow tolerated
+    scaler.update(found_inf=True)
+    assert scaler.scale.item() == 512.0
+    for _ in range(3):
+        scaler.update(found_inf=False)
+    assert scaler.scale.item() == 1024.0
+
+
+def test_flops_formula_matches_design_for_llama3_8b():
+    model = TransformerConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                              ffn_hidden_size=14336, vocab_size=128256, gated_linear_unit=True)
+    B, s, L, h, f, q, k, g, V = 1, 8192, 32, 4096, 14336, 4096, 128, 8, 128256
+    expected = 6 * B * s * (L * (3 * h * f + 2 * h * q + 2 * h * k * g + s * q) + h * V)
+    assert flops_per_iteration(model, 1, 8192) == expected
+    # roughly 6 x parameters x tokens plus attention: a sanity bound
+    assert 6 * 8.0e9 * 8192 < expected < 6 * 9.5e9 * 8192
+
+
+def test_log_line_has_megatron_fields():
+    line = iteration_line(iteration=10, train_iters=100, consumed_samples=640, elapsed_ms=1234.5, tflops_per_gpu=401.2,
+                          tokens_per_gpu=9000.0, learning_rate=1e-4, global_batch_size=64,
+                          losses={"lm loss": 2.5}, loss_scale=1.0, grad_norm=0.9, skipped=0, nan=0,
+                          peak_memory_gb=40.0)
+    for field in ("iteration       10/     100", "consumed samples:", "elapsed time per iteration (ms): 1234.5",
+                  "throughput per GPU (TFLOP/s/GPU): 401.20", "learning rate: 1.000000E-04",
+                  "global batch size:    64", "lm loss: 2.500000E+00", "loss scale: 1.0", "grad norm: 0.900",
+                  "number of skipped iterations:   0", "number of nan iterations:   0"):
+        assert field in line
+
+
+def test_sampler_splits_each_step_over_data_ranks_and_resumes():
+    ranks = [list(PretrainingSampler(16, 0, 2, r, 2)) for r in range(2)]
+    assert ranks[0][:2] == [[0, 1], [4, 5]]
+    assert ranks[1][:2] == [[2, 3], [6, 7]]
+    covered = sorted(i for r in ranks for batch in r for i in batch)
+    assert covered == list(range(16))
+    resumed = list(PretrainingSampler(16, 8, 2, 1, 2))
+    assert resumed[0] == [10, 11]
+    with pytest.raises(ValueError, match="consumed 16 of 16"):
+        PretrainingSampler(16, 16, 2, 0, 2)
+    assert math.isclose(len(PretrainingSampler(17, 0, 2, 0, 2)), 4)
