@@ -14,8 +14,10 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -162,12 +164,26 @@ _WORKER_ENCODER: Optional[Encoder] = None
 
 def _worker_init(args: argparse.Namespace) -> None:
     global _WORKER_ENCODER
+    # Ctrl-C reaches the whole process group; only the main process handles it (and stops the pool).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER_ENCODER = Encoder(args)
     _WORKER_ENCODER.initialize()
 
 
 def _worker_encode(batch: RawBatch) -> EncodedBatch:
     return _WORKER_ENCODER.encode(batch)
+
+
+def ordered_results(pool, batches, max_pending: int):
+    """Encode batches in the pool, yielding results in input order with at most `max_pending`
+    batches in flight (Pool.imap would read the whole input into memory ahead of the workers)."""
+    pending = deque()
+    for batch in batches:
+        pending.append(pool.apply_async(_worker_encode, (batch,)))
+        if len(pending) >= max_pending:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
 
 
 def build_tokenizer_from_args(args: argparse.Namespace):
@@ -230,10 +246,11 @@ def process_spans(args: argparse.Namespace, spans, output_prefix: str, dtype, su
                 for key, prefix in output_prefixes(args, output_prefix).items()}
     pool = None
     try:
-        batches = read_batches(spans)
+        batches = read_batches(spans, max_records=512, max_bytes=256 << 10)
         if args.workers > 1:
-            pool = multiprocessing.get_context("fork").Pool(args.workers, initializer=_worker_init, initargs=(args,))
-            results = pool.imap(_worker_encode, batches, chunksize=1)
+            method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+            pool = multiprocessing.get_context(method).Pool(args.workers, initializer=_worker_init, initargs=(args,))
+            results = ordered_results(pool, batches, max_pending=4 * args.workers)
         else:
             encoder = Encoder(args)
             results = (encoder.encode(batch) for batch in batches)
@@ -379,6 +396,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, FileNotFoundError, ImportError) as error:
         sys.stderr.write(f"error: {error}\n")
         return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("\ninterrupted: temporary output removed, no dataset written\n")
+        return 130
     return 0
 
 

@@ -5,12 +5,16 @@ from megatron.core.tokenizers.base import MegatronTokenizer
 
 
 class NullTokenizer(MegatronTokenizer):
-    """No vocabulary files: `"5 17 3"` tokenizes to [5, 17, 3]. `vocab_size` counts the EOD, which is vocab_size - 1."""
+    """No vocabulary files: `"5 17 3"` tokenizes to [5, 17, 3].
+
+    As in Megatron-LM, `--vocab-size N` names the N ordinary ids 0..N-1 and the EOD token is id N,
+    so the tokenizer's vocabulary has N + 1 entries.
+    """
 
     def __init__(self, vocab_size: int):
-        if vocab_size is None or int(vocab_size) < 2:
-            raise ValueError(f"--tokenizer-type NullTokenizer needs --vocab-size >= 2 (it counts the EOD token), got {vocab_size}")
-        self._vocab_size = int(vocab_size)
+        if vocab_size is None or int(vocab_size) < 1:
+            raise ValueError(f"--tokenizer-type NullTokenizer needs --vocab-size >= 1, got {vocab_size}")
+        self._vocab_size = int(vocab_size) + 1
 
     @property
     def vocab_size(self) -> int:
@@ -32,7 +36,7 @@ class NullTokenizer(MegatronTokenizer):
             except ValueError:
                 raise ValueError(f"NullTokenizer input must be whitespace-separated integers, got {word[:40]!r}") from None
             if not 0 <= value < self._vocab_size:
-                raise ValueError(f"NullTokenizer id {value} is outside [0, {self._vocab_size}) (--vocab-size {self._vocab_size})")
+                raise ValueError(f"NullTokenizer id {value} is outside [0, {self.eod}] (--vocab-size {self.eod}, EOD {self.eod})")
             ids.append(value)
         return ids
 

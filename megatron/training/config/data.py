@@ -37,4 +37,4 @@ class DataConfig:
     merge_file: Optional[str] = None
     """merges.txt of a GPT-2 BPE tokenizer."""
     vocab_size: Optional[int] = None
-    """Vocabulary size for NullTokenizer (including the end-of-document token)."""
+    """NullTokenizer vocabulary: ids 0..N-1, plus the end-of-document token N (as Megatron-LM)."""

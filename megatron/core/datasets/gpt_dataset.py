@@ -1,0 +1,158 @@
+"""GPTDataset: fixed-length training samples cut from the documents of an IndexedDataset.
+
+The split's documents are laid end to end, in a fresh seeded permutation for each epoch (so every
+token of the split appears once per epoch), and cut into windows of seq_length + 1 tokens that
+overlap by one token (the last input token's label is the next window's first token). Samples
+are served in a seeded shuffled order. Three cached arrays describe it all:
+
+    document_index  int32 [epochs * documents]  sequence ids, epoch by epoch
+    sample_index    int64 [samples + 1, 2]      (position in document_index, token offset) of
+                                                stream position k * seq_length
+    shuffle_index   int64 [samples]             the order samples are served in
+"""
+import os
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import numpy as np
+
+from megatron.core.datasets.helpers import build_sample_idx
+from megatron.core.datasets.index_cache import IndexCache
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
+# Megatron's rule: with more than one epoch, shuffle the last epoch's samples on their own when
+# fewer than this fraction of it is used, so a partial epoch does not skew the early order.
+SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
+
+
+@dataclass(frozen=True)
+class SampleOptions:
+    """How a token window becomes a training sample."""
+
+    seq_length: int
+    eod_token: Optional[int] = None
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+
+
+def get_ltor_masks_and_position_ids(tokens: np.ndarray, options: SampleOptions) -> Dict[str, np.ndarray]:
+    """Loss mask, position ids and (with reset_attention_mask) the causal mask, True where attention is allowed."""
+    length = tokens.shape[0]
+    loss_mask = np.ones(length, dtype=np.float32)
+    position_ids = np.arange(length, dtype=np.int64)
+    result = {"loss_mask": loss_mask, "position_ids": position_ids}
+    eod_positions = np.flatnonzero(tokens == options.eod_token) if options.eod_token is not None else np.zeros(0, np.int64)
+    if options.eod_mask_loss:
+        loss_mask[eod_positions] = 0.0
+    if options.reset_attention_mask:
+        mask = np.tril(np.ones((length, length), dtype=bool))
+        for position in eod_positions:
+            mask[position + 1:, :position + 1] = False  # tokens after an EOD do not see the previous document
+        result["attention_mask"] = mask[None]  # [1, s, s]
+    if options.reset_position_ids:
+        start = 0
+        for position in eod_positions:
+            position_ids[position + 1:] -= position + 1 - start
+            start = position + 1
+    return result
+
+
+def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState) -> np.ndarray:
+    """One independent permutation of the split's sequence ids per epoch, concatenated."""
+    documents = np.asarray(documents, dtype=np.int32)
+    return np.concatenate([rng.permutation(documents) for _ in range(num_epochs)]) if num_epochs else documents[:0]
+
+
+def build_shuffle_index(num_samples: int, first_block: int, rng: np.random.RandomState) -> np.ndarray:
+    """A permutation of [0, first_block) followed by a permutation of [first_block, num_samples)."""
+    first = rng.permutation(np.arange(first_block, dtype=np.int64))
+    rest = first_block + rng.permutation(np.arange(num_samples - first_block, dtype=np.int64))
+    return np.concatenate([first, rest])
+
+
+def plan_epochs(tokens_per_epoch: int, seq_length: int, num_samples: Optional[int]) -> int:
+    """Fewest epochs that yield num_samples windows (one epoch when num_samples is not given)."""
+    if not num_samples:
+        return 1
+    needed = num_samples * seq_length + 1
+    return -(-needed // tokens_per_epoch)
+
+
+class GPTDataset:
+    """Samples of one split of one IndexedDataset; see the module docstring for the indices."""
+
+    def __init__(self, indexed_dataset: IndexedDataset, documents: np.ndarray, num_samples: Optional[int],
+                 split_name: str, options: SampleOptions, *, seed: int, cache_dir: str, build_indices: bool = True):
+        self.indexed_dataset = indexed_dataset
+        self.split_name = split_name
+        self.options = options
+        self.seed = seed
+        sizes = indexed_dataset.sequence_lengths
+        self.tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64)) if len(documents) else 0
+        seq_length = options.seq_length
+        if self.tokens_per_epoch < seq_length + 1 and not num_samples:
+            raise ValueError(f"the {split_name} split of {indexed_dataset.path_prefix} has {self.tokens_per_epoch} tokens, "
+                             f"fewer than seq_length + 1 = {seq_length + 1}; use more data, a shorter --seq-length "
+                             "or a different --split")
+        if self.tokens_per_epoch == 0:
+            raise ValueError(f"the {split_name} split of {indexed_dataset.path_prefix} has no tokens; change --split")
+        self.num_epochs = plan_epochs(self.tokens_per_epoch, seq_length, num_samples)
+        description = {
+            "class": "GPTDataset",
+            "path_prefix": os.path.abspath(indexed_dataset.path_prefix),
+            "dataset_sequences": len(indexed_dataset),
+            "dataset_tokens": indexed_dataset.num_tokens,
+            "split": split_name,
+            "documents": [int(documents[0]), int(documents[-1]), len(documents)] if len(documents) else [],
+            "num_samples": num_samples,
+            "num_epochs": self.num_epochs,
+            "seq_length": seq_length,
+            "seed": seed,
+        }
+        self.cache = IndexCache(cache_dir, f"GPTDataset-{split_name}", description)
+        if build_indices and not self.cache.exists(INDEX_NAMES):
+            self.cache.save(self._build_indices(documents, num_samples))
+        indices = self.cache.load(INDEX_NAMES)
+        self.document_index = indices["document_index"]
+        self.sample_index = indices["sample_index"]
+        self.shuffle_index = indices["shuffle_index"]
+
+    def _build_indices(self, documents: np.ndarray, num_samples: Optional[int]) -> Dict[str, np.ndarray]:
+        seq_length, epochs = self.options.seq_length, self.num_epochs
+        total_samples = (epochs * self.tokens_per_epoch - 1) // seq_length
+        first_block = total_samples
+        if epochs > 1 and num_samples:
+            samples_before_final = ((epochs - 1) * self.tokens_per_epoch - 1) // seq_length
+            samples_per_epoch = (self.tokens_per_epoch - 1) // seq_length
+            if num_samples - samples_before_final < int(SEPARATE_FINAL_EPOCH_THRESHOLD * samples_per_epoch):
+                first_block = samples_before_final
+        rng = np.random.RandomState(self.seed)
+        document_index = build_document_index(documents, epochs, rng)
+        sample_index = build_sample_idx(self.indexed_dataset.sequence_lengths, document_index, seq_length, total_samples)
+        shuffle_index = build_shuffle_index(total_samples, first_block, rng)
+        return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
+
+    def __len__(self) -> int:
+        return int(self.shuffle_index.shape[0])
+
+    def window(self, sample: int) -> np.ndarray:
+        """The seq_length + 1 tokens of sample `sample` in unshuffled (stream) order."""
+        (first, start), (last, end) = self.sample_index[sample], self.sample_index[sample + 1]
+        dataset = self.indexed_dataset
+        if first == last:
+            return dataset.get(int(self.document_index[first]), offset=int(start), length=int(end - start + 1))
+        pieces = [dataset.get(int(self.document_index[first]), offset=int(start))]
+        pieces.extend(dataset.get(int(self.document_index[i])) for i in range(first + 1, last))
+        pieces.append(dataset.get(int(self.document_index[last]), length=int(end + 1)))
+        return np.concatenate(pieces)
+
+    def __getitem__(self, index: int) -> Dict[str, np.ndarray]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} out of range for the {self.split_name} split ({len(self)} samples)")
+        window = self.window(int(self.shuffle_index[index])).astype(np.int64)
+        tokens, labels = window[:-1], window[1:]
+        sample = {"tokens": tokens, "labels": labels}
+        sample.update(get_ltor_masks_and_position_ids(tokens, self.options))
+        return sample

@@ -1,0 +1,174 @@
+"""tools/preprocess_data.py and tools/merge_datasets.py end to end: tokens out equal the reference library's encoding."""
+import gzip
+import json
+import os
+
+import numpy as np
+import pytest
+
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+tokenizers_lib = pytest.importorskip("tokenizers")
+sentencepiece = pytest.importorskip("sentencepiece")
+transformers = pytest.importorskip("transformers")
+
+
+def sequences(prefix):
+    dataset = IndexedDataset(prefix)
+    return [dataset[i].tolist() for i in range(len(dataset))]
+
+
+def test_gpt2_round_trip_two_workers(gpt2_dataset, documents, bpe_dir):
+    reference = tokenizers_lib.Tokenizer.from_file(os.path.join(bpe_dir, "tokenizer.json"))
+    eod = reference.token_to_id("<|endoftext|>")
+    expected = [reference.encode(text, add_special_tokens=False).ids + [eod] for text in documents]
+    dataset = IndexedDataset(gpt2_dataset)
+    assert np.dtype(dataset.dtype) == np.uint16
+    assert sequences(gpt2_dataset) == expected
+    assert dataset.document_indices.tolist() == list(range(len(documents) + 1))
+
+
+def test_huggingface_round_trip(tmp_path, corpus_file, documents, bpe_dir, tool):
+    tool("preprocess_data.py", "--input", corpus_file, "--output-prefix", tmp_path / "hf", "--tokenizer-type",
+         "HuggingFaceTokenizer", "--tokenizer-model", bpe_dir, "--append-eod", "--workers", 1)
+    reference = transformers.AutoTokenizer.from_pretrained(bpe_dir)
+    expected = [reference(text).input_ids + [reference.eos_token_id] for text in documents]
+    assert sequences(str(tmp_path / "hf_text_document")) == expected
+
+
+def test_llama2_round_trip(tmp_path, corpus_file, documents, sentencepiece_model, tool):
+    tool("preprocess_data.py", "--input", corpus_file, "--output-prefix", tmp_path / "sp", "--tokenizer-type",
+         "Llama2Tokenizer", "--tokenizer-model", sentencepiece_model, "--append-eod", "--workers", 2)
+    reference = sentencepiece.SentencePieceProcessor(model_file=sentencepiece_model)
+    expected = [[reference.bos_id()] + reference.encode(text) + [reference.eos_id()] for text in documents]
+    assert sequences(str(tmp_path / "sp_text_document")) == expected
+
+
+def test_null_tokenizer_int32_for_large_vocab(tmp_path, jsonl_writer, tool):
+    source = jsonl_writer(tmp_path / "ids.jsonl", ["1 2 3", "70000 5", "7"])
+    tool("preprocess_data.py", "--input", source, "--output-prefix", tmp_path / "null", "--tokenizer-type",
+         "NullTokenizer", "--vocab-size", 100000, "--append-eod")
+    dataset = IndexedDataset(str(tmp_path / "null_text_document"))
+    assert np.dtype(dataset.dtype) == np.int32
+    assert sequences(str(tmp_path / "null_text_document")) == [[1, 2, 3, 100000], [70000, 5, 100000], [7, 100000]]
+
+
+def test_gzip_text_directory_and_several_keys(tmp_path, documents, gpt2_args, bpe_dir, tool):
+    reference = tokenizers_lib.Tokenizer.from_file(os.path.join(bpe_dir, "tokenizer.json"))
+    with gzip.open(tmp_path / "c.jsonl.gz", "wt", encoding="utf-8") as handle:
+        for text in documents[:20]:
+            handle.write(json.dumps({"text": text, "title": text[:10]}) + "\n")
+    tool("preprocess_data.py", "--input", tmp_path / "c.jsonl.gz", "--output-prefix", tmp_path / "gz",
+         "--json-keys", "text", "title", *gpt2_args)
+    encode = lambda text: reference.encode(text, add_special_tokens=False).ids  # noqa: E731
+    assert sequences(str(tmp_path / "gz_text_document")) == [encode(text) for text in documents[:20]]
+    assert sequences(str(tmp_path / "gz_title_document")) == [encode(text[:10]) for text in documents[:20]]
+
+    text_dir = tmp_path / "texts"
+    os.makedirs(text_dir / "sub")
+    for index, text in enumerate(documents[:5]):
+        (text_dir / ("sub" if index % 2 else "") / f"doc{index}.txt").write_text(text, encoding="utf-8")
+    tool("preprocess_data.py", "--input", text_dir, "--output-prefix", tmp_path / "dir", "--append-eod", *gpt2_args)
+    order = sorted([f"doc{i}.txt" if i % 2 == 0 else f"sub/doc{i}.txt" for i in range(5)])
+    by_name = {f"doc{i}.txt" if i % 2 == 0 else f"sub/doc{i}.txt": documents[i] for i in range(5)}
+    eod = reference.token_to_id("<|endoftext|>")
+    assert sequences(str(tmp_path / "dir_text_document")) == [encode(by_name[name]) + [eod] for name in order]
+
+
+def test_malformed_lines_are_reported_with_line_numbers(tmp_path, gpt2_args, tool):
+    lines = ['{"text": "good one"}', '{"text": "broken', '{"other": "x"}', '{"text": 5}', '', '[1, 2]', '{"text": "good two"}']
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    result = tool("preprocess_data.py", "--input", tmp_path / "bad.jsonl", "--output-prefix", tmp_path / "out", *gpt2_args)
+    report = result.stderr
+    assert "4 malformed lines skipped" in report
+    for line, reason in [(2, "invalid JSON"), (3, "missing key 'text'"), (4, "key 'text' is int"), (6, "expected a JSON object")]:
+        assert f"bad.jsonl:{line}: {reason}" in report
+    assert "1 blank lines skipped" in report
+    assert len(IndexedDataset(str(tmp_path / "out_text_document"))) == 2
+
+    strict = tool("preprocess_data.py", "--input", tmp_path / "bad.jsonl", "--output-prefix", tmp_path / "strict",
+                  "--strict", *gpt2_args, check=False)
+    assert strict.returncode != 0
+    assert "bad.jsonl:2: invalid JSON" in strict.stderr
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("strict")], "a failed run must leave no files"
+
+
+def test_failure_late_in_a_big_run_leaves_no_dataset(tmp_path, documents, jsonl_writer, gpt2_args, tool):
+    source = jsonl_writer(tmp_path / "big.jsonl", documents * 10)
+    with open(source, "a") as handle:
+        handle.write("not json\n")
+    result = tool("preprocess_data.py", "--input", source, "--output-prefix", tmp_path / "big", "--strict",
+                  "--workers", 2, *gpt2_args, check=False)
+    assert result.returncode != 0 and f"big.jsonl:{len(documents) * 10 + 1}" in result.stderr
+    assert [name for name in os.listdir(tmp_path) if name.startswith("big_")] == []
+
+
+def test_empty_and_missing_inputs(tmp_path, gpt2_args, tool):
+    (tmp_path / "empty.jsonl").write_text("")
+    result = tool("preprocess_data.py", "--input", tmp_path / "empty.jsonl", "--output-prefix", tmp_path / "e", *gpt2_args, check=False)
+    assert result.returncode != 0 and "empty.jsonl" in result.stderr and "empty" in result.stderr
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    result = tool("preprocess_data.py", "--input", tmp_path / "blank.jsonl", "--output-prefix", tmp_path / "b", *gpt2_args, check=False)
+    assert result.returncode != 0 and "no valid documents" in result.stderr
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(("e_", "b_"))]
+    result = tool("preprocess_data.py", "--input", tmp_path / "nope.jsonl", "--output-prefix", tmp_path / "n", *gpt2_args, check=False)
+    assert result.returncode != 0 and "nope.jsonl" in result.stderr
+
+
+def test_partitions_give_identical_output(tmp_path, corpus_file, gpt2_dataset, gpt2_args, tool):
+    result = tool("preprocess_data.py", "--input", corpus_file, "--output-prefix", tmp_path / "parts", "--append-eod",
+                  "--partitions", 3, "--log-interval", 100, *gpt2_args)
+    for suffix in (".bin", ".idx"):
+        assert open(f"{tmp_path}/parts_text_document{suffix}", "rb").read() == open(gpt2_dataset + suffix, "rb").read()
+    assert sorted(os.listdir(tmp_path)) == ["parts_text_document.bin", "parts_text_document.idx"]
+    assert "docs/s" in result.stderr and "MB/s" in result.stderr
+
+
+def test_split_sentences(tmp_path, jsonl_writer, gpt2_args, bpe_dir, tool):
+    source = jsonl_writer(tmp_path / "s.jsonl", ["One here. Two there! Three?", "Single sentence"])
+    tool("preprocess_data.py", "--input", source, "--output-prefix", tmp_path / "s", "--split-sentences", "--append-eod", *gpt2_args)
+    reference = tokenizers_lib.Tokenizer.from_file(os.path.join(bpe_dir, "tokenizer.json"))
+    encode = lambda text: reference.encode(text, add_special_tokens=False).ids  # noqa: E731
+    eod = reference.token_to_id("<|endoftext|>")
+    dataset = IndexedDataset(str(tmp_path / "s_text_sentence"))
+    assert sequences(str(tmp_path / "s_text_sentence")) == [encode("One here."), encode("Two there!"), encode("Three?") + [eod],
+                                                           encode("Single sentence") + [eod]]
+    assert dataset.document_indices.tolist() == [0, 3, 4]
+
+
+def test_merge_datasets(tmp_path, documents, jsonl_writer, gpt2_args, tool):
+    jsonl_writer(tmp_path / "a.jsonl", documents[:30])
+    jsonl_writer(tmp_path / "b.jsonl", documents[30:50])
+    jsonl_writer(tmp_path / "ab.jsonl", documents[:50])
+    for name in ("a", "b", "ab"):
+        tool("preprocess_data.py", "--input", tmp_path / f"{name}.jsonl", "--output-prefix", tmp_path / name, "--append-eod", *gpt2_args)
+    tool("merge_datasets.py", "--input", tmp_path / "a_text_document", tmp_path / "b_text_document",
+         "--output-prefix", tmp_path / "merged")
+    for suffix in (".bin", ".idx"):
+        assert open(f"{tmp_path}/merged{suffix}", "rb").read() == open(f"{tmp_path}/ab_text_document{suffix}", "rb").read()
+    missing = tool("merge_datasets.py", "--input", tmp_path / "missing", "--output-prefix", tmp_path / "m2", check=False)
+    assert missing.returncode != 0 and "missing" in missing.stderr
+
+
+def test_ctrl_c_leaves_no_dataset(tmp_path, documents, jsonl_writer, gpt2_args):
+    """SIGINT to the whole process group (what Ctrl-C does) mid-run: no dataset, no temporary files."""
+    import signal
+    import subprocess
+    import sys
+
+    source = jsonl_writer(tmp_path / "big.jsonl", documents * 200)
+    script = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir, "tools", "preprocess_data.py")
+    process = subprocess.Popen([sys.executable, script, "--input", source, "--output-prefix", str(tmp_path / "out"),
+                                "--workers", "2", "--log-interval", "100", *gpt2_args],
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        first_line = process.stderr.readline()  # the first progress line: tokens are being written
+        assert "Processed" in first_line, first_line
+        os.killpg(process.pid, signal.SIGINT)
+        remaining = process.communicate(timeout=60)[1]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130, remaining
+    assert "interrupted" in remaining
+    assert [name for name in os.listdir(tmp_path) if name.startswith("out")] == []
