@@ -2,6 +2,7 @@
 import importlib.util
 
 from megatron.core.parallel_state import check_sizes
+from megatron.core.pipeline_parallel.layout import validate_pipeline
 from megatron.training.config import Config
 
 
@@ -52,6 +53,17 @@ def validate(config: Config, world_size: int) -> list:
     _require(global_batch % (t.micro_batch_size * dp) == 0,
              f"--global-batch-size ({global_batch}) must be divisible by --micro-batch-size "
              f"({t.micro_batch_size}) x data-parallel size ({dp}) = {t.micro_batch_size * dp}")
+
+    try:
+        validate_pipeline(
+            m.num_layers, pp,
+            num_layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage,
+            num_virtual_stages_per_rank=p.num_virtual_stages_per_pipeline_rank,
+            first_stage_layers=p.decoder_first_pipeline_num_layers,
+            last_stage_layers=p.decoder_last_pipeline_num_layers,
+            num_microbatches=global_batch // (t.micro_batch_size * dp))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
     if p.sequence_parallel and tp == 1:
         notes.append("--sequence-parallel has no effect with --tensor-model-parallel-size 1; disabled")

@@ -15,7 +15,7 @@ TINY_LLAMA = [
     "--lr-warmup-iters", "1", "--lr-decay-style", "cosine", "--normalization", "RMSNorm", "--swiglu",
     "--disable-bias-linear", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
-    "--vocab-size", "256", "--log-interval", "1", "--eval-interval", "5", "--eval-iters", "1",
+    "--vocab-size", "255", "--log-interval", "1", "--eval-interval", "5", "--eval-iters", "1",
     "--num-workers", "0", "--distributed-backend", "gloo", "--adam-eps", "1e-4",
 ]
 
@@ -65,12 +65,24 @@ def test_torchrun_tp2_dp2_matches_single_process(single_process_run):
     assert validation_losses(result.stdout) == pytest.approx(validation_losses(single_process_run), rel=1e-5)
 
 
+def test_torchrun_pp2_tp2_matches_single_process(single_process_run):
+    result = run_pretrain(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                           "--sequence-parallel"], nproc=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got, want = losses(result.stdout), losses(single_process_run)
+    assert len(got) == len(want) == 5
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"iteration {step + 1}: {a} vs {b}"
+    assert validation_losses(result.stdout) == pytest.approx(validation_losses(single_process_run), rel=1e-5)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--hidden-size", "65"], "--hidden-size (65) must be divisible by --num-attention-heads (8)"),
     (["--tensor-model-parallel-size", "2"], "world size (1) is not divisible by tensor (2)"),
-    (["--global-batch-size", "6"], "--global-batch-size (6) must be divisible by --micro-batch-size (2)"),
+    (["--global-batch-size", "7"], "--global-batch-size (7) must be divisible by --micro-batch-size (2)"),
     (["--seq-length", "64"], "--seq-length (64) exceeds --max-position-embeddings (32)"),
     (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine"),
+    (["--num-virtual-stages-per-pipeline-rank", "2"], "--pipeline-model-parallel-size"),
 ])
 def test_bad_flags_fail_before_building(flags, message):
     result = run_pretrain(flags)
