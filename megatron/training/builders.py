@@ -9,10 +9,15 @@ The order in which wrappers are applied is fixed here and nowhere else:
 """
 import torch
 
-from megatron.core.distributed.ddp import DistributedDataParallel
+from megatron.core.distributed.ddp import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    validate_data_parallel,
+)
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import LRScheduleConfig, OptimizerConfig, OptimizerParamScheduler, get_megatron_optimizer
 from megatron.core.parallel_state import ParallelGroups
+from megatron.core.pipeline_parallel import layout
 from megatron.core.transformer.config import TransformerConfig
 from megatron.training.config import Config
 
@@ -57,11 +62,21 @@ def transformer_config(config: Config, vocab_size: int) -> TransformerConfig:
 
 def stage_layer_numbers(config: Config, groups: ParallelGroups) -> list:
     """Global layer indices of each model chunk on this rank (one chunk without interleaving)."""
-    return [list(range(config.model.num_layers))]
+    p = config.parallel
+    uneven = dict(first_stage_layers=p.decoder_first_pipeline_num_layers,
+                  last_stage_layers=p.decoder_last_pipeline_num_layers)
+    virtual_size = layout.virtual_pipeline_size(
+        config.model.num_layers, groups.pp_size,
+        num_layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage,
+        num_virtual_stages_per_rank=p.num_virtual_stages_per_pipeline_rank, **uneven)
+    return layout.stage_layer_numbers(config.model.num_layers, groups.pp_size, groups.pp_rank,
+                                      virtual_size=virtual_size, **uneven)
 
 
 def build_model_chunks(config: Config, groups: ParallelGroups, model_config: TransformerConfig,
                        rng_tracker) -> list:
+    """This rank's model chunks: the embedding goes to chunk 0 of the first pipeline rank, the final
+    norm, output layer and loss to the last chunk of the last rank."""
     chunks = []
     layer_lists = stage_layer_numbers(config, groups)
     for index, layers in enumerate(layer_lists):
@@ -75,7 +90,18 @@ def build_model_chunks(config: Config, groups: ParallelGroups, model_config: Tra
 
 
 def wrap_data_parallel(chunks: list, config: Config, groups: ParallelGroups) -> list:
-    return [DistributedDataParallel(chunk, groups) for chunk in chunks]
+    """DDP with gradient buckets (and the distributed optimizer's parameter buffer), or FSDP2."""
+    p = config.parallel
+    validate_data_parallel_config(config)
+    if p.use_torch_fsdp2:
+        from megatron.core.distributed.fsdp import FullyShardedDataParallel
+
+        return [FullyShardedDataParallel(chunk, groups) for chunk in chunks]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_bf16=p.grad_reduce_in_bf16, overlap_grad_reduce=p.overlap_grad_reduce,
+        overlap_param_gather=p.overlap_param_gather, use_distributed_optimizer=p.use_distributed_optimizer,
+        bucket_size=p.ddp_bucket_size, average_in_collective=p.average_in_collective)
+    return [DistributedDataParallel(chunk, groups, ddp_config=ddp_config) for chunk in chunks]
 
 
 def optimizer_config(config: Config) -> OptimizerConfig:
@@ -97,6 +123,16 @@ def lr_schedule_config(config: Config) -> LRScheduleConfig:
 
 
 def build_optimizer(config: Config, wrapped_chunks: list, groups: ParallelGroups):
+    """The optimizer follows the wrapping: distributed (ZeRO-1) for chunks wrapped with
+    --use-distributed-optimizer, sharded for FSDP2, else full fp32 masters on every rank."""
     optimizer = get_megatron_optimizer(optimizer_config(config), wrapped_chunks, groups)
     scheduler = OptimizerParamScheduler(optimizer, lr_schedule_config(config))
     return optimizer, scheduler
+
+
+def validate_data_parallel_config(config: Config) -> None:
+    """The data-parallel flag checks (`ddp.validate_data_parallel`) for a full config."""
+    p = config.parallel
+    validate_data_parallel(ddp_bucket_size=p.ddp_bucket_size, use_distributed_optimizer=p.use_distributed_optimizer,
+                           overlap_param_gather=p.overlap_param_gather, use_torch_fsdp2=p.use_torch_fsdp2,
+                           pipeline_model_parallel_size=p.pipeline_model_parallel_size)

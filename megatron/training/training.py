@@ -15,6 +15,7 @@ from megatron.training.config import Config
 from megatron.training.data import build_loader
 from megatron.training.initialize import initialize_distributed, world_size_from_env
 from megatron.training.logging import TensorBoardWriter, flops_per_iteration, iteration_line
+from megatron.training.memory import memory_report
 from megatron.training.validation import validate
 
 
@@ -66,6 +67,9 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int) -> Run:
     print_rank_0(f"> parameters on (tensor, pipeline) rank ({groups.tp_rank}, {groups.pp_rank}): {params}")
     print_rank_0(f"> padded vocab size: {model_config.vocab_size}, micro-batches per step: {num_microbatches}, "
                  f"data-parallel size: {groups.dp_size}, device: {groups.device}")
+    report = memory_report(config, chunks, optimizer, groups)
+    if groups.dp_rank == 0 and groups.cp_rank == 0:
+        print(report, flush=True)
     return Run(config, groups, model_config, chunks, optimizer, scheduler, forward_step_func, global_batch,
                num_microbatches, print_rank_0)
 

@@ -1,6 +1,7 @@
 """Cross-field checks run before anything expensive. Every message names the flags and values."""
 import importlib.util
 
+from megatron.core.distributed.ddp import validate_data_parallel
 from megatron.core.parallel_state import check_sizes
 from megatron.core.pipeline_parallel.layout import validate_pipeline
 from megatron.training.config import Config
@@ -62,6 +63,13 @@ def validate(config: Config, world_size: int) -> list:
             first_stage_layers=p.decoder_first_pipeline_num_layers,
             last_stage_layers=p.decoder_last_pipeline_num_layers,
             num_microbatches=global_batch // (t.micro_batch_size * dp))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+    try:
+        validate_data_parallel(ddp_bucket_size=p.ddp_bucket_size, use_distributed_optimizer=p.use_distributed_optimizer,
+                               overlap_param_gather=p.overlap_param_gather, use_torch_fsdp2=p.use_torch_fsdp2,
+                               pipeline_model_parallel_size=pp)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 

@@ -64,10 +64,60 @@ def reduce_scatter_tensor(output: torch.Tensor, input_: torch.Tensor, group: Gro
     if _is_gloo(group):
         # Gloo: all-reduce the whole tensor and keep this rank's chunk. More traffic, same result.
         reduced = input_.contiguous().clone()
-        dist.all_reduce(reduced, group=group)
-        output.copy_(reduced.chunk(size(group), dim=0)[rank(group)])
-        return None
+        work = dist.all_reduce(reduced, group=group, async_op=async_op)
+        keep_chunk = lambda: output.copy_(reduced.chunk(size(group), dim=0)[rank(group)])  # noqa: E731
+        return _finish_later(work, keep_chunk)
     return dist.reduce_scatter_tensor(output, input_.contiguous(), group=group, async_op=async_op)
+
+
+class PendingWork:
+    """A collective's work handle plus the local step that completes it (a copy, a division),
+    run once by `wait()`. Lets the gloo fallbacks stay asynchronous."""
+
+    def __init__(self, work, then):
+        self._work = work
+        self._then = then
+
+    def wait(self) -> bool:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._then is not None:
+            self._then()
+            self._then = None
+        return True
+
+
+def _finish_later(work, then):
+    """Runs `then` now for a synchronous call (work None); otherwise defers it to `wait()`."""
+    if work is None:
+        then()
+        return None
+    return PendingWork(work, then)
+
+
+def all_reduce_mean(tensor: torch.Tensor, group: Group, async_op: bool = False):
+    """In-place average over `group` inside the collective (ReduceOp.AVG where the backend has it;
+    on gloo a sum followed by a division). Returns a handle when async_op."""
+    if group is None:
+        return None
+    if _is_gloo(group):
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        return _finish_later(work, lambda: tensor.div_(size(group)))
+    return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
+
+
+def reduce_scatter_mean(output: torch.Tensor, input_: torch.Tensor, group: Group, async_op: bool = False):
+    """`reduce_scatter_tensor` with the result divided by the group size (AVG in the collective
+    where the backend has it)."""
+    if group is None:
+        output.copy_(input_)
+        return None
+    if _is_gloo(group):
+        work = reduce_scatter_tensor(output, input_, group, async_op=async_op)
+        return _finish_later(work, lambda: output.div_(size(group)))
+    return dist.reduce_scatter_tensor(output, input_.contiguous(), op=dist.ReduceOp.AVG, group=group,
+                                      async_op=async_op)
 
 
 def all_gather_object(obj, group: Group) -> list:

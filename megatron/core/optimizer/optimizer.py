@@ -110,17 +110,20 @@ class MixedPrecisionOptimizer:
             self.grad_scaler.update(found_inf)
             if found_inf:
                 return False, None
-        grad_norm = global_grad_norm(self.model_params, grads, self.norm_groups())
+        grad_norm = self._grad_norm(grads)
         if not torch.isfinite(torch.tensor(grad_norm)):
             return False, grad_norm
         clip_grads(grads, grad_norm, self.config.clip_grad)
         for master, grad in zip(self.master_params, grads):
-            master.grad = grad
+            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
         self.optimizer.step()
         for master in self.master_params:
             master.grad = None
         self._copy_masters_to_model()
         return True, grad_norm
+
+    def _grad_norm(self, grads: list) -> float:
+        return global_grad_norm(self.model_params, grads, self.norm_groups())
 
     def _found_inf(self, grads: list) -> bool:
         device = grads[0].device if grads else self.groups.device
@@ -137,8 +140,29 @@ class MixedPrecisionOptimizer:
         if pairs:
             torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
 
+    def stepped_elements(self) -> tuple[int, int]:
+        """(elements this rank's optimizer steps, of which held in fp32 master copies apart from
+        the model's parameters): the basis of the theoretical optimizer-state memory."""
+        copies = sum(m.numel() for m, p in zip(self.master_params, self.model_params) if m is not p)
+        return sum(m.numel() for m in self.master_params), copies
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank: fp32 master copies (those that are not the model's
+        own parameters) and the inner optimizer's per-parameter state (Adam moments)."""
+        return _optimizer_state_bytes(self.optimizer, [m for m, p in zip(self.master_params, self.model_params)
+                                                       if m is not p])
+
     def state_dict(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict()}
         if self.grad_scaler is not None:
             state["grad_scaler"] = self.grad_scaler.state_dict()
         return state
+
+
+def _optimizer_state_bytes(inner: torch.optim.Optimizer, extra_masters: list) -> int:
+    total = sum(m.numel() * m.element_size() for m in extra_masters)
+    for state in inner.state.values():
+        for value in state.values():
+            if torch.is_tensor(value) and value.dim() > 0:
+                total += value.numel() * value.element_size()
+    return total
