@@ -49,7 +49,11 @@ if [ "$TE_FP8" = 1 ]; then echo "TE_FP8=1: FP8 training is not available yet; us
 run_training() {
   DP=$((WORLD / (TP * PP)))
   if [ "$DP" -lt 1 ] || [ $((DP * TP * PP)) -ne "$WORLD" ]; then
-    echo "TP=$TP x PP=$PP does not divide the $WORLD processes (NPROC=$NPROC x NNODES=$NNODES)" >&2; exit 2
+    echo "TP=$TP x PP=$PP does not divide the $WORLD processes (NPROC=$NPROC x NNODES=$NNODES)" >&2
+    if [ "$MODEL_SIZE" = 70 ]; then
+      echo "MODEL_SIZE=70 defaults to TP=8 x PP=4 (32 GPUs: NNODES=4 with 8 GPUs each); set TP/PP to change it" >&2
+    fi
+    exit 2
   fi
   BS=${BS:-$((8 * MBS * DP))}
   PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"

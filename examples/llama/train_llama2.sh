@@ -9,6 +9,9 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 DEFAULT_GPU_MODEL_SIZE=7
 DEFAULT_SEQ_LENGTH=4096
+# 70B: tensor parallel within a node, 4 pipeline stages across nodes (the memory arithmetic is in
+# docs/parallelism.md, "Default layout for 70B"); TP and PP from the environment win.
+if [ "${MODEL_SIZE:-}" = 70 ]; then TP=${TP:-8}; PP=${PP:-4}; fi
 source "$ROOT/examples/llama/common.sh"
 
 case "$MODEL_SIZE" in

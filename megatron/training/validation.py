@@ -90,6 +90,9 @@ def validate(config: Config, world_size: int) -> list:
         notes.append("--use-flash-attn: the flash-attn package is not installed; using PyTorch SDPA "
                      "(its flash kernel on GPU)")
 
+    if config.logging.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("--tensorboard-dir needs the tensorboard package, which is not installed: "
+                          "pip install tensorboard (or drop --tensorboard-dir)")
     _validate_data(config, notes)
     _validate_schedule(config)
     return notes

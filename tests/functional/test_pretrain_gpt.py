@@ -40,8 +40,13 @@ def validation_losses(output: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def single_process_run():
-    result = run_pretrain([])
+def tensorboard_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tensorboard")
+
+
+@pytest.fixture(scope="module")
+def single_process_run(tensorboard_dir):
+    result = run_pretrain(["--tensorboard-dir", str(tensorboard_dir)])
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -53,6 +58,34 @@ def test_single_process_trains_and_logs(single_process_run):
     assert "tokens per GPU (tokens/s/GPU)" in single_process_run
     assert len(validation_losses(single_process_run)) == 1
     assert "------------------------ arguments ------------------------" in single_process_run
+
+
+def test_tensorboard_has_the_logged_scalars(single_process_run, tensorboard_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tensorboard_dir))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("lm loss", "learning-rate", "grad-norm", "loss-scale", "throughput-tflops-per-gpu",
+                "tokens-per-second-per-gpu", "peak-memory-gb", "validation/lm loss"):
+        assert tag in tags
+    logged = [event.value for event in events.Scalars("lm loss")]
+    assert logged == pytest.approx(losses(single_process_run), rel=1e-6)
+
+
+def test_example_script_prints_the_run_summary(tmp_path):
+    """train_llama3.sh on CPU (tiny model, gloo, 2 processes) ends with the mean throughput lines."""
+    env = dict(os.environ, TOTAL_ITERS="3", BS="4", MBS="1", SEQ_LENGTH="32", NPROC="2", TEE_OUTPUT="0",
+               MASTER_PORT="29533", EXTRA_ARGS="--num-workers 0", OMP_NUM_THREADS="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    result = subprocess.run(["bash", str(ROOT / "examples/llama/train_llama3.sh")], capture_output=True, text=True,
+                            env=env, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    summary = result.stdout.strip().splitlines()[-3:]
+    assert summary[0].startswith("mean elapsed time per iteration (ms): ")
+    assert summary[1].startswith("mean throughput per GPU (TFLOP/s/GPU): ")
+    assert summary[2].startswith("mean tokens per GPU (tokens/s/GPU): ")
+    assert float(summary[2].split(": ")[1]) > 0
 
 
 @pytest.mark.parametrize("layout", [

@@ -84,7 +84,9 @@ def _script_args(script: str, env: dict) -> list:
 @pytest.mark.parametrize("script, env, world", [
     ("train_llama3.sh", {}, 2),
     ("train_llama3.sh", {"MODEL_SIZE": "8", "TP": "2", "MBS": "2", "BS": "64", "SEQ_LENGTH": "8192", "NPROC": "8"}, 8),
-    ("train_llama3.sh", {"MODEL_SIZE": "70", "LLAMA_VERSION": "3.1", "TP": "8", "NPROC": "8"}, 8),
+    ("train_llama3.sh", {"MODEL_SIZE": "70", "LLAMA_VERSION": "3.1", "NPROC": "8", "NNODES": "4"}, 32),
+    ("train_llama3.sh", {"MODEL_SIZE": "8", "PP": "2", "VPP": "2", "RECOMPUTE": "1", "NPROC": "8"}, 8),
+    ("train_llama3.sh", {"MODEL_SIZE": "8", "FSDP": "1", "NPROC": "8"}, 8),
     ("train_llama2.sh", {"MODEL_SIZE": "7", "NPROC": "8"}, 8),
     ("train_llama2.sh", {"MODEL_SIZE": "13", "TP": "2", "NPROC": "4"}, 4),
 ])
@@ -94,3 +96,16 @@ def test_example_scripts_pass_valid_flags(script, env, world):
     validate(config, world)
     if env.get("LLAMA_VERSION") == "3.1":
         assert config.model.use_rope_scaling
+        assert (config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size) == (8, 4)
+    if env.get("VPP"):
+        assert config.parallel.num_virtual_stages_per_pipeline_rank == int(env["VPP"])
+    if env.get("RECOMPUTE") == "1":
+        assert config.training.recompute_granularity == "full"
+    assert config.parallel.use_torch_fsdp2 == (env.get("FSDP") == "1")
+
+
+def test_70b_on_one_node_explains_the_default_layout():
+    result = subprocess.run(["bash", str(ROOT / "examples/llama/train_llama3.sh")], capture_output=True, text=True,
+                            env={**os.environ, "DRY_RUN": "1", "MODEL_SIZE": "70", "NPROC": "8"}, timeout=60)
+    assert result.returncode == 2
+    assert "MODEL_SIZE=70 defaults to TP=8 x PP=4" in result.stderr
