@@ -12,11 +12,25 @@ from megatron.core.distributed import comm
 
 
 def local_square_norm(params: list, grads: list) -> torch.Tensor:
-    total = None
+    """This rank's share of the squared global norm (fp32 scalar tensor on the gradients' device).
+
+    Gradients whose parts are all replicated alike (every parameter at TP=1, and all but fused
+    QKV with replicated key/value heads otherwise) are grouped by weight and normed with one
+    multi-tensor kernel per group; the rest go part by part."""
+    by_weight, total = {}, None
     for param, grad in zip(params, grads):
         if getattr(param, "shared_embedding", False):
             continue
-        square = param.tp_layout.unique_square_norm(grad)
+        layout = param.tp_layout
+        replicas = {layout.replicas(part) for part in layout.parts}
+        if len(replicas) == 1:
+            by_weight.setdefault(1.0 / replicas.pop(), []).append(grad)
+        else:
+            square = layout.unique_square_norm(grad)
+            total = square if total is None else total + square
+    for weight, tensors in by_weight.items():
+        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+        square = torch.stack(norms).pow(2).sum() * weight
         total = square if total is None else total + square
     if total is None:
         device = grads[0].device if grads else torch.device("cpu")

@@ -210,7 +210,10 @@ class DistributedOptimizer(ShardedOptimizer):
                     slot = self.optimizer.state[piece.master]
                     if key not in slot:
                         slot[key] = torch.zeros_like(piece.master)
-                        slot["step"] = torch.tensor(float(state["step"]))
+                        # fused/capturable Adam keeps its step count on the parameter's device
+                        on_device = any(g.get("fused") or g.get("capturable") for g in self.optimizer.param_groups)
+                        slot["step"] = torch.tensor(float(state["step"]),
+                                                    device=piece.master.device if on_device else "cpu")
                     slot[key].copy_(value)
         self._copy_masters_to_model()
         for chunk in self.model_chunks:
