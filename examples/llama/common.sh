@@ -77,6 +77,11 @@ run_training() {
     DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size "$VOCAB")
   fi
   LOGGING_ARGS=(--log-interval 1 --log-throughput --eval-interval "$TOTAL_ITERS" --eval-iters 2)
+  if [ "$ENABLE_PROFILING" = 1 ]; then
+    # One step in the middle of the run, after warm-up, on rank 0: a Chrome trace under logs/.
+    LOGGING_ARGS+=(--profile --use-pytorch-profiler --profile-step-start "$((TOTAL_ITERS / 2))"
+                   --profile-step-end "$((TOTAL_ITERS / 2 + 1))" --profile-dir "$ROOT/logs/profiles")
+  fi
 
   LAUNCH=(torchrun --nproc_per_node "$NPROC" --nnodes "$NNODES" --node_rank "$NODE_RANK"
           --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")

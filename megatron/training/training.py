@@ -16,6 +16,7 @@ from megatron.training.data import build_loader
 from megatron.training.initialize import initialize_distributed, world_size_from_env
 from megatron.training.logging import TensorBoardWriter, flops_per_iteration, iteration_line
 from megatron.training.memory import memory_report
+from megatron.training.profiling import StepProfiler
 from megatron.training.validation import validate
 
 
@@ -141,9 +142,11 @@ def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = 
     flops = flops_per_iteration(run.model_config, run.global_batch_size, t.seq_length)
     tokens = run.global_batch_size * t.seq_length
     window = {"time": 0.0, "iters": 0, "losses": {}}
+    profiler = StepProfiler(log, groups.global_rank, groups.device)
     for chunk in run.chunks:
         chunk.module.train()
     while state.iteration < t.train_iters:
+        profiler.before_step(state.iteration)
         utils.reset_peak_memory(groups.device)
         utils.synchronize(groups.device)
         start = time.perf_counter()
@@ -151,6 +154,7 @@ def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = 
         utils.synchronize(groups.device)
         elapsed = time.perf_counter() - start
         state.iteration += 1
+        profiler.after_step(state.iteration)
         state.consumed_train_samples += run.global_batch_size
         if not applied:
             state.skipped_iterations += 1

@@ -93,6 +93,7 @@ def validate(config: Config, world_size: int) -> list:
     if config.logging.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("--tensorboard-dir needs the tensorboard package, which is not installed: "
                           "pip install tensorboard (or drop --tensorboard-dir)")
+    _validate_profiling(config)
     _validate_data(config, notes)
     _validate_schedule(config)
     return notes
@@ -115,6 +116,27 @@ def _validate_data(config: Config, notes: list) -> None:
                  "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     if d.tokenizer_type in ("SentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer"):
         _require(d.tokenizer_model is not None, f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model")
+
+
+def _validate_profiling(config: Config) -> None:
+    log = config.logging
+    if not log.profile:
+        return
+    _require(0 <= log.profile_step_start < log.profile_step_end,
+             f"--profile-step-start ({log.profile_step_start}) must be >= 0 and below --profile-step-end "
+             f"({log.profile_step_end})")
+    _require(log.profile_step_end <= config.training.train_iters,
+             f"--profile-step-end ({log.profile_step_end}) exceeds --train-iters ({config.training.train_iters})")
+    if not log.use_pytorch_profiler:
+        _require(_cuda_available(),
+                 "--profile without --use-pytorch-profiler marks a range for nsys and needs a GPU; "
+                 "add --use-pytorch-profiler")
+
+
+def _cuda_available() -> bool:
+    from megatron.core.utils import accelerator_available
+
+    return accelerator_available()
 
 
 def _validate_schedule(config: Config) -> None:

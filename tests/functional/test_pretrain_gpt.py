@@ -73,6 +73,18 @@ def test_tensorboard_has_the_logged_scalars(single_process_run, tensorboard_dir)
     assert logged == pytest.approx(losses(single_process_run), rel=1e-6)
 
 
+def test_pytorch_profiler_writes_a_chrome_trace(tmp_path):
+    result = run_pretrain(["--train-iters", "3", "--profile", "--use-pytorch-profiler", "--profile-step-start", "1",
+                           "--profile-step-end", "2", "--profile-dir", str(tmp_path), "--eval-iters", "0"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    trace = tmp_path / "trace_rank0_iters2-2.json"
+    assert trace.exists()
+    import json
+
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any("aten::" in str(event.get("name", "")) for event in events)
+
+
 def test_example_script_prints_the_run_summary(tmp_path):
     """train_llama3.sh on CPU (tiny model, gloo, 2 processes) ends with the mean throughput lines."""
     env = dict(os.environ, TOTAL_ITERS="3", BS="4", MBS="1", SEQ_LENGTH="32", NPROC="2", TEE_OUTPUT="0",

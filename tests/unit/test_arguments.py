@@ -55,6 +55,9 @@ def test_weighted_data_path_is_a_list():
     (["--transformer-impl", "transformer_engine"], 1, "--transformer-impl transformer_engine"),
     (["--recompute-granularity", "full"], 1, "--recompute-granularity full needs --recompute-method"),
     (["--lr-decay-style", "WSD"], 1, "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
+    (["--profile", "--use-pytorch-profiler"], 1, "--profile-step-end (12) exceeds --train-iters (3)"),
+    (["--profile", "--use-pytorch-profiler", "--profile-step-start", "2", "--profile-step-end", "2"], 1,
+     "--profile-step-start (2) must be >= 0 and below --profile-step-end (2)"),
 ])
 def test_bad_flags_name_the_flag_and_values(flags, world, message):
     with pytest.raises(ConfigError) as error:
@@ -86,7 +89,7 @@ def _script_args(script: str, env: dict) -> list:
     ("train_llama3.sh", {"MODEL_SIZE": "8", "TP": "2", "MBS": "2", "BS": "64", "SEQ_LENGTH": "8192", "NPROC": "8"}, 8),
     ("train_llama3.sh", {"MODEL_SIZE": "70", "LLAMA_VERSION": "3.1", "NPROC": "8", "NNODES": "4"}, 32),
     ("train_llama3.sh", {"MODEL_SIZE": "8", "PP": "2", "VPP": "2", "RECOMPUTE": "1", "NPROC": "8"}, 8),
-    ("train_llama3.sh", {"MODEL_SIZE": "8", "FSDP": "1", "NPROC": "8"}, 8),
+    ("train_llama3.sh", {"MODEL_SIZE": "8", "FSDP": "1", "NPROC": "8", "ENABLE_PROFILING": "1"}, 8),
     ("train_llama2.sh", {"MODEL_SIZE": "7", "NPROC": "8"}, 8),
     ("train_llama2.sh", {"MODEL_SIZE": "13", "TP": "2", "NPROC": "4"}, 4),
 ])
@@ -102,6 +105,7 @@ def test_example_scripts_pass_valid_flags(script, env, world):
     if env.get("RECOMPUTE") == "1":
         assert config.training.recompute_granularity == "full"
     assert config.parallel.use_torch_fsdp2 == (env.get("FSDP") == "1")
+    assert config.logging.profile == (env.get("ENABLE_PROFILING") == "1")
 
 
 def test_70b_on_one_node_explains_the_default_layout():
