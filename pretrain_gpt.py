@@ -6,7 +6,9 @@
 This file only says what a GPT step is (batch -> model -> masked token loss) and where the data
 comes from; `megatron.training` does the rest.
 """
+import os
 import sys
+import traceback
 from functools import partial
 
 import torch
@@ -79,6 +81,12 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except ValueError as error:  # configuration and input errors: one clear line, no traceback
-        print(f"error: {error}", file=sys.stderr)
+    except ValueError as error:
+        # Configuration and input errors (bad flags, missing or malformed data files) say what and
+        # how to fix in their message: print that line alone unless a traceback is asked for.
+        if os.environ.get("MEGATRON_TRACEBACK") == "1":
+            raise
+        frame = traceback.extract_tb(error.__traceback__)[-1]
+        print(f"error: {error}\n(raised at {frame.filename}:{frame.lineno}; "
+              "set MEGATRON_TRACEBACK=1 for the full traceback)", file=sys.stderr)
         sys.exit(2)
