@@ -33,8 +33,7 @@ TRAINING_ARGS=(--micro-batch-size 8 --global-batch-size 16 --train-iters "$TRAIN
 DATA_ARGS=(--data-path "$WORK_DIR/stdlib_text_document" --split 95,5,0 --data-cache-path "$WORK_DIR/cache"
            --tokenizer-type GPT2BPETokenizer --vocab-file "$WORK_DIR/tokenizer/vocab.json"
            --merge-file "$WORK_DIR/tokenizer/merges.txt" --num-workers 1)
-LOGGING_ARGS=(--log-interval 10 --eval-interval "$EVAL_INTERVAL" --eval-iters 10
-              --tensorboard-dir "$WORK_DIR/tensorboard")
+LOGGING_ARGS=(--log-interval 10 --eval-interval "$EVAL_INTERVAL" --eval-iters 10)
 
 "$PYTHON" -m torch.distributed.run --nproc_per_node "$NPROC" --master_port "${MASTER_PORT:-29512}" \
   "$ROOT/pretrain_gpt.py" "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${LOGGING_ARGS[@]}"
