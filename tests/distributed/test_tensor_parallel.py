@@ -68,3 +68,47 @@ def test_bad_head_split_names_flags(heads, groups, tp, message):
     config = llama_config(num_attention_heads=heads, num_query_groups=groups, hidden_size=heads * 8)
     with pytest.raises(ValueError, match=message):
         config.check_tensor_parallel(tp)
+
+
+def _dropout_check(rank, world_size):
+    """Hidden dropout (on replicated activations) draws from the default stream, seeded alike on
+    every TP rank, so TP=2 reproduces the single-process masks exactly; attention dropout (on
+    sharded heads) draws from the per-rank model-parallel stream, so the two ranks' masks differ."""
+    import torch
+
+    from megatron.core.distributed import comm
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.parallel_state import single_process
+    from megatron.core.tensor_parallel.random import build_tracker
+
+    config = llama_config(hidden_dropout=0.2, attention_dropout=0.0)
+    tokens, labels = global_batches(1, 2, SEQ, config.vocab_size)[0]
+    positions = torch.arange(SEQ).expand_as(tokens)
+
+    def loss_of(groups):
+        tracker = build_tracker(7, groups.tp_rank, 0, torch.device("cpu"))
+        model = GPTModel(config, groups, rng_tracker=tracker)
+        model.initialize_parameters(7)
+        model.train()
+        return model(tokens, positions, labels=labels).mean().item()
+
+    groups = initialize_model_parallel(2, 1)
+    sharded, reference = loss_of(groups), loss_of(single_process())
+    without_dropout = GPTModel(llama_config(), single_process())
+    without_dropout.initialize_parameters(7)
+    plain = without_dropout(tokens, positions, labels=labels).mean().item()
+    assert abs(sharded - reference) <= 1e-5 * abs(reference), (sharded, reference)
+    assert abs(reference - plain) > 1e-3  # dropout did act
+
+    tracker = build_tracker(7, groups.tp_rank, 0, torch.device("cpu"))
+    with tracker.fork():
+        mask = (torch.rand(64) < 0.5).float()
+    masks = torch.zeros(2, 64)
+    masks[groups.tp_rank] = mask
+    comm.all_reduce(masks, groups.tp)
+    assert not torch.equal(masks[0], masks[1])
+    return True
+
+
+def test_dropout_streams_inside_and_outside_tensor_parallel_regions():
+    assert all(run_distributed(2, _dropout_check))
