@@ -85,3 +85,25 @@ def test_sampler_splits_each_step_over_data_ranks_and_resumes():
     with pytest.raises(ValueError, match="consumed 16 of 16"):
         PretrainingSampler(16, 16, 2, 0, 2)
     assert math.isclose(len(PretrainingSampler(17, 0, 2, 0, 2)), 4)
+
+
+def test_weight_decay_skips_norms_and_biases_and_masters_are_fp32():
+    import torch
+
+    from megatron.core.distributed.ddp import DistributedDataParallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.parallel_state import single_process
+    from megatron.core.transformer.config import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64,
+                               params_dtype=torch.bfloat16, add_bias_linear=True)
+    model = GPTModel(config, single_process())
+    model.initialize_parameters(3)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3, weight_decay=0.1, bf16=True),
+                                       [DistributedDataParallel(model, single_process())], single_process())
+    by_decay = {group["weight_decay"]: group["params"] for group in optimizer.param_groups}
+    assert all(p.ndim > 1 for p in by_decay[0.1])
+    assert all(p.ndim == 1 for p in by_decay[0.0])
+    assert len(by_decay[0.0]) == sum(1 for p in model.parameters() if p.ndim == 1) > 0
+    assert all(p.dtype == torch.float32 for group in optimizer.param_groups for p in group["params"])
