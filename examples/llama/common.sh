@@ -64,6 +64,7 @@ run_training() {
     PARALLEL_ARGS+=(--use-distributed-optimizer --overlap-grad-reduce); fi
   if [ "$RECOMPUTE" = 1 ]; then PARALLEL_ARGS+=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1); fi
   if [ "$USE_FLASH_ATTN" = 1 ]; then PARALLEL_ARGS+=(--use-flash-attn); fi
+  if [ "$NO_TORCH_COMPILE" = 1 ]; then PARALLEL_ARGS+=(--no-torch-compile); fi
 
   TRAINING_ARGS=(--micro-batch-size "$MBS" --global-batch-size "$BS" --seq-length "$SEQ_LENGTH"
                  --train-iters "$TOTAL_ITERS" --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine

@@ -19,7 +19,8 @@
 #   USE_FLASH_ATTN  1: use the flash-attn package if installed            [0]
 #   TE_FP8          1: FP8 training (not supported yet: the run stops with an error)   [0]
 #   ENABLE_PROFILING 1: PyTorch-profile one iteration mid-run; Chrome trace in logs/profiles  [0]
-#   NO_TORCH_COMPILE, GEMM_TUNING: accepted; no effect yet.
+#   NO_TORCH_COMPILE 1: run RMSNorm/RoPE/SwiGLU eagerly (by default torch.compile'd on GPU)  [0]
+#   GEMM_TUNING     accepted; no effect yet.
 #   DATA_PATH       dataset prefix (.bin/.idx); unset: --mock-data         []
 #   TOKENIZER_MODEL local Hugging Face tokenizer dir/json (with DATA_PATH)  []
 #   DATA_CACHE_PATH directory for cached dataset indices                   []

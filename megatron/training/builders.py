@@ -7,6 +7,8 @@ The order in which wrappers are applied is fixed here and nowhere else:
   4. data parallelism wraps each chunk (gradient buffer and reduction);
   5. the optimizer is built over the wrapped chunks.
 """
+import importlib.util
+
 import torch
 
 from megatron.core.distributed.ddp import (
@@ -35,6 +37,14 @@ def params_dtype(config: Config) -> torch.dtype:
     return torch.float32
 
 
+def fuse_elementwise(config: Config) -> bool:
+    """torch.compile the elementwise chains: on GPU (nccl) with Triton present, unless --no-torch-compile."""
+    from megatron.training.initialize import resolve_backend
+
+    return (not config.model.no_torch_compile and resolve_backend(config) == "nccl"
+            and importlib.util.find_spec("triton") is not None)
+
+
 def transformer_config(config: Config, vocab_size: int) -> TransformerConfig:
     m, t = config.model, config.training
     return TransformerConfig(
@@ -54,7 +64,7 @@ def transformer_config(config: Config, vocab_size: int) -> TransformerConfig:
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std, params_dtype=params_dtype(config),
         sequence_parallel=config.parallel.sequence_parallel,
-        attention_backend="flash_attn" if m.use_flash_attn else "sdpa",
+        attention_backend="flash_attn" if m.use_flash_attn else "sdpa", fuse_elementwise=fuse_elementwise(config),
         recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
         recompute_num_layers=t.recompute_num_layers,
     )

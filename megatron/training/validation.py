@@ -86,6 +86,10 @@ def validate(config: Config, world_size: int) -> list:
                               "is not installed; install it or use --transformer-impl local")
         raise ConfigError("--transformer-impl transformer_engine is not supported by this version; "
                           "use --transformer-impl local (the default)")
+    if (not m.no_torch_compile and (p.distributed_backend or "nccl") == "nccl" and
+            importlib.util.find_spec("triton") is None and _cuda_available()):
+        notes.append("Triton is not installed, so RMSNorm/RoPE/SwiGLU run eagerly (unfused); "
+                      "install triton for the torch.compile'd kernels")
     if m.use_flash_attn and importlib.util.find_spec("flash_attn") is None:
         notes.append("--use-flash-attn: the flash-attn package is not installed; using PyTorch SDPA "
                      "(its flash kernel on GPU)")

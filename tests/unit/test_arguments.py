@@ -89,7 +89,8 @@ def _script_args(script: str, env: dict) -> list:
     ("train_llama3.sh", {"MODEL_SIZE": "8", "TP": "2", "MBS": "2", "BS": "64", "SEQ_LENGTH": "8192", "NPROC": "8"}, 8),
     ("train_llama3.sh", {"MODEL_SIZE": "70", "LLAMA_VERSION": "3.1", "NPROC": "8", "NNODES": "4"}, 32),
     ("train_llama3.sh", {"MODEL_SIZE": "8", "PP": "2", "VPP": "2", "RECOMPUTE": "1", "NPROC": "8"}, 8),
-    ("train_llama3.sh", {"MODEL_SIZE": "8", "FSDP": "1", "NPROC": "8", "ENABLE_PROFILING": "1"}, 8),
+    ("train_llama3.sh", {"MODEL_SIZE": "8", "FSDP": "1", "NPROC": "8", "ENABLE_PROFILING": "1",
+                         "NO_TORCH_COMPILE": "1"}, 8),
     ("train_llama2.sh", {"MODEL_SIZE": "7", "NPROC": "8"}, 8),
     ("train_llama2.sh", {"MODEL_SIZE": "13", "TP": "2", "NPROC": "4"}, 4),
 ])
@@ -106,6 +107,7 @@ def test_example_scripts_pass_valid_flags(script, env, world):
         assert config.training.recompute_granularity == "full"
     assert config.parallel.use_torch_fsdp2 == (env.get("FSDP") == "1")
     assert config.logging.profile == (env.get("ENABLE_PROFILING") == "1")
+    assert config.model.no_torch_compile == (env.get("NO_TORCH_COMPILE") == "1")
 
 
 def test_70b_on_one_node_explains_the_default_layout():

@@ -19,7 +19,8 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.norm import LayerNorm, RMSNorm, build_norm
-from megatron.core.transformer.rope import RotaryEmbedding, apply_rotary, inverse_frequencies
+from megatron.core.transformer.fusions import rotary as apply_rotary
+from megatron.core.transformer.rope import RotaryEmbedding, inverse_frequencies
 
 SINGLE = dict(tp_size=1, tp_rank=0, device=None)
 

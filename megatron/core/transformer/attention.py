@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, Part, RowParallelLinear
 from megatron.core.tensor_parallel.random import RNGStatesTracker
-from megatron.core.transformer.rope import apply_rotary
+from megatron.core.transformer.fusions import pick, rotary
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +81,9 @@ class SelfAttention(torch.nn.Module):
         self.core_attention = CoreAttention(config, rng_tracker)
         self.linear_proj = RowParallelLinear(config.query_projection_size, config.hidden_size,
                                              bias=config.add_bias_linear, **common)
+        self._rotate = pick(rotary, config.fuse_elementwise)
 
-    def forward(self, x, rotary=None, attention_mask=None):
+    def forward(self, x, rotary_cos_sin=None, attention_mask=None):
         # x: [s, b, h] (or [s/tp, b, h] with sequence parallelism; linear_qkv gathers it)
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[:2]
@@ -92,9 +93,9 @@ class SelfAttention(torch.nn.Module):
         q = q.view(s, b, self.num_local_heads, self.head_dim)
         k = k.view(s, b, self.num_local_groups, self.head_dim)
         v = v.view(s, b, self.num_local_groups, self.head_dim)
-        if rotary is not None:
-            cos, sin = rotary
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if rotary_cos_sin is not None:
+            cos, sin = rotary_cos_sin
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         out = self.core_attention(q, k, v, attention_mask)

@@ -38,6 +38,7 @@ class TransformerConfig:
     params_dtype: torch.dtype = torch.float32
     sequence_parallel: bool = False
     attention_backend: str = "sdpa"              # "sdpa" or "flash_attn"
+    fuse_elementwise: bool = False               # torch.compile RMSNorm, RoPE and SwiGLU (fusions.py)
     recompute_granularity: Optional[str] = None  # None, "full" or "selective"
     recompute_method: Optional[str] = None       # "uniform" or "block" (with full)
     recompute_num_layers: Optional[int] = None

@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, Part, RowParallelLinear
+from megatron.core.transformer.fusions import pick, swiglu
 
 _ACTIVATIONS = {
     "gelu": F.gelu,
@@ -18,6 +19,7 @@ class MLP(torch.nn.Module):
         super().__init__()
         self.gated = config.gated_linear_unit
         self.activation = _ACTIVATIONS[config.activation]
+        self._swiglu = pick(swiglu, config.fuse_elementwise) if config.activation == "silu" else None
         ffn = config.ffn_hidden_size
         parts = (Part("gate", ffn, tp_size), Part("up", ffn, tp_size)) if self.gated else None
         common = dict(tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank, bias=config.add_bias_linear,
@@ -27,7 +29,9 @@ class MLP(torch.nn.Module):
 
     def forward(self, x):
         h = self.linear_fc1(x)  # [s, b, ffn/tp] (x2 when gated)
-        if self.gated:
+        if self.gated and self._swiglu is not None:
+            h = self._swiglu(h)
+        elif self.gated:
             gate, up = h.chunk(2, dim=-1)
             h = self.activation(gate) * up
         else:

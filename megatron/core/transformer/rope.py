@@ -1,4 +1,6 @@
-"""Rotary position embeddings (rotate-half convention, as Llama), with Llama 3.1 scaling."""
+"""Rotary position embeddings (rotate-half convention, as Llama), with Llama 3.1 scaling.
+
+The rotation itself is `fusions.rotary`, applied by the attention module."""
 import math
 
 import torch
@@ -35,17 +37,3 @@ class RotaryEmbedding(torch.nn.Module):
         angles = position_ids.t().unsqueeze(-1).float() * self.inv_freq  # [s, b, rotary_dim/2]
         angles = torch.cat((angles, angles), dim=-1).unsqueeze(2)
         return angles.cos(), angles.sin()
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [s, b, heads, d]; rotates the first rotary_dim channels, computed in fp32."""
-    rotary_dim = cos.shape[-1]
-    rotated, passthrough = x[..., :rotary_dim], x[..., rotary_dim:]
-    x32 = rotated.float()
-    out = (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
-    return torch.cat((out, passthrough), dim=-1) if passthrough.shape[-1] else out

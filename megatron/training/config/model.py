@@ -57,3 +57,5 @@ class ModelConfig:
     """Use the flash-attn package if installed (otherwise SDPA's flash kernel)."""
     transformer_impl: Literal["local", "transformer_engine"] = "local"
     """Layer implementation: local (plain PyTorch) or transformer_engine."""
+    no_torch_compile: bool = False
+    """Run RMSNorm, RoPE and SwiGLU eagerly. By default they are torch.compile'd into fused kernels on GPU (never on CPU)."""
