@@ -136,10 +136,14 @@ def set_layout(param: torch.nn.Parameter, layout: TPLayout, init: str) -> None:
     param.init = init
 
 
-def seeded_generator(seed: int, name: str) -> torch.Generator:
-    """A CPU generator keyed by (seed, logical tensor name): independent of layout and order."""
+def seeded_generator(seed: int, name: str, device="cpu") -> torch.Generator:
+    """A generator keyed by (seed, logical tensor name): independent of layout and order.
+
+    It lives on the parameter's device, so a GPU run draws its full tensors on the GPU (fast
+    start-up for large models); every rank of a run uses the same device type, so all layouts of
+    that run still start from the same weights."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    generator = torch.Generator(device="cpu")
+    generator = torch.Generator(device=device)
     generator.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
     return generator
 
@@ -154,17 +158,19 @@ def full_shape(param: torch.nn.Parameter, part: Part) -> list:
 def initialize_param(param: torch.nn.Parameter, name: str, seed: int, std: float, num_layers: int) -> None:
     """Fills `param` with its slice of the full tensor generated for `name` (see module docstring)."""
     layout: TPLayout = param.tp_layout
+    device = param.device
     full = {}
     for part in layout.parts:
         shape = full_shape(param, part)
         if param.init == "ones":
-            full[part.name] = torch.ones(shape)
+            full[part.name] = torch.ones(shape, device=device)
         elif param.init == "zeros":
-            full[part.name] = torch.zeros(shape)
+            full[part.name] = torch.zeros(shape, device=device)
         else:
             part_std = std / math.sqrt(2.0 * num_layers) if param.init == "scaled_normal" else std
             key = f"{name}.{part.name}" if part.name else name
-            full[part.name] = torch.empty(shape).normal_(0.0, part_std, generator=seeded_generator(seed, key))
+            generator = seeded_generator(seed, key, device)
+            full[part.name] = torch.empty(shape, device=device).normal_(0.0, part_std, generator=generator)
     param.copy_(layout.full_to_local(full))
 
 
