@@ -12,7 +12,6 @@ Theoretical figures count the persistent tensors only (no activations, no tempor
 """
 import torch
 
-from megatron.core import utils
 
 _MOMENTS = {"adam": 2, "sgd": 1}
 _GIB = 1024 ** 3
@@ -69,11 +68,3 @@ def memory_report(config, chunks: list, optimizer, groups) -> str:
         text += f" | + one gathered layer {_gib(figures['fsdp_gathered_layer'])} while it runs"
     return text
 
-
-def peak_memory_report(device: torch.device, *, reset: bool = True) -> str:
-    """The measured peak since the last reset (accelerator: allocated bytes; CPU: the process's
-    peak resident set size, which never resets), for the iteration log line."""
-    peak = utils.peak_memory_bytes(device)
-    if reset:
-        utils.reset_peak_memory(device)
-    return f"peak memory: {peak / 1024 ** 2:.1f} MiB"

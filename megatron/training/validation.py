@@ -19,7 +19,7 @@ def _require(condition: bool, message: str) -> None:
 def validate(config: Config, world_size: int) -> list:
     """Raises ConfigError on the first problem; returns notes to print (non-fatal adjustments)."""
     notes = []
-    m, p, t, d = config.model, config.parallel, config.training, config.data
+    m, p, t = config.model, config.parallel, config.training
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     try:
         dp = check_sizes(world_size, tp, pp, 1)

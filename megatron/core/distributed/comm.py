@@ -23,9 +23,6 @@ def rank(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def global_rank_of(group: dist.ProcessGroup, group_rank: int) -> int:
-    return dist.get_global_rank(group, group_rank)
-
 
 def _is_gloo(group: Group) -> bool:
     return dist.get_backend(group) == "gloo"
@@ -120,17 +117,6 @@ def reduce_scatter_mean(output: torch.Tensor, input_: torch.Tensor, group: Group
                                       async_op=async_op)
 
 
-def all_gather_object(obj, group: Group) -> list:
-    if group is None:
-        return [obj]
-    out = [None] * size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def broadcast(tensor: torch.Tensor, src_global_rank: int, group: Group) -> None:
-    if group is not None:
-        dist.broadcast(tensor, src=src_global_rank, group=group)
 
 
 def barrier(group: Group = None) -> None:

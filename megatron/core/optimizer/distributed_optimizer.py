@@ -17,7 +17,6 @@ parameter name with full (TP-gathered, DP-gathered) tensors, independent of the 
 """
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
