@@ -75,7 +75,8 @@ def main(argv=None):
         raise SystemExit("error: no vocabulary size: pass --tokenizer-type (with its files) or --vocab-size N")
     provider = partial(datasets_provider, tokenizer=tokenizer, vocab_size=vocab_size)
     state = pretrain(config, forward_step_func=forward_step, datasets_provider=provider, vocab_size=vocab_size)
-    print_rank_0(f"> training finished after {state.iteration} iterations")
+    reason = f" ({state.exit_reason})" if state.exit_reason else ""
+    print_rank_0(f"> training finished after {state.iteration} iterations{reason}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ class ParallelGroups:
     dp_cp: Optional[dist.ProcessGroup] = None      # gradients are averaged over data and context ranks
     mp: Optional[dist.ProcessGroup] = None         # tp x pp: everything one model replica spans
     embedding: Optional[dist.ProcessGroup] = None  # first and last pipeline stage (tied embeddings)
+    world: Optional[dist.ProcessGroup] = None      # every rank (decisions all ranks must agree on)
     pp_global_ranks: tuple = (0,)                  # global rank of every stage of this rank's pipeline
     embedding_global_ranks: tuple = ()
     world_size: int = 1
@@ -166,7 +167,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
         tp_size=tp, cp_size=cp, dp_size=dp, pp_size=pp,
         tp_rank=my_tp, cp_rank=my_cp, dp_rank=my_dp, pp_rank=my_pp,
         tp=tp_group, cp=cp_group, dp=dp_group, pp=pp_group, dp_cp=dp_cp_group, mp=mp_group,
-        embedding=embedding_group, pp_global_ranks=tuple(pp_ranks),
+        embedding=embedding_group, world=dist.group.WORLD if world > 1 else None, pp_global_ranks=tuple(pp_ranks),
         embedding_global_ranks=embedding_ranks, world_size=world, global_rank=me,
         backend=backend, device=device or torch.device("cpu"),
     )

@@ -11,13 +11,24 @@ from megatron.core.distributed.ddp import finalize_model_grads
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.training import builders
 from megatron.training.arguments import format_config
+from megatron.training.checkpointing import (
+    Checkpointer,
+    apply_checkpoint_args,
+    architecture,
+    check_architecture,
+    locate,
+    read_common,
+)
 from megatron.training.config import Config
 from megatron.training.data import build_loader
+from megatron.training.exits import ExitConditions
 from megatron.training.initialize import initialize_distributed, world_size_from_env
 from megatron.training.logging import TensorBoardWriter, flops_per_iteration, iteration_line
 from megatron.training.memory import memory_report
 from megatron.training.profiling import StepProfiler
 from megatron.training.validation import validate
+
+_JOB_START_TIME = time.time()  # --exit-duration-in-mins counts from here (module import ~ job start)
 
 
 @dataclasses.dataclass
@@ -27,6 +38,7 @@ class TrainState:
     consumed_valid_samples: int = 0
     skipped_iterations: int = 0
     nan_iterations: int = 0
+    exit_reason: Optional[str] = None  # why training stopped before --train-iters (not saved)
 
 
 @dataclasses.dataclass
@@ -43,6 +55,9 @@ class Run:
     global_batch_size: int
     num_microbatches: int
     printer: Callable
+    vocab_size: int
+    checkpointer: Optional[Checkpointer]
+    checkpoint_to_load: Optional[tuple]  # (directory, common.json) found by --load
 
 
 def print_rank_0(message: str) -> None:
@@ -51,13 +66,17 @@ def print_rank_0(message: str) -> None:
 
 
 def setup(config: Config, forward_step_func: Callable, vocab_size: int) -> Run:
-    """Validates the flags, joins the process groups, builds model, DDP and optimizer."""
-    notes = validate(config, world_size_from_env())
+    """Validates the flags (and the checkpoint to load against them), joins the process groups,
+    builds model, DDP and optimizer."""
+    notes, to_load = _find_checkpoint(config)
+    notes += validate(config, world_size_from_env())
     groups, rng_tracker = initialize_distributed(config)
     print_rank_0(format_config(config))
+    model_config = builders.transformer_config(config, vocab_size)
+    if to_load is not None:
+        notes += check_architecture(to_load[0], to_load[1]["model"], architecture(model_config, vocab_size))
     for note in notes:
         print_rank_0(f"NOTE: {note}")
-    model_config = builders.transformer_config(config, vocab_size)
     chunks = builders.build_model_chunks(config, groups, model_config, rng_tracker)
     chunks = builders.wrap_data_parallel(chunks, config, groups)
     optimizer, scheduler = builders.build_optimizer(config, chunks, groups)
@@ -71,8 +90,24 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int) -> Run:
     report = memory_report(config, chunks, optimizer, groups)
     if groups.dp_rank == 0 and groups.cp_rank == 0:
         print(report, flush=True)
+    checkpointer = (Checkpointer(config, groups, rng_tracker, print_rank_0)
+                    if config.checkpoint.save or to_load is not None else None)
     return Run(config, groups, model_config, chunks, optimizer, scheduler, forward_step_func, global_batch,
-               num_microbatches, print_rank_0)
+               num_microbatches, print_rank_0, vocab_size, checkpointer, to_load)
+
+
+def _find_checkpoint(config: Config) -> tuple[list, Optional[tuple]]:
+    """(notes, (directory, common.json) of the checkpoint --load names, or None). With
+    --use-checkpoint-args the model flags are taken from it here, before validation."""
+    options = config.checkpoint
+    if not options.load:
+        return [], None
+    directory, note = locate(options.load, options.ckpt_step)
+    if directory is None:
+        return [note], None
+    common = read_common(directory)
+    notes = apply_checkpoint_args(config, common) if options.use_checkpoint_args else []
+    return notes, (directory, common)
 
 
 def _activation_shape(run: Run) -> tuple:
@@ -132,12 +167,18 @@ def _loaders(run: Run, dataset, consumed: int) -> Optional[list]:
     return None if loaders[0] is None else [iter(loader) for loader in loaders]
 
 
-def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = None) -> TrainState:
-    """Runs --train-iters optimizer steps; returns the final state. Logs from the logging rank."""
+def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = None,
+          exits: Optional[ExitConditions] = None) -> TrainState:
+    """Runs --train-iters optimizer steps (or until an exit condition); returns the final state.
+    Logs from the logging rank; saves checkpoints at --save-interval and before an early exit."""
     config, groups = run.config, run.groups
     t, log = config.training, config.logging
     state = state or TrainState()
+    if state.iteration >= t.train_iters:
+        return state
     train_iterators = _loaders(run, train_dataset, state.consumed_train_samples)
+    if run.checkpointer is not None:
+        run.checkpointer.restore_rng()
     tensorboard = TensorBoardWriter(log.tensorboard_dir if groups.is_logging_rank else None)
     flops = flops_per_iteration(run.model_config, run.global_batch_size, t.seq_length)
     tokens = run.global_batch_size * t.seq_length
@@ -169,10 +210,23 @@ def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = 
             window = {"time": 0.0, "iters": 0, "losses": {}}
         if valid_dataset is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
             _log_evaluation(run, valid_dataset, state, "iteration " + str(state.iteration), tensorboard)
-        if t.exit_interval and state.iteration % t.exit_interval == 0:
+        state.exit_reason = _save_and_check_exit(run, state, exits)
+        if state.exit_reason is not None:
+            run.printer(f"> exiting after iteration {state.iteration}: {state.exit_reason}")
             break
     tensorboard.close()
     return state
+
+
+def _save_and_check_exit(run: Run, state: TrainState, exits: Optional[ExitConditions]) -> Optional[str]:
+    """Saves at --save-interval; returns why to stop now (saving first when --save is given)."""
+    options = run.config.checkpoint
+    if options.save and options.save_interval and state.iteration % options.save_interval == 0:
+        run.checkpointer.save(run, state, run.vocab_size)
+    reason = exits.check(state.iteration) if exits is not None else None
+    if reason is not None and options.save and run.checkpointer.last_saved_iteration != state.iteration:
+        run.checkpointer.save(run, state, run.vocab_size)
+    return reason
 
 
 def _log_iteration(run: Run, state: TrainState, window: dict, flops: float, tokens: int,
@@ -220,16 +274,30 @@ def _ppl(loss: float) -> float:
 
 def pretrain(config: Config, *, forward_step_func: Callable, datasets_provider: Callable,
              vocab_size: int) -> TrainState:
-    """Validate, initialize, build, load data, train, and evaluate at the end (as Megatron does)."""
+    """Validate, initialize, build, load a checkpoint, load data, train, save, and evaluate at the
+    end (as Megatron does)."""
     run = setup(config, forward_step_func, vocab_size)
+    state = TrainState()
+    if run.checkpoint_to_load is not None:
+        state = run.checkpointer.load(run, *run.checkpoint_to_load, TrainState)
     t = config.training
     evaluations = t.train_iters // t.eval_interval + 1
     num_samples = (t.train_iters * run.global_batch_size,
                    evaluations * t.eval_iters * run.global_batch_size,
                    t.eval_iters * run.global_batch_size)
     train_ds, valid_ds, test_ds = datasets_provider(config, run.groups, num_samples)
-    state = train(run, train_ds, valid_ds)
-    if valid_ds is not None and t.eval_iters > 0 and state.iteration % t.eval_interval != 0:
+    exits = ExitConditions(t, run.groups, _JOB_START_TIME)
+    try:
+        state = train(run, train_ds, valid_ds, state, exits)
+    finally:
+        exits.restore()
+    options = config.checkpoint
+    if options.save and state.iteration > 0 and run.checkpointer.last_saved_iteration != state.iteration:
+        run.checkpointer.save(run, state, vocab_size)
+    if run.checkpointer is not None:
+        run.checkpointer.wait()
+    if (state.exit_reason is None and valid_ds is not None and t.eval_iters > 0
+            and state.iteration % t.eval_interval != 0):
         _log_evaluation(run, valid_ds, state, "the end of training", TensorBoardWriter(None))
     if torch.distributed.is_initialized():
         comm.barrier()

@@ -1,5 +1,6 @@
 """Cross-field checks run before anything expensive. Every message names the flags and values."""
 import importlib.util
+import os
 
 from megatron.core.distributed.ddp import validate_data_parallel
 from megatron.core.parallel_state import check_sizes
@@ -100,7 +101,33 @@ def validate(config: Config, world_size: int) -> list:
     _validate_profiling(config)
     _validate_data(config, notes)
     _validate_schedule(config)
+    _validate_checkpointing(config, notes)
     return notes
+
+
+def _validate_checkpointing(config: Config, notes: list) -> None:
+    c, t = config.checkpoint, config.training
+    if c.ckpt_format in ("zarr", "fsdp_dtensor"):
+        raise ConfigError(f"--ckpt-format {c.ckpt_format} is not supported; use --ckpt-format torch_dist (the default: "
+                          "layout-independent, loads at any parallel layout)")
+    if c.ckpt_format in ("torch", "torch_dcp"):
+        notes.append(f"--ckpt-format {c.ckpt_format}: checkpoints are written in the one format of this framework "
+                     "(torch_dist: torch.distributed.checkpoint, layout-independent)")
+    for flag, value in (("--save-interval", c.save_interval), ("--ckpt-keep-latest", c.ckpt_keep_latest),
+                        ("--exit-interval", t.exit_interval), ("--exit-duration-in-mins", t.exit_duration_in_mins)):
+        _require(value is None or value > 0, f"{flag} must be positive, got {value}")
+    for flag, value in (("--async-save", c.async_save), ("--save-interval", c.save_interval),
+                        ("--ckpt-keep-latest", c.ckpt_keep_latest)):
+        _require(not value or c.save, f"{flag} needs --save DIR")
+    for flag, value in (("--ckpt-step", c.ckpt_step is not None), ("--use-checkpoint-args", c.use_checkpoint_args),
+                        ("--finetune", c.finetune)):
+        _require(not value or c.load, f"{flag} needs --load DIR")
+    if c.save:
+        _require(not os.path.exists(c.save) or os.path.isdir(c.save), f"--save {c.save} exists and is not a directory")
+        parent = c.save if os.path.isdir(c.save) else os.path.dirname(os.path.abspath(c.save))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        _require(os.access(parent, os.W_OK | os.X_OK), f"--save {c.save}: {parent} is not writable")
 
 
 def _validate_data(config: Config, notes: list) -> None:

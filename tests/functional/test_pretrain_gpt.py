@@ -20,15 +20,31 @@ TINY_LLAMA = [
 ]
 
 
-def run_pretrain(extra: list, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+def pretrain_command(nproc: int = 1) -> list:
+    """`python pretrain_gpt.py`, or torchrun with `nproc` processes on a free port."""
     if nproc == 1:
-        command = [sys.executable, str(ROOT / "pretrain_gpt.py")]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                   "--master_port", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
-                   str(ROOT / "pretrain_gpt.py")]
-    return subprocess.run(command + TINY_LLAMA + extra, capture_output=True, text=True, timeout=timeout, env=env)
+        return [sys.executable, str(ROOT / "pretrain_gpt.py")]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_port", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
+            str(ROOT / "pretrain_gpt.py")]
+
+
+def pretrain_env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+
+
+def run_pretrain(extra: list, nproc: int = 1, timeout: int = 300, base: list = TINY_LLAMA) -> subprocess.CompletedProcess:
+    return subprocess.run(pretrain_command(nproc) + base + extra, capture_output=True, text=True, timeout=timeout,
+                          env=pretrain_env())
+
+
+def tensorboard_scalars(directory, tag: str) -> dict:
+    """{iteration: value} of one TensorBoard scalar (float32, exactly as computed)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    return {event.step: event.value for event in events.Scalars(tag)}
 
 
 def losses(output: str) -> list:

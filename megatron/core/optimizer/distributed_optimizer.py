@@ -100,6 +100,19 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         self.grad_scaler = build_grad_scaler(config)
         self.num_applied_steps = 0
 
+    def state_regions(self) -> list:
+        return [(p.param, p.start, p.start + p.master.numel(), p.master) for p in self.pieces]
+
+    def separate_masters(self) -> bool:
+        return bool(self._master_copies())
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        for piece in self.pieces:
+            model_shard = getattr(piece, "model_shard", None)
+            if model_shard is not None and piece.master.data_ptr() != model_shard.data_ptr():
+                piece.master.copy_(model_shard)
+
     def grads(self) -> list:
         return [piece.grad for piece in self.pieces]
 
@@ -117,11 +130,6 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         for group in self.norm_groups():
             comm.all_reduce(square, group)
         return square.sqrt().item()
-
-    def step(self):
-        applied, grad_norm = super().step()
-        self.num_applied_steps += int(applied)
-        return applied, grad_norm
 
     def _master_copies(self) -> list:
         return [p.master for p in self.pieces if p.master.data_ptr() != p.model_shard.data_ptr()]

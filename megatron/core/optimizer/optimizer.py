@@ -79,6 +79,7 @@ class MixedPrecisionOptimizer:
         self.optimizer = build_inner_optimizer(config, _param_groups(self.model_params, self.master_params,
                                                                      config.weight_decay))
         self.grad_scaler = build_grad_scaler(config)
+        self.num_applied_steps = 0
 
     @property
     def param_groups(self) -> list:
@@ -120,6 +121,7 @@ class MixedPrecisionOptimizer:
         for master in self.master_params:
             master.grad = None
         self._copy_masters_to_model()
+        self.num_applied_steps += 1
         return True, grad_norm
 
     def _grad_norm(self, grads: list) -> float:
@@ -152,11 +154,60 @@ class MixedPrecisionOptimizer:
         return _optimizer_state_bytes(self.optimizer, [m for m, p in zip(self.master_params, self.model_params)
                                                        if m is not p])
 
-    def state_dict(self) -> dict:
-        state = {"optimizer": self.optimizer.state_dict()}
-        if self.grad_scaler is not None:
-            state["grad_scaler"] = self.grad_scaler.state_dict()
-        return state
+    # -- checkpointing ------------------------------------------------------------------------
+    def state_regions(self) -> list:
+        """(model param, flat start, flat end, master) for every master this rank steps: here the
+        whole (tensor-parallel local) parameter."""
+        return [(p, 0, p.numel(), m) for p, m in zip(self.model_params, self.master_params)]
+
+    def separate_masters(self) -> bool:
+        """Whether the fp32 masters are copies apart from the model's (bf16/fp16) weights."""
+        return any(m is not p for p, m in zip(self.model_params, self.master_params))
+
+    def moment_keys(self) -> tuple:
+        """The inner optimizer's per-element state tensors."""
+        if self.config.optimizer == "adam":
+            return ("exp_avg", "exp_avg_sq")
+        return ("momentum_buffer",) if self.config.sgd_momentum else ()
+
+    def prepare_state_for_load(self, num_applied_steps: int) -> None:
+        """Creates the inner optimizer's state (as its first step would) so that a checkpoint can be
+        loaded into it in place, and sets the step count."""
+        self.num_applied_steps = num_applied_steps
+        scalar_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        on_device = any(g.get("fused") or g.get("capturable") for g in self.optimizer.param_groups)
+        for _, _, _, master in self.state_regions():
+            slot = self.optimizer.state[master]
+            for key in self.moment_keys():
+                slot[key] = torch.zeros_like(master, memory_format=torch.preserve_format)
+            if self.config.optimizer == "adam":
+                slot["step"] = torch.tensor(float(num_applied_steps), dtype=scalar_dtype,
+                                            device=master.device if on_device else "cpu")
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Masters from the model's weights (after loading weights only)."""
+        for param, master in zip(self.model_params, self.master_params):
+            if master is not param:
+                master.copy_(param)
+
+    @torch.no_grad()
+    def copy_masters_to_model(self) -> None:
+        """The model's weights from the masters (after loading masters)."""
+        self._copy_masters_to_model()
+
+    def scaler_state(self) -> dict:
+        """The loss scaler's state as plain numbers (empty without fp16 scaling)."""
+        if self.grad_scaler is None:
+            return {}
+        return {key: (value.item() if torch.is_tensor(value) else value)
+                for key, value in self.grad_scaler.state_dict().items()}
+
+    def load_scaler_state(self, state: dict) -> None:
+        if self.grad_scaler is None or not state:
+            return
+        self.grad_scaler.load_state_dict({key: torch.tensor([value], dtype=torch.float32) if key == "scale" else value
+                                          for key, value in state.items()})
 
 
 def _optimizer_state_bytes(inner: torch.optim.Optimizer, extra_masters: list) -> int:

@@ -1,6 +1,7 @@
 """Typed configuration: one dataclass per concern; the command-line flags are generated from it."""
 from dataclasses import dataclass
 
+from megatron.training.config.checkpoint import CheckpointConfig
 from megatron.training.config.data import DataConfig
 from megatron.training.config.logging import LoggingConfig
 from megatron.training.config.model import ModelConfig
@@ -14,6 +15,7 @@ SECTIONS = {
     "optimizer": OptimizerArgs,
     "data": DataConfig,
     "logging": LoggingConfig,
+    "checkpoint": CheckpointConfig,
 }
 
 
@@ -25,3 +27,4 @@ class Config:
     optimizer: OptimizerArgs
     data: DataConfig
     logging: LoggingConfig
+    checkpoint: CheckpointConfig

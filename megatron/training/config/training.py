@@ -40,7 +40,11 @@ class TrainingConfig:
     recompute_num_layers: Optional[int] = None
     """With full recompute: layers per group (uniform) or recomputed layers per stage (block)."""
     exit_interval: Optional[int] = None
-    """Stop after an iteration number divisible by this."""
+    """Stop (saving a checkpoint first when --save is given) after an iteration number divisible by this."""
+    exit_duration_in_mins: Optional[float] = None
+    """Stop (saving first when --save is given) once this many minutes have passed since the job started; all ranks agree."""
+    exit_signal_handler: bool = False
+    """On SIGTERM or SIGUSR1 (Slurm's --signal), finish the current iteration, save when --save is given, and exit 0."""
 
 
 @dataclass

@@ -1,0 +1,411 @@
+"""--save / --load: checkpoint directories, the tracker file, atomic commits, async saves, resume.
+
+A save directory holds one directory per checkpoint and Megatron's tracker file:
+
+    <save>/iter_0000100/      .metadata, __<rank>_0.distcp (torch.distributed.checkpoint), common.json
+    <save>/latest_checkpointed_iteration.txt    "100"
+
+Tensors (model, optimizer, RNG) are saved by `megatron.core.checkpointing` as logical, full-shape
+tensors, so any layout loads any checkpoint. `common.json` holds what is the same on every rank:
+the iteration, consumed samples, counters, scheduler and loss-scaler state, the step count, and the
+flags, whose model-shape part is checked against the run that loads it before anything is built.
+
+A save is atomic: every rank writes into `iter_NNNNNNN.incomplete`; once all have finished, rank 0
+adds common.json, renames the directory to `iter_NNNNNNN` and only then rewrites the tracker
+(itself through a temporary file and a rename). A crash at any instant leaves the tracker naming a
+complete checkpoint; leftovers of an interrupted save are removed by the next save.
+"""
+import dataclasses
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+from megatron.core.checkpointing import CheckpointFormatError
+from megatron.core.checkpointing import state as ckpt_state
+from megatron.core.checkpointing.sharded import ShardedState
+from megatron.training.validation import ConfigError
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+COMMON_FILE = "common.json"
+FORMAT = "megatron-lite torch_dist"
+FORMAT_VERSION = 1
+_ITERATION_DIR = re.compile(r"^iter_(\d{7,})$")
+
+# Model flags that --use-checkpoint-args takes from the checkpoint (the model's architecture).
+CHECKPOINT_MODEL_ARGS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels", "group_query_attention",
+    "num_query_groups", "max_position_embeddings", "position_embedding_type", "rotary_base", "rotary_percent",
+    "use_rope_scaling", "rope_scaling_factor", "normalization", "norm_epsilon", "swiglu", "openai_gelu",
+    "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "make_vocab_size_divisible_by",
+)
+
+# Resolved architecture (TransformerConfig field -> the flag that sets it): a mismatch is an error.
+ARCHITECTURE_FLAGS = {
+    "num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidden_size": "--ffn-hidden-size",
+    "num_attention_heads": "--num-attention-heads", "kv_channels": "--kv-channels",
+    "num_query_groups": "--num-query-groups", "normalization": "--normalization", "gated_linear_unit": "--swiglu",
+    "add_bias_linear": "--disable-bias-linear", "add_qkv_bias": "--add-qkv-bias",
+    "position_embedding_type": "--position-embedding-type",
+    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+}
+# Numerics that change the model without changing a shape: a mismatch is noted.
+SEMANTIC_FIELDS = ("activation", "norm_epsilon", "rotary_base", "rotary_percent", "rope_scaling",
+                   "rope_scaling_factor")
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> Optional[int]:
+    """The iteration named by `root`'s tracker file, or None when there is no tracker."""
+    path = os.path.join(root, TRACKER_FILE)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if text == "release":
+        raise ConfigError(f"{path} says 'release': that is a Megatron-LM checkpoint; import it with "
+                          "tools/checkpoint/convert.py --source-format megatron")
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{path} holds {text!r}, not an iteration number; fix or delete the file") from None
+
+
+def locate(load: str, ckpt_step: Optional[int]) -> tuple[Optional[str], Optional[str]]:
+    """(checkpoint directory to load, or None; a note to print). --ckpt-step names an iteration
+    that must exist; otherwise the tracker's, and a directory with no checkpoint starts fresh."""
+    if ckpt_step is not None:
+        directory = checkpoint_dir(load, ckpt_step)
+        if not os.path.isdir(directory):
+            found = sorted(name for name in os.listdir(load) if _ITERATION_DIR.match(name)) if os.path.isdir(load) else []
+            raise ConfigError(f"--ckpt-step {ckpt_step}: {directory} does not exist (checkpoints in --load: "
+                              f"{', '.join(found) or 'none'})")
+        return directory, None
+    iteration = read_tracker(load) if os.path.isdir(load) else None
+    if iteration is None:
+        return None, (f"--load {load}: no checkpoint found (no {TRACKER_FILE}); training starts from "
+                      "randomly initialized weights")
+    directory = checkpoint_dir(load, iteration)
+    if not os.path.isdir(directory):
+        raise ConfigError(f"{os.path.join(load, TRACKER_FILE)} names iteration {iteration}, but {directory} "
+                          "does not exist; restore it, or point the tracker at an existing iteration")
+    return directory, None
+
+
+def _storage():
+    """torch.distributed.checkpoint takes seconds to import: only runs that save or load pay it."""
+    from megatron.core.checkpointing import storage
+
+    return storage
+
+
+def read_common(directory: str) -> dict:
+    path = os.path.join(directory, COMMON_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointFormatError(f"{path} is missing: {directory} is not a complete checkpoint of this framework")
+    try:
+        with open(path) as handle:
+            common = json.load(handle)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointFormatError(f"{path} is corrupt ({error})") from None
+    if common.get("format") != FORMAT:
+        raise CheckpointFormatError(f"{path} is not a {FORMAT} checkpoint (format {common.get('format')!r})")
+    if common.get("version", 0) > FORMAT_VERSION:
+        raise CheckpointFormatError(f"{path} has format version {common['version']}; this version reads "
+                                    f"up to {FORMAT_VERSION}: upgrade megatron-lite")
+    return common
+
+
+def apply_checkpoint_args(config, common: dict) -> list:
+    """--use-checkpoint-args: the model's architecture flags from the checkpoint. Returns notes."""
+    saved = common["args"]["model"]
+    notes = []
+    for name in CHECKPOINT_MODEL_ARGS:
+        if name in saved and getattr(config.model, name) != saved[name]:
+            notes.append(f"--use-checkpoint-args: {name} = {saved[name]!r} (was {getattr(config.model, name)!r})")
+            setattr(config.model, name, saved[name])
+    return notes
+
+
+def architecture(model_config, vocab_size: int) -> dict:
+    """The fields of a resolved TransformerConfig a checkpoint must match (plus the vocabulary)."""
+    fields = {name: getattr(model_config, name) for name in (*ARCHITECTURE_FLAGS, *SEMANTIC_FIELDS)}
+    if model_config.position_embedding_type == "learned_absolute":
+        fields["max_position_embeddings"] = model_config.max_position_embeddings
+    fields["vocab_size"] = vocab_size
+    return fields
+
+
+def check_architecture(directory: str, saved: dict, current: dict) -> list:
+    """Raises ConfigError naming the flag and both values when the checkpoint is of another model;
+    returns notes for numerics that differ without changing a shape."""
+    flags = dict(ARCHITECTURE_FLAGS, max_position_embeddings="--max-position-embeddings",
+                 vocab_size="--vocab-size / the tokenizer's vocabulary size")
+    for name, flag in flags.items():
+        if name in saved and name in current and saved[name] != current[name]:
+            raise ConfigError(f"the checkpoint {directory} is of another model: it has {name} = {saved[name]!r} "
+                              f"({flag}), this run has {current[name]!r}; pass the checkpoint's value "
+                              "(or --use-checkpoint-args)")
+    return [f"{name} differs from the checkpoint's ({saved[name]!r} there, {current[name]!r} here)"
+            for name in SEMANTIC_FIELDS if name in saved and saved[name] != current.get(name)]
+
+
+def layout_of(groups, num_chunks: int) -> dict:
+    return {"world_size": groups.world_size, "tp": groups.tp_size, "cp": groups.cp_size, "dp": groups.dp_size,
+            "pp": groups.pp_size, "vpp": num_chunks}
+
+
+# ---------------------------------------------------------------------------------------------
+def _write_json_atomically(path: str, value) -> None:
+    temporary = path + ".tmp"
+    with open(temporary, "w") as handle:
+        json.dump(value, handle, indent=1, sort_keys=True)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+def _write_text_atomically(path: str, text: str) -> None:
+    temporary = path + ".tmp"
+    with open(temporary, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    _fsync_directory(os.path.dirname(path))
+
+
+def _fsync_directory(path: str) -> None:
+    descriptor = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _directory_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
+
+
+class Checkpointer:
+    """Saves and loads the run's checkpoints (see the module docstring)."""
+
+    def __init__(self, config, groups, rng_tracker, printer):
+        self.config = config
+        self.groups = groups
+        self.rng_tracker = rng_tracker
+        self.print = printer
+        self.options = config.checkpoint
+        self.last_saved_iteration = None
+        self.loaded_rng: Optional[dict] = None  # restored by `restore_rng` when training resumes
+        self._pending: Optional[threading.Thread] = None
+        self._pending_error: Optional[BaseException] = None
+        # DCP plans and commits over a gloo group of every rank: also usable from the background
+        # thread of an async save while training keeps its own groups busy.
+        self.group = dist.new_group(backend="gloo") if groups.world_size > 1 else None
+
+    # -- saving --------------------------------------------------------------------------------
+    def build_state(self, run) -> ShardedState:
+        options = self.options
+        for chunk in run.chunks:
+            chunk.finish_param_sync()  # the distributed optimizer's gather may still be in flight
+        state = ShardedState()
+        ckpt_state.add_model(state, run.chunks, self.groups)
+        if not options.no_save_optim:
+            optimizer = run.optimizer
+            ckpt_state.add_optimizer(state, optimizer, run.chunks, masters=optimizer.separate_masters(),
+                                     moments=optimizer.num_applied_steps > 0)
+        if not options.no_save_rng:
+            ckpt_state.add_rng(state, self.groups.global_rank,
+                               ckpt_state.rng_tensors(self.rng_tracker, self.groups.device))
+        return state
+
+    def common(self, run, train_state, vocab_size: int) -> dict:
+        optimizer = None
+        if not self.options.no_save_optim:
+            optimizer = {"kind": run.config.optimizer.optimizer, "num_applied_steps": run.optimizer.num_applied_steps,
+                         "grad_scaler": run.optimizer.scaler_state(), "scheduler": run.scheduler.state_dict()}
+        return {
+            "format": FORMAT, "version": FORMAT_VERSION, "iteration": train_state.iteration,
+            "train_state": {name: value for name, value in dataclasses.asdict(train_state).items()
+                            if name != "exit_reason"},
+            "optimizer": optimizer,
+            "rng_layout": None if self.options.no_save_rng else layout_of(self.groups, len(run.chunks)),
+            "model": architecture(run.model_config, vocab_size),
+            "args": dataclasses.asdict(run.config),
+        }
+
+    def save(self, run, train_state, vocab_size: int) -> None:
+        """Saves the checkpoint of `train_state.iteration` (asynchronously with --async-save)."""
+        self.wait()
+        root = self.options.save
+        iteration = train_state.iteration
+        final = checkpoint_dir(root, iteration)
+        incomplete = final + ".incomplete"
+        start = time.perf_counter()
+        if self.groups.global_rank == 0:
+            os.makedirs(root, exist_ok=True)
+            for name in os.listdir(root):  # leftovers of interrupted saves
+                if name.endswith(".incomplete"):
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        self._barrier()
+        state = self.build_state(run)
+        common = self.common(run, train_state, vocab_size)
+        self.last_saved_iteration = iteration
+        if not self.options.async_save:
+            self._write(state, common, incomplete, final, start)
+            return
+        state = _host_copy(state)
+        blocked = time.perf_counter() - start
+        self.print(f"> async checkpoint of iteration {iteration}: training resumes after {blocked:.2f} s; "
+                   "writing in the background")
+        self._pending = threading.Thread(target=self._write_in_background, args=(state, common, incomplete, final, start),
+                                         name="checkpoint-writer", daemon=True)
+        self._pending.start()
+
+    def _write_in_background(self, *args) -> None:
+        try:
+            self._write(*args)
+        except BaseException as error:  # re-raised by wait() in the training thread
+            self._pending_error = error
+
+    def _write(self, state: ShardedState, common: dict, incomplete: str, final: str, start: float) -> None:
+        _storage().save_state(state, incomplete, process_group=self.group)
+        if self.groups.global_rank == 0:
+            _write_json_atomically(os.path.join(incomplete, COMMON_FILE), common)
+            _fsync_directory(incomplete)
+            if os.path.exists(final):  # an older save of the same iteration (a re-run after resume)
+                stale = final + ".replaced"
+                shutil.rmtree(stale, ignore_errors=True)
+                os.rename(final, stale)
+                shutil.rmtree(stale, ignore_errors=True)
+            os.rename(incomplete, final)
+            _fsync_directory(os.path.dirname(final))
+            _write_text_atomically(os.path.join(self.options.save, TRACKER_FILE), str(common["iteration"]))
+            self._remove_old_checkpoints(common["iteration"])
+            size = _directory_bytes(final)
+            self.print(f"> saved checkpoint of iteration {common['iteration']} to {final} "
+                       f"({size / 1e6:.1f} MB) in {time.perf_counter() - start:.2f} s")
+        self._barrier()
+
+    def _remove_old_checkpoints(self, newest: int) -> None:
+        keep = self.options.ckpt_keep_latest
+        if not keep:
+            return
+        root = self.options.save
+        iterations = sorted(int(m.group(1)) for m in map(_ITERATION_DIR.match, os.listdir(root)) if m)
+        for iteration in iterations[:-keep]:
+            if iteration != newest:
+                shutil.rmtree(checkpoint_dir(root, iteration), ignore_errors=True)
+
+    def wait(self) -> None:
+        """Waits for the async save in flight (if any); raises its error."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        if self._pending_error is not None:
+            error, self._pending_error = self._pending_error, None
+            raise error
+
+    def _barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    # -- loading -------------------------------------------------------------------------------
+    def load(self, run, directory: str, common: dict, train_state_cls):
+        """Loads `directory` into the built run; returns the train state to continue from."""
+        options = self.options
+        optimizer_info = common.get("optimizer")
+        load_optimizer = not (options.finetune or options.no_load_optim)
+        if load_optimizer and optimizer_info is None:
+            self.print(f"NOTE: {directory} holds no optimizer state (saved with --no-save-optim or converted); "
+                       "the optimizer starts from the loaded weights")
+            load_optimizer = False
+        if load_optimizer and optimizer_info["kind"] != run.config.optimizer.optimizer:
+            raise ConfigError(f"the checkpoint {directory} was trained with --optimizer {optimizer_info['kind']}, this "
+                              f"run uses --optimizer {run.config.optimizer.optimizer}; pass --no-load-optim to start "
+                              "the optimizer afresh")
+        start = time.perf_counter()
+        state = ShardedState()
+        if load_optimizer:
+            self._add_optimizer_targets(state, run, directory, optimizer_info["num_applied_steps"])
+        else:
+            ckpt_state.add_model(state, run.chunks, self.groups)
+        rng = self._rng_targets(state, run, directory, common)
+        _storage().load_state(state, directory, process_group=self.group)
+        optimizer = run.optimizer
+        if load_optimizer:
+            optimizer.copy_masters_to_model()
+            optimizer.load_scaler_state(optimizer_info["grad_scaler"])
+            run.scheduler.load_state_dict(optimizer_info["scheduler"])
+        else:
+            optimizer.reload_model_params()
+        for chunk in run.chunks:
+            chunk.finish_param_sync()
+        self.loaded_rng = rng
+        train_state = train_state_cls() if options.finetune else train_state_cls(**common["train_state"])
+        if not options.finetune:
+            self.last_saved_iteration = train_state.iteration  # already on disk: not saved again
+        what = "weights" if not load_optimizer else "weights and optimizer state"
+        self.print(f"> loaded {what} of iteration {common['iteration']} from {directory} in "
+                   f"{time.perf_counter() - start:.2f} s" + ("; --finetune: starting at iteration 0" if options.finetune else ""))
+        return train_state
+
+    def restore_rng(self) -> None:
+        """Puts the loaded generator states in place. Called when the training loop resumes (after
+        the data loaders are built, which draw from the generators as they did in the saving run)."""
+        if self.loaded_rng is not None:
+            ckpt_state.restore_rng(self.loaded_rng, self.rng_tracker, self.groups.device)
+            self.loaded_rng = None
+
+    def _add_optimizer_targets(self, state: ShardedState, run, directory: str, num_applied_steps: int) -> None:
+        """The masters (from the saved masters, or the saved weights when those were the masters)
+        and, once the optimizer had stepped, its moments."""
+        optimizer = run.optimizer
+        has_masters = any(key.startswith(ckpt_state.MASTER + "/") for key in _storage().saved_shapes(directory))
+        source = ckpt_state.MASTER if has_masters else ckpt_state.MODEL
+        if num_applied_steps:
+            optimizer.prepare_state_for_load(num_applied_steps)
+        else:
+            optimizer.num_applied_steps = 0
+        names = ckpt_state.global_names(run.chunks)
+        keys = optimizer.moment_keys() if num_applied_steps else ()
+        for param, start, end, master in optimizer.state_regions():
+            name = names[param]
+            state.add_range(source, name, param, start, end, master.detach().view(-1))
+            for key in keys:
+                state.add_range(ckpt_state.moment_prefix(key), name, param, start, end,
+                                optimizer.optimizer.state[master][key].view(-1))
+
+    def _rng_targets(self, state: ShardedState, run, directory: str, common: dict) -> Optional[dict]:
+        options = self.options
+        if options.finetune or options.no_load_rng or common.get("rng_layout") is None:
+            return None
+        layout = layout_of(self.groups, len(run.chunks))
+        if common["rng_layout"] != layout:
+            self.print(f"NOTE: {directory} was saved at layout {common['rng_layout']}, this run is {layout}: "
+                       "random number generator states are not restored (weights, optimizer and data order are)")
+            return None
+        targets = {name: tensor.clone() for name, tensor in
+                   ckpt_state.rng_tensors(self.rng_tracker, self.groups.device).items()}
+        ckpt_state.add_rng(state, self.groups.global_rank, targets)
+        return targets
+
+
+def _host_copy(state: ShardedState) -> ShardedState:
+    """A copy of every tensor of `state` in host memory (what an async save writes from)."""
+    copy = ShardedState()
+    for key, boxes in state.sharded.items():
+        entry = copy.sharded[key] = dataclasses.replace(boxes, pieces=[])
+        for offsets, tensor in boxes.pieces:
+            entry.add(offsets, tensor.detach().to("cpu", copy=True))
+    for key, tensor in state.whole.items():
+        copy.add_whole(key, tensor.detach().to("cpu", copy=True))
+    return copy

@@ -1,0 +1,54 @@
+"""When to stop early: --exit-interval, --exit-duration-in-mins and --exit-signal-handler.
+
+Checked after every iteration. The time limit and the signals are agreed over all ranks (one
+max-reduction of two flags), so every rank stops after the same iteration, saves the same
+checkpoint and exits 0, even when only some ranks got the signal or crossed the time limit.
+"""
+import signal
+import time
+from typing import Optional
+
+import torch
+
+from megatron.core.distributed import comm
+
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class ExitConditions:
+    def __init__(self, training_config, groups, job_start_time: float):
+        self.interval = training_config.exit_interval
+        self.duration_seconds = (training_config.exit_duration_in_mins * 60.0
+                                 if training_config.exit_duration_in_mins is not None else None)
+        self.handle_signals = training_config.exit_signal_handler
+        self.groups = groups
+        self.job_start_time = job_start_time
+        self.received: list = []
+        if self.handle_signals:
+            for signum in HANDLED_SIGNALS:
+                signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.received.append(signal.Signals(signum).name)
+
+    def check(self, iteration: int) -> Optional[str]:
+        """The reason to stop after `iteration` (the same on every rank), or None."""
+        if self.handle_signals or self.duration_seconds is not None:
+            flags = torch.tensor([float(bool(self.received)),
+                                  float(self.duration_seconds is not None
+                                        and time.time() - self.job_start_time > self.duration_seconds)],
+                                 device=self.groups.device)
+            comm.all_reduce_max(flags, self.groups.world)
+            if flags[0] > 0:
+                return f"signal {self.received[0]}" if self.received else "signal received by another rank"
+            if flags[1] > 0:
+                return f"--exit-duration-in-mins {self.duration_seconds / 60.0:g} reached"
+        if self.interval and iteration % self.interval == 0:
+            return f"--exit-interval {self.interval} reached"
+        return None
+
+    def restore(self) -> None:
+        """Puts the default signal handlers back (after training)."""
+        if self.handle_signals:
+            for signum in HANDLED_SIGNALS:
+                signal.signal(signum, signal.SIG_DFL)
