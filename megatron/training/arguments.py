@@ -8,6 +8,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import sys
 import textwrap
 import typing
 from typing import Optional
@@ -87,8 +88,17 @@ def build_parser(extra_sections: Optional[dict] = None) -> argparse.ArgumentPars
 
 
 def parse_args(argv: Optional[list] = None) -> Config:
-    """Parses flags into a Config. Unknown flags are an error (argparse exits with a message)."""
-    namespace = build_parser().parse_args(argv)
+    """Parses flags into a Config. Unknown flags are an error (argparse exits with a message).
+    With --use-checkpoint-args the model's shape flags may be left out: they come from the
+    checkpoint in --load."""
+    parser = build_parser()
+    if "--use-checkpoint-args" in (sys.argv[1:] if argv is None else argv):
+        from megatron.training.checkpointing import CHECKPOINT_MODEL_ARGS
+
+        for action in parser._actions:
+            if action.dest in CHECKPOINT_MODEL_ARGS:
+                action.required = False
+    namespace = parser.parse_args(argv)
     values = vars(namespace)
     sections = {section: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
                 for section, cls in SECTIONS.items()}

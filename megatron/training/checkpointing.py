@@ -163,7 +163,7 @@ def layout_of(groups, num_chunks: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-def _write_json_atomically(path: str, value) -> None:
+def write_json_atomically(path: str, value) -> None:
     temporary = path + ".tmp"
     with open(temporary, "w") as handle:
         json.dump(value, handle, indent=1, sort_keys=True)
@@ -172,7 +172,7 @@ def _write_json_atomically(path: str, value) -> None:
     os.replace(temporary, path)
 
 
-def _write_text_atomically(path: str, text: str) -> None:
+def write_text_atomically(path: str, text: str) -> None:
     temporary = path + ".tmp"
     with open(temporary, "w") as handle:
         handle.write(text)
@@ -279,7 +279,7 @@ class Checkpointer:
     def _write(self, state: ShardedState, common: dict, incomplete: str, final: str, start: float) -> None:
         _storage().save_state(state, incomplete, process_group=self.group)
         if self.groups.global_rank == 0:
-            _write_json_atomically(os.path.join(incomplete, COMMON_FILE), common)
+            write_json_atomically(os.path.join(incomplete, COMMON_FILE), common)
             _fsync_directory(incomplete)
             if os.path.exists(final):  # an older save of the same iteration (a re-run after resume)
                 stale = final + ".replaced"
@@ -288,7 +288,7 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
             os.rename(incomplete, final)
             _fsync_directory(os.path.dirname(final))
-            _write_text_atomically(os.path.join(self.options.save, TRACKER_FILE), str(common["iteration"]))
+            write_text_atomically(os.path.join(self.options.save, TRACKER_FILE), str(common["iteration"]))
             self._remove_old_checkpoints(common["iteration"])
             size = _directory_bytes(final)
             self.print(f"> saved checkpoint of iteration {common['iteration']} to {final} "

@@ -21,6 +21,9 @@ def validate(config: Config, world_size: int) -> list:
     """Raises ConfigError on the first problem; returns notes to print (non-fatal adjustments)."""
     notes = []
     m, p, t = config.model, config.parallel, config.training
+    for flag, value in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
+                        ("--num-attention-heads", m.num_attention_heads)):
+        _require(value is not None, f"{flag} is required (--use-checkpoint-args found no checkpoint to take it from)")
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     try:
         dp = check_sizes(world_size, tp, pp, 1)

@@ -147,6 +147,50 @@ def _gpt2_config(hf_config, vocab_size: int) -> TransformerConfig:
     )
 
 
+def architecture_for_hf(config: TransformerConfig) -> str:
+    """'llama' or 'gpt2': the Hugging Face family whose layers are exactly this config's."""
+    if (config.normalization == "RMSNorm" and config.gated_linear_unit and config.activation == "silu"
+            and config.position_embedding_type == "rope" and not config.add_bias_linear and not config.add_qkv_bias):
+        return "llama"
+    if (config.normalization == "LayerNorm" and not config.gated_linear_unit and config.add_bias_linear
+            and config.position_embedding_type == "learned_absolute" and config.activation in ("gelu_tanh", "gelu")
+            and config.num_query_groups == config.num_attention_heads
+            and config.kv_channels * config.num_attention_heads == config.hidden_size):
+        return "gpt2"
+    raise ValueError("this model has no Hugging Face equivalent here: only Llama (RMSNorm, SwiGLU, RoPE, no biases) "
+                     "and GPT-2 (LayerNorm, GeLU, learned positions, biases, multi-head attention) shapes convert")
+
+
+def hf_config_from_transformer_config(config: TransformerConfig, vocab_size: int):
+    """The `transformers` LlamaConfig or GPT2Config of a model (the inverse of
+    `hf_config_to_transformer_config`); `vocab_size` is the unpadded vocabulary."""
+    import transformers
+
+    if architecture_for_hf(config) == "llama":
+        rope = {"rope_type": "default", "rope_theta": config.rotary_base}
+        if config.rope_scaling:
+            rope.update(rope_type="llama3", factor=config.rope_scaling_factor,
+                        low_freq_factor=config.rope_low_freq_factor, high_freq_factor=config.rope_high_freq_factor,
+                        original_max_position_embeddings=config.rope_original_max_position_embeddings)
+        if config.rotary_percent != 1.0:
+            rope["partial_rotary_factor"] = config.rotary_percent
+        return transformers.LlamaConfig(
+            vocab_size=vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
+            num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_query_groups, head_dim=config.kv_channels,
+            max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.norm_epsilon,
+            tie_word_embeddings=not config.untie_embeddings_and_output_weights, rope_parameters=rope,
+            hidden_act="silu", attention_bias=False, mlp_bias=False, initializer_range=config.init_method_std,
+            attention_dropout=config.attention_dropout)
+    return transformers.GPT2Config(
+        vocab_size=vocab_size, n_positions=config.max_position_embeddings, n_embd=config.hidden_size,
+        n_layer=config.num_layers, n_head=config.num_attention_heads, n_inner=config.ffn_hidden_size,
+        activation_function="gelu_new" if config.activation == "gelu_tanh" else "gelu",
+        layer_norm_epsilon=config.norm_epsilon, tie_word_embeddings=not config.untie_embeddings_and_output_weights,
+        resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout, attn_pdrop=config.attention_dropout,
+        initializer_range=config.init_method_std)
+
+
 # ------------------------------------------------------------------------------------------------
 # Weights
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,88 @@
+"""Convert checkpoints between this framework, Hugging Face and Megatron-LM.
+
+    # Hugging Face (local directory: config.json + safetensors) -> this framework
+    python tools/checkpoint/convert.py --source-format hf --source ./Llama-3.2-1B --target ./checkpoints/llama1b
+    # this framework (latest checkpoint, or --iteration N) -> Hugging Face
+    python tools/checkpoint/convert.py --source-format torch_dist --source ./checkpoints/run1 --target-format hf --target ./run1-hf
+    # Megatron-LM / Megatron-Core (torch_dist or legacy mp_rank_XX) -> this framework
+    python tools/checkpoint/convert.py --source-format megatron --source ./megatron_ckpt --target ./checkpoints/imported
+
+The format of this framework is layout-independent, so there is no target parallel size: the
+converted checkpoint loads at any --tensor-model-parallel-size / --pipeline-model-parallel-size /
+data-parallel layout. Train from it with `--load DIR --finetune --use-checkpoint-args`.
+Hugging Face Llama 2/3/3.1 and GPT-2 models convert; nothing is downloaded and no remote code runs.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)))
+
+import torch  # noqa: E402
+
+from megatron.core.models.gpt import hf_mapping  # noqa: E402
+from megatron.training import checkpoint_conversion as conversion  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--source-format", required=True, choices=["hf", "torch_dist", "megatron"],
+                        help="hf: a local Hugging Face directory; torch_dist: this framework's --save directory; "
+                             "megatron: a Megatron-LM/Megatron-Core save directory (torch_dist or legacy format)")
+    parser.add_argument("--source", required=True, help="the checkpoint to read")
+    parser.add_argument("--target-format", choices=["torch_dist", "hf"], default="torch_dist",
+                        help="torch_dist: this framework's format (default); hf: a Hugging Face directory")
+    parser.add_argument("--target", required=True, help="the directory to write (must not hold a checkpoint)")
+    parser.add_argument("--iteration", type=int, default=None,
+                        help="with --source-format torch_dist or megatron: the iteration to read (default: latest)")
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                        help="pad the vocabulary to a multiple of this in this framework's format (Megatron's default)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="cast the weights (default: keep the source's dtype)")
+    return parser.parse_args(argv)
+
+
+def read(args) -> tuple:
+    """(logical state, TransformerConfig, unpadded vocabulary size) of the source."""
+    if args.source_format == "hf":
+        hf_config, state = conversion.read_hf(args.source)
+        config = hf_mapping.hf_config_to_transformer_config(
+            hf_config, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+        arch = hf_mapping.architecture_of(hf_config)
+        return hf_mapping.hf_to_logical(state, config, arch), config, hf_config.vocab_size
+    if args.source_format == "torch_dist":
+        logical, config, vocab_size, _ = conversion.read_weights(args.source, args.iteration)
+        return logical, config, vocab_size
+    from megatron.core.checkpointing.megatron_lm import read_megatron_checkpoint
+
+    checkpoint = read_megatron_checkpoint(args.source, args.iteration)
+    vocab_size = checkpoint.args.get("vocab_size") or checkpoint.config.vocab_size
+    return checkpoint.logical, checkpoint.config, vocab_size
+
+
+def convert(argv=None) -> str:
+    args = parse(argv)
+    if os.path.exists(args.target) and os.listdir(args.target):
+        raise SystemExit(f"error: --target {args.target} is not empty; choose a new directory")
+    logical, config, vocab_size = read(args)
+    if args.dtype is not None:
+        logical = {name: {part: t.to(DTYPES[args.dtype]) for part, t in parts.items()} for name, parts in logical.items()}
+    if args.target_format == "torch_dist":
+        directory = conversion.write_weights(args.target, logical, config, vocab_size,
+                                             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+        print(f"wrote {directory}: load it with --load {args.target} --finetune --use-checkpoint-args")
+        return directory
+    arch = hf_mapping.architecture_for_hf(config)
+    state = hf_mapping.logical_to_hf(logical, config, arch, vocab_size=vocab_size)
+    conversion.write_hf(args.target, hf_mapping.hf_config_from_transformer_config(config, vocab_size), state)
+    print(f"wrote {args.target} ({arch}, {len(state)} tensors)")
+    return args.target
+
+
+if __name__ == "__main__":
+    try:
+        convert()
+    except (ValueError, KeyError) as error:
+        raise SystemExit(f"error: {error}") from None
