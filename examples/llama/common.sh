@@ -34,6 +34,12 @@ NODE_RANK=${NODE_RANK:-0}
 DATA_PATH=${DATA_PATH:-}
 TOKENIZER_MODEL=${TOKENIZER_MODEL:-}
 DATA_CACHE_PATH=${DATA_CACHE_PATH:-}
+CKPT_DIR=${CKPT_DIR:-}
+LOAD_DIR=${LOAD_DIR:-$CKPT_DIR}
+SAVE_INTERVAL=${SAVE_INTERVAL:-}
+ASYNC_SAVE=${ASYNC_SAVE:-0}
+CKPT_KEEP=${CKPT_KEEP:-}
+SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-300}
 EXTRA_ARGS=${EXTRA_ARGS:-}
 if [ "$HAS_GPU" = 1 ]; then
   NPROC=${NPROC:-$GPUS_PER_NODE}; BACKEND=nccl; PRECISION=(--bf16)
@@ -84,12 +90,27 @@ run_training() {
                    --profile-step-end "$((TOTAL_ITERS / 2 + 1))" --profile-dir "$ROOT/logs/profiles")
   fi
 
+  CKPT_ARGS=()
+  if [ -n "$CKPT_DIR" ]; then
+    # SIGTERM / SIGUSR1 (Slurm's --signal): finish the iteration, save, exit 0.
+    CKPT_ARGS+=(--save "$CKPT_DIR" --exit-signal-handler)
+    if [ -n "$SAVE_INTERVAL" ]; then CKPT_ARGS+=(--save-interval "$SAVE_INTERVAL"); fi
+    if [ "$ASYNC_SAVE" = 1 ]; then CKPT_ARGS+=(--async-save); fi
+    if [ -n "$CKPT_KEEP" ]; then CKPT_ARGS+=(--ckpt-keep-latest "$CKPT_KEEP"); fi
+  fi
+  if [ -n "$LOAD_DIR" ]; then CKPT_ARGS+=(--load "$LOAD_DIR"); fi
+
   LAUNCH=(torchrun --nproc_per_node "$NPROC" --nnodes "$NNODES" --node_rank "$NODE_RANK"
           --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
+  if [ -n "$CKPT_DIR" ] && torchrun --help 2>/dev/null | grep -q -- "--signals-to-handle"; then
+    # torchrun forwards these to the workers and gives them SHUTDOWN_TIMEOUT seconds to save.
+    LAUNCH+=(--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "$SHUTDOWN_TIMEOUT")
+    trap '' USR1  # this shell and tee outlive the signal; torchrun installs its own handler
+  fi
   mkdir -p "$ROOT/logs"
   LOG="$ROOT/logs/train_llama_${MODEL_SIZE}_tp${TP}_pp${PP}_mbs${MBS}_bs${BS}_seq${SEQ_LENGTH}_$(date +%Y%m%d_%H%M%S).log"
   COMMAND=("${LAUNCH[@]}" "$ROOT/pretrain_gpt.py" "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}"
-           "${DATA_ARGS[@]}" "${LOGGING_ARGS[@]}" $EXTRA_ARGS)
+           "${DATA_ARGS[@]}" "${LOGGING_ARGS[@]}" "${CKPT_ARGS[@]}" $EXTRA_ARGS)
   echo "${COMMAND[*]}"
   if [ "${DRY_RUN:-0}" = 1 ]; then return 0; fi
   if [ "$TEE_OUTPUT" = 1 ]; then

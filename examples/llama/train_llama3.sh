@@ -24,6 +24,13 @@
 #   DATA_PATH       dataset prefix (.bin/.idx); unset: --mock-data         []
 #   TOKENIZER_MODEL local Hugging Face tokenizer dir/json (with DATA_PATH)  []
 #   DATA_CACHE_PATH directory for cached dataset indices                   []
+#   CKPT_DIR        save checkpoints here and resume from the latest one in it; SIGTERM/SIGUSR1
+#                   save and stop (--save/--load/--exit-signal-handler)   []
+#   LOAD_DIR        resume from here instead of CKPT_DIR                  [CKPT_DIR]
+#   SAVE_INTERVAL   iterations between saves (always one at the end)      [end only]
+#   ASYNC_SAVE      1: write checkpoints in the background (--async-save) [0]
+#   CKPT_KEEP       keep only this many latest checkpoints                [all]
+#   SHUTDOWN_TIMEOUT seconds torchrun waits for workers to save after a signal [300]
 #   MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK: multi-node rendezvous   [localhost, 29500, 1, 0]
 #   NPROC           processes per node                                   [GPUs on the node; 2 on CPU]
 #   TEE_OUTPUT      1: also write the log to a file under logs/          [1]

@@ -5,6 +5,8 @@
 #SBATCH --gpus-per-node=8
 #SBATCH --exclusive
 #SBATCH --output=logs/slurm-%j.out
+#SBATCH --requeue
+#SBATCH --signal=USR1@180
 #
 # Multi-node Llama 3 training under Slurm: one torchrun per node, rendezvous from Slurm's environment.
 #
@@ -13,6 +15,12 @@
 #
 # Other knobs (TP, PP, VPP, DATA_PATH, TOKENIZER_MODEL, LLAMA_VERSION, ...) pass through the environment
 # to train_llama3.sh (see its header). The global batch is BS_PER_NODE x number of nodes.
+#
+# Checkpoints and requeueing: the run saves to CKPT_DIR [checkpoints/llama<MODEL_SIZE>-<job name>]
+# every SAVE_INTERVAL iterations [500] and always resumes from the latest checkpoint there. 180 s
+# before the time limit Slurm sends SIGUSR1 (--signal above): the workers finish the iteration,
+# save and exit; if training is not finished and made progress, the job requeues itself
+# (REQUEUE=0 turns that off) and the next start continues where it stopped.
 set -euo pipefail
 if [ $# -ne 7 ]; then
   echo "usage: sbatch [--nodes N] $0 MODEL_SIZE MBS BS_PER_NODE SEQ ITERS FSDP RECOMPUTE" >&2
@@ -25,7 +33,21 @@ export MODEL_SIZE=$1 MBS=$2 BS=$(($3 * NODES)) SEQ_LENGTH=$4 TOTAL_ITERS=$5 FSDP
 export NNODES=$NODES
 export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_PORT=${MASTER_PORT:-29500}
+export CKPT_DIR=${CKPT_DIR:-$ROOT/checkpoints/llama${MODEL_SIZE}-${SLURM_JOB_NAME:-job}}
+export SAVE_INTERVAL=${SAVE_INTERVAL:-500}
+TRACKER="$CKPT_DIR/latest_checkpointed_iteration.txt"
+saved_iteration() { cat "$TRACKER" 2>/dev/null || echo 0; }
+START_ITERATION=$(saved_iteration)
 mkdir -p "$ROOT/logs"
-# One task per node; each computes its NODE_RANK from Slurm and starts torchrun for its GPUs.
+# One task per node; each computes its NODE_RANK from Slurm and starts torchrun for its GPUs. The
+# task ignores SIGUSR1 (so that it outlives the signal while torchrun forwards it to the workers).
+status=0
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
-  bash -c "NODE_RANK=\$SLURM_NODEID bash '$ROOT/examples/llama/train_llama3.sh'"
+  bash -c "trap '' USR1; NODE_RANK=\$SLURM_NODEID exec bash '$ROOT/examples/llama/train_llama3.sh'" || status=$?
+END_ITERATION=$(saved_iteration)
+if [ "${REQUEUE:-1}" = 1 ] && [ "$END_ITERATION" -lt "$TOTAL_ITERS" ] && [ "$END_ITERATION" -gt "$START_ITERATION" ]; then
+  echo "stopped at iteration $END_ITERATION of $TOTAL_ITERS (exit status $status): requeueing job $SLURM_JOB_ID"
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+fi
+exit "$status"
