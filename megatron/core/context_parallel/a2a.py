@@ -28,8 +28,9 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        grad = grad.contiguous()
         out = torch.empty_like(grad)
-        comm.all_to_all_single(out, grad.contiguous(), ctx.group)
+        comm.all_to_all_single(out, grad, ctx.group)
         return out, None
 
 

@@ -166,4 +166,9 @@ def all_to_all_single(output: torch.Tensor, input_: torch.Tensor, group: Group) 
     if group is None:
         output.copy_(input_)
         return
+    if not output.is_contiguous():  # the backend writes the raw buffer
+        staging = torch.empty_like(output, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(staging, input_.contiguous(), group=group)
+        output.copy_(staging)
+        return
     dist.all_to_all_single(output, input_.contiguous(), group=group)
