@@ -171,3 +171,20 @@ def test_what_context_parallelism_refuses(kwargs, message):
 def test_a2a_accepts_divisible_heads_and_cp1_accepts_anything():
     check_context_parallel(cp_size=2, comm_type="a2a", num_local_heads=8, num_local_groups=2, seq_length=8)
     check_context_parallel(cp_size=1, comm_type="a2a+p2p", num_local_heads=3, num_local_groups=1, attention_dropout=0.1)
+
+
+def test_pipeline_activation_shape_splits_the_sequence_over_cp_and_sequence_parallel_ranks():
+    from types import SimpleNamespace
+
+    from megatron.core.parallel_state import ParallelGroups
+    from megatron.training.training import _activation_shape
+
+    def shape(cp, tp, sequence_parallel):
+        return _activation_shape(SimpleNamespace(
+            config=SimpleNamespace(training=SimpleNamespace(seq_length=64, micro_batch_size=2)),
+            groups=ParallelGroups(cp_size=cp, tp_size=tp),
+            model_config=SimpleNamespace(sequence_parallel=sequence_parallel, hidden_size=8)))
+
+    assert shape(2, 1, False) == (32, 2, 8)
+    assert shape(4, 2, True) == (8, 2, 8)
+    assert shape(2, 2, False) == (32, 2, 8)
