@@ -314,8 +314,9 @@ def _assert_memory_falls(per_rank: list, cp: int) -> None:
     single = per_rank[0]["memory cp1"]
     ratios = [results["memory"] / single for results in per_rank]
     print(f"saved activation bytes per rank: cp1 {single}, cp{cp} {[r['memory'] for r in per_rank]}")
-    # 1/C of the activations, plus a little that does not shrink (the gathered K/V in flight).
-    assert all(ratio <= 1.1 / cp for ratio in ratios), ratios
+    # Every saved activation is per token (flash kernels, no s x s term), so the share is 1/C; keeping
+    # one extra K/V block per ring step would already add 7% at C = 2.
+    assert all(ratio <= 1.02 / cp for ratio in ratios), ratios
 
 
 def test_context_parallel_two_ranks():
