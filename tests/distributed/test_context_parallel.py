@@ -261,8 +261,28 @@ def activation_bytes(groups, seq: int = 256) -> int:
     return counter.peak
 
 
+def bf16_step(groups) -> tuple:
+    """Loss and gradients (averaged over the CP ranks, as the data-parallel reduction does) of one
+    bf16 forward/backward through `pretrain_gpt.forward_step`."""
+    config = _model_config(Scenario("bf16", cp=groups.cp_size), params_dtype=torch.bfloat16)
+    model = GPTModel(config, groups)
+    model.initialize_parameters(SEED)
+    batch = _micro_batch(0, 0, 0)
+    output, loss_func = pretrain_gpt.forward_step(iter([batch]), model)
+    loss, reported = loss_func(output)
+    loss.backward()
+    grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+    comm.all_reduce(grads, groups.cp)
+    comm.all_reduce(reported["lm loss"], groups.cp)
+    total, count = reported["lm loss"].tolist()
+    return total / count, grads / groups.cp_size
+
+
 def _run_all(rank, world_size, scenarios):
     results = {"attention": _attention_check(world_size)}
+    results["bf16"] = bf16_step(initialize_model_parallel(1, 1, world_size))
+    if rank == 0:
+        results["bf16 cp1"] = bf16_step(single_process())
     results["memory"] = activation_bytes(initialize_model_parallel(1, 1, world_size))
     for scenario in scenarios:
         results[scenario.name] = _run_scenario(scenario)
@@ -304,6 +324,11 @@ def _run_and_check(world_size: int, scenarios: list) -> list:
     references = per_rank[0]["references"]
     failures = [failure for results in per_rank for failure in results["attention"]]
     assert not failures, failures
+    # bf16: the same code within bf16 rounding (the merge runs in fp32, the blocks in bf16).
+    want_loss, want_grads = per_rank[0]["bf16 cp1"]
+    for loss, grads in (results["bf16"] for results in per_rank):
+        assert abs(loss - want_loss) <= 1e-2 * abs(want_loss), (loss, want_loss)
+        assert ((grads - want_grads).norm() / want_grads.norm()).item() <= 2e-2
     for scenario in scenarios:
         assert scenario.tp * scenario.cp * scenario.pp * scenario.dp == world_size
         _check(scenario, [results[scenario.name] for results in per_rank], references[scenario.reference_key])
