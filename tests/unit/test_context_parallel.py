@@ -69,7 +69,7 @@ def _ring_blocks(cp: int, rank: int) -> list:
 
 def _all_gather_blocks(cp: int, rank: int) -> list:
     return [(rows, torch.arange(SEQ)[cols], causal)
-            for rows, cols, causal in all_gather_scheme._blocks(cp, rank, SEQ // cp)]
+            for rows, cols, causal in all_gather_scheme.attended_blocks(cp, rank, SEQ // cp)]
 
 
 def _replay(full: dict, blocks_of, cp: int) -> None:

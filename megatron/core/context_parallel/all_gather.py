@@ -27,7 +27,7 @@ def _gather_kv(k, v, group) -> torch.Tensor:
     return to_sequence_order(gathered, 3, size)
 
 
-def _blocks(cp_size: int, cp_rank: int, local_length: int) -> list:
+def attended_blocks(cp_size: int, cp_rank: int, local_length: int) -> list:
     """(query rows, key rows of the whole sequence, causal) of every block this rank attends."""
     chunk = local_length // 2
     blocks = []
@@ -46,7 +46,7 @@ class _AllGatherAttention(torch.autograd.Function):
         kv = _gather_kv(k, v, group)
         out, lse = empty_partial(q)
         states = []
-        for rows, cols, causal in _blocks(size, rank, q.shape[2]):
+        for rows, cols, causal in attended_blocks(size, rank, q.shape[2]):
             block_out, block_lse, state = kernels.block_forward(kernel, q[:, :, rows], kv[0][:, :, cols],
                                                                 kv[1][:, :, cols], causal)
             merge_block(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
@@ -65,7 +65,7 @@ class _AllGatherAttention(torch.autograd.Function):
         kv = _gather_kv(k, v, group)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        for (rows, cols, causal), state in zip(_blocks(size, rank, q.shape[2]), ctx.states):
+        for (rows, cols, causal), state in zip(attended_blocks(size, rank, q.shape[2]), ctx.states):
             dq_block, dk_block, dv_block = kernels.block_backward(
                 ctx.kernel, dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows],
                 lse[:, :, rows], causal, state)

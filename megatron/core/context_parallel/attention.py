@@ -4,16 +4,19 @@
 more than one rank. Its inputs are this rank's chunks of the sequence (see `layout`); its output
 equals the rows of full causal attention over the whole sequence for those tokens.
 """
+import logging
 from typing import Optional
 
 import torch
 
 from megatron.core.context_parallel.a2a import a2a_attention
 from megatron.core.context_parallel.all_gather import all_gather_attention
-from megatron.core.context_parallel.kernels import select_kernel
+from megatron.core.context_parallel.kernels import flash_attn_package_usable, select_kernel
 from megatron.core.context_parallel.layout import check_divisible
 from megatron.core.context_parallel.ring import ring_attention
 from megatron.core.distributed import comm
+
+logger = logging.getLogger(__name__)
 
 COMM_TYPES = ("p2p", "all_gather", "a2a")           # built here
 MEGATRON_COMM_TYPES = COMM_TYPES + ("a2a+p2p",)      # Megatron's values of --cp-comm-type
@@ -56,7 +59,12 @@ class ContextParallelAttention(torch.nn.Module):
         check_context_parallel(cp_size=comm.size(cp_group), comm_type=self.comm_type,
                                num_local_heads=num_local_heads, num_local_groups=num_local_groups,
                                attention_dropout=config.attention_dropout)
-        self.use_flash_attn_package = config.attention_backend == "flash_attn"
+        self.use_flash_attn_package = False
+        if config.attention_backend == "flash_attn":
+            self.use_flash_attn_package = flash_attn_package_usable()
+            if not self.use_flash_attn_package:
+                logger.warning("--use-flash-attn: flash-attn >= 2.6 is not installed; context-parallel attention "
+                               "uses SDPA's flash kernel")
 
     def forward(self, q, k, v, attention_mask=None):
         if attention_mask is not None:

@@ -17,18 +17,17 @@ k/v [b, nkv, sk, d] and returns out [b, nq, sq, d] and lse [b, nq, sq] (fp32). `
 top-left aligned causal mask, used here only on square diagonal blocks. Dropout is not supported
 (context parallelism refuses --attention-dropout > 0).
 """
+import functools
 import importlib.util
 import inspect
-import logging
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
-
 CPU_FLASH, FLASH, EFFICIENT, FLASH_ATTN = "cpu_flash", "flash", "efficient", "flash_attn"
 
 
+@functools.lru_cache(maxsize=None)
 def flash_attn_package_usable() -> bool:
     """The flash-attn package is installed and has the forward/backward entry points used here
     (flash-attn >= 2.6: `_flash_attn_forward(..., window_size_left, window_size_right, softcap, ...)`)."""
@@ -41,13 +40,13 @@ def flash_attn_package_usable() -> bool:
 
 
 def select_kernel(device: torch.device, dtype: torch.dtype, use_flash_attn_package: bool = False) -> str:
+    """The kernel for blocks of this device and dtype; `use_flash_attn_package` only when
+    `flash_attn_package_usable()`."""
     if device.type == "cpu":
         return CPU_FLASH
     half = dtype in (torch.float16, torch.bfloat16)
     if use_flash_attn_package and half:
-        if flash_attn_package_usable():
-            return FLASH_ATTN
-        logger.warning("flash-attn >= 2.6 is not installed; context-parallel attention uses SDPA's flash kernel")
+        return FLASH_ATTN
     return FLASH if half else EFFICIENT
 
 
