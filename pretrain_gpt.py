@@ -13,32 +13,45 @@ from functools import partial
 
 import torch
 
+from megatron.core.context_parallel import slice_batch
+from megatron.core.distributed import comm
 from megatron.training.arguments import parse_args
 from megatron.training.config import Config
 from megatron.training.training import pretrain, print_rank_0
 
 
-def get_batch(data_iterator, device: torch.device) -> dict:
+def get_batch(data_iterator, groups) -> dict:
+    """The next micro-batch on this rank's device; with context parallelism, this rank's two chunks
+    of the sequence (chunks r and 2C-1-r of 2C, position ids kept global)."""
     batch = next(data_iterator)
-    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+    batch = {key: value.to(groups.device, non_blocking=True) for key, value in batch.items()}
+    return slice_batch(batch, groups.cp_size, groups.cp_rank)
 
 
-def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
-    """Mean loss over unmasked tokens; reports [sum, count] so averages weight tokens equally."""
+def loss_func(loss_mask: torch.Tensor, cp_group, per_token_loss: torch.Tensor):
+    """Mean loss over the micro-batch's unmasked tokens; reports [sum, count] so averages weight
+    tokens equally.
+
+    With context parallelism a rank holds part of the sequence: its sum is divided by the count
+    over all CP ranks, and multiplied by the CP size because gradients are averaged over the data x
+    context ranks, so the gradients equal those of the whole micro-batch's mean."""
     loss_mask = loss_mask.float()
     total = (per_token_loss.float() * loss_mask).sum()
     count = loss_mask.sum()
-    return total / count.clamp(min=1.0), {"lm loss": torch.stack([total.detach(), count])}
+    micro_batch_count = count.clone()
+    comm.all_reduce(micro_batch_count, cp_group)
+    loss = total * comm.size(cp_group) / micro_batch_count.clamp(min=1.0)
+    return loss, {"lm loss": torch.stack([total.detach(), count])}
 
 
 def forward_step(data_iterator, model):
-    device = next(model.parameters()).device
-    batch = get_batch(data_iterator, device)
+    groups = model.groups  # the model chunk's (and its data-parallel wrapper's) parallel layout
+    batch = get_batch(data_iterator, groups)
     attention_mask = batch.get("attention_mask")
     if attention_mask is not None:
         attention_mask = attention_mask.unsqueeze(1) if attention_mask.dim() == 3 else attention_mask
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], attention_mask=attention_mask)
-    return output, partial(loss_func, batch["loss_mask"])
+    return output, partial(loss_func, batch["loss_mask"], groups.cp)
 
 
 def build_tokenizer(config: Config):
@@ -53,7 +66,6 @@ def build_tokenizer(config: Config):
 
 def datasets_provider(config: Config, groups, num_samples: tuple, tokenizer=None, vocab_size: int = 0):
     from megatron.core.datasets import GPTDatasetConfig, build_gpt_datasets
-    from megatron.core.distributed import comm
 
     d, t = config.data, config.training
     dataset_config = GPTDatasetConfig(

@@ -49,13 +49,12 @@ else
 fi
 WORLD=$((NPROC * NNODES))
 
-if [ "$CP" != 1 ]; then echo "CP=$CP: context parallelism is not available yet; use CP=1" >&2; exit 2; fi
 if [ "$TE_FP8" = 1 ]; then echo "TE_FP8=1: FP8 training is not available yet; use TE_FP8=0" >&2; exit 2; fi
 
 run_training() {
-  DP=$((WORLD / (TP * PP)))
-  if [ "$DP" -lt 1 ] || [ $((DP * TP * PP)) -ne "$WORLD" ]; then
-    echo "TP=$TP x PP=$PP does not divide the $WORLD processes (NPROC=$NPROC x NNODES=$NNODES)" >&2
+  DP=$((WORLD / (TP * PP * CP)))
+  if [ "$DP" -lt 1 ] || [ $((DP * TP * PP * CP)) -ne "$WORLD" ]; then
+    echo "TP=$TP x PP=$PP x CP=$CP does not divide the $WORLD processes (NPROC=$NPROC x NNODES=$NNODES)" >&2
     if [ "$MODEL_SIZE" = 70 ]; then
       echo "MODEL_SIZE=70 defaults to TP=8 x PP=4 (32 GPUs: NNODES=4 with 8 GPUs each); set TP/PP to change it" >&2
     fi
@@ -63,7 +62,7 @@ run_training() {
   fi
   BS=${BS:-$((8 * MBS * DP))}
   PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
-                 --distributed-backend "$BACKEND")
+                 --context-parallel-size "$CP" --distributed-backend "$BACKEND")
   if [ "$TP" -gt 1 ]; then PARALLEL_ARGS+=(--sequence-parallel); fi
   if [ "$VPP" -gt 1 ]; then PARALLEL_ARGS+=(--num-virtual-stages-per-pipeline-rank "$VPP"); fi
   if [ "$FSDP" = 1 ]; then PARALLEL_ARGS+=(--use-torch-fsdp2); elif [ "$DP" -gt 1 ]; then
@@ -108,7 +107,7 @@ run_training() {
     trap '' USR1  # this shell and tee outlive the signal; torchrun installs its own handler
   fi
   mkdir -p "$ROOT/logs"
-  LOG="$ROOT/logs/train_llama_${MODEL_SIZE}_tp${TP}_pp${PP}_mbs${MBS}_bs${BS}_seq${SEQ_LENGTH}_$(date +%Y%m%d_%H%M%S).log"
+  LOG="$ROOT/logs/train_llama_${MODEL_SIZE}_tp${TP}_pp${PP}_cp${CP}_mbs${MBS}_bs${BS}_seq${SEQ_LENGTH}_$(date +%Y%m%d_%H%M%S).log"
   COMMAND=("${LAUNCH[@]}" "$ROOT/pretrain_gpt.py" "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}"
            "${DATA_ARGS[@]}" "${LOGGING_ARGS[@]}" "${CKPT_ARGS[@]}" $EXTRA_ARGS)
   echo "${COMMAND[*]}"

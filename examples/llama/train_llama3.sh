@@ -11,7 +11,7 @@
 #   BS              global batch size                                     [8 x MBS x data-parallel size]
 #   TP, PP          tensor / pipeline parallel sizes                      [1, 1]
 #   VPP             virtual pipeline stages per rank (interleaved 1F1B)   [1]
-#   CP              context parallel size (only 1 is supported so far)    [1]
+#   CP              context parallel size (--context-parallel-size; ring attention) [1]
 #   SEQ_LENGTH      tokens per sample                                     [8192; tiny: 128]
 #   TOTAL_ITERS     optimizer steps                                       [10; tiny: 60]
 #   RECOMPUTE       1: full activation recomputation of every layer       [0]

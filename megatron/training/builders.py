@@ -66,7 +66,7 @@ def transformer_config(config: Config, vocab_size: int) -> TransformerConfig:
         sequence_parallel=config.parallel.sequence_parallel,
         attention_backend="flash_attn" if m.use_flash_attn else "sdpa", fuse_elementwise=fuse_elementwise(config),
         recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
-        recompute_num_layers=t.recompute_num_layers,
+        recompute_num_layers=t.recompute_num_layers, cp_comm_type=config.parallel.cp_comm_type,
     )
 
 

@@ -31,7 +31,8 @@ def initialize_distributed(config: Config) -> tuple[ParallelGroups, RNGStatesTra
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
     device = utils.default_device(backend)
     groups = initialize_model_parallel(config.parallel.tensor_model_parallel_size,
-                                       config.parallel.pipeline_model_parallel_size, 1, device=device)
+                                       config.parallel.pipeline_model_parallel_size,
+                                       config.parallel.context_parallel_size, device=device)
     tracker = build_tracker(config.training.seed, groups.tp_rank, groups.pp_rank, device)
     return groups, tracker
 

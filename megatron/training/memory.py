@@ -9,6 +9,11 @@ Theoretical figures count the persistent tensors only (no activations, no tempor
 - optimizer state: fp32 master copies that are not the model's own parameters, plus the moments
   (Adam: 2, SGD with momentum: 1) for every element the optimizer steps; 1/DP of it with the
   distributed optimizer or FSDP2.
+
+With context parallelism (CP ranks hold the same parameters and average their gradients, like data
+ranks) the distributed optimizer and FSDP2 shard over DP x CP ranks, so those shares are 1/(DP x CP);
+the figures are read from this rank's tensors, so they show it. Activations, not counted here, are
+about 1/CP of the CP=1 figure per rank (docs/parallelism.md).
 """
 import torch
 
@@ -60,8 +65,8 @@ def memory_report(config, chunks: list, optimizer, groups) -> str:
     """One start-up line: theoretical parameter, gradient and optimizer-state bytes on this rank."""
     figures = theoretical_bytes(chunks, optimizer)
     total = figures["parameters"] + figures["gradients"] + figures["optimizer_state"]
-    text = (f"theoretical memory per rank ({layout_name(config)}, DP={groups.dp_size}, TP={groups.tp_size}, "
-            f"PP={groups.pp_size}): parameters {_gib(figures['parameters'])} | gradients "
+    text = (f"theoretical memory per rank ({layout_name(config)}, DP={groups.dp_size}, CP={groups.cp_size}, "
+            f"TP={groups.tp_size}, PP={groups.pp_size}): parameters {_gib(figures['parameters'])} | gradients "
             f"{_gib(figures['gradients'])} | optimizer state {_gib(figures['optimizer_state'])} | "
             f"total {_gib(total)} (activations not included)")
     if figures["fsdp_gathered_layer"]:

@@ -86,7 +86,8 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int) -> Run:
     params = sum(p.numel() for c in chunks for p in c.module.parameters())
     print_rank_0(f"> parameters on (tensor, pipeline) rank ({groups.tp_rank}, {groups.pp_rank}): {params}")
     print_rank_0(f"> padded vocab size: {model_config.vocab_size}, micro-batches per step: {num_microbatches}, "
-                 f"data-parallel size: {groups.dp_size}, device: {groups.device}")
+                 f"data-parallel size: {groups.dp_size}, context-parallel size: {groups.cp_size}, "
+                 f"device: {groups.device}")
     report = memory_report(config, chunks, optimizer, groups)
     if groups.dp_rank == 0 and groups.cp_rank == 0:
         print(report, flush=True)
@@ -111,8 +112,11 @@ def _find_checkpoint(config: Config) -> tuple[list, Optional[tuple]]:
 
 
 def _activation_shape(run: Run) -> tuple:
+    """The [s, b, h] activation passed between pipeline stages: the sequence split over the context
+    ranks, and over the tensor ranks with sequence parallelism."""
     t = run.config.training
-    seq = t.seq_length // (run.groups.tp_size if run.model_config.sequence_parallel and run.groups.tp_size > 1 else 1)
+    seq = t.seq_length // run.groups.cp_size
+    seq //= run.groups.tp_size if run.model_config.sequence_parallel and run.groups.tp_size > 1 else 1
     return (seq, t.micro_batch_size, run.model_config.hidden_size)
 
 

@@ -2,6 +2,7 @@
 import importlib.util
 import os
 
+from megatron.core.context_parallel import check_context_parallel
 from megatron.core.distributed.ddp import validate_data_parallel
 from megatron.core.parallel_state import check_sizes
 from megatron.core.pipeline_parallel.layout import validate_pipeline
@@ -24,9 +25,9 @@ def validate(config: Config, world_size: int) -> list:
     for flag, value in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
                         ("--num-attention-heads", m.num_attention_heads)):
         _require(value is not None, f"{flag} is required (--use-checkpoint-args found no checkpoint to take it from)")
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     try:
-        dp = check_sizes(world_size, tp, pp, 1)
+        dp = check_sizes(world_size, tp, pp, cp)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 
@@ -83,6 +84,7 @@ def validate(config: Config, world_size: int) -> list:
     if p.sequence_parallel:
         _require(t.seq_length % tp == 0, f"--seq-length ({t.seq_length}) must be divisible by "
                                          f"--tensor-model-parallel-size ({tp}) with --sequence-parallel")
+    _validate_context_parallel(config)
 
     if m.transformer_impl == "transformer_engine":
         if importlib.util.find_spec("transformer_engine") is None:
@@ -131,6 +133,30 @@ def _validate_checkpointing(config: Config, notes: list) -> None:
         while not os.path.exists(parent):
             parent = os.path.dirname(parent)
         _require(os.access(parent, os.W_OK | os.X_OK), f"--save {c.save}: {parent} is not writable")
+
+
+def _validate_context_parallel(config: Config) -> None:
+    """Sequence length, comm type, heads (a2a), dropout and masks that context parallelism can run."""
+    m, p, t = config.model, config.parallel, config.training
+    cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
+    if cp == 1:
+        return
+    groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
+    try:
+        check_context_parallel(cp_size=cp, comm_type=p.cp_comm_type, num_local_heads=m.num_attention_heads // tp,
+                               num_local_groups=max(groups // tp, 1), attention_dropout=m.attention_dropout,
+                               seq_length=t.seq_length)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if p.sequence_parallel:
+        _require((t.seq_length // cp) % tp == 0,
+                 f"--seq-length ({t.seq_length}) / --context-parallel-size ({cp}) = {t.seq_length // cp} tokens per "
+                 f"context-parallel rank must be divisible by --tensor-model-parallel-size ({tp}) with "
+                 "--sequence-parallel")
+    _require(not config.data.reset_attention_mask,
+             f"--reset-attention-mask is not supported with --context-parallel-size {cp}: context parallelism runs "
+             "causal attention only (documents in a sample attend across EOD); drop --reset-attention-mask or use "
+             "--context-parallel-size 1")
 
 
 def _validate_data(config: Config, notes: list) -> None:

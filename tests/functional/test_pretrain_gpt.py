@@ -119,11 +119,14 @@ def test_example_script_prints_the_run_summary(tmp_path):
 @pytest.mark.parametrize("layout", [
     ["--tensor-model-parallel-size", "2", "--sequence-parallel"],                     # TP2 x DP2
     ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"],
-], ids=["tp2-dp2", "pp2-tp2"])
+    ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--sequence-parallel"],
+], ids=["tp2-dp2", "pp2-tp2", "cp2-tp2"])
 def test_torchrun_layout_matches_single_process(single_process_run, layout):
     """Training and validation loss curves agree with one process to a relative 1e-5 (fp32)."""
     result = run_pretrain(layout, nproc=4)
     assert result.returncode == 0, result.stderr[-3000:]
+    if "--context-parallel-size" in layout:  # the layout really split the sequence
+        assert "context-parallel size: 2" in result.stdout and "DP=1, CP=2, TP=2" in result.stdout
     got, want = losses(result.stdout), losses(single_process_run)
     assert len(got) == len(want) == 5
     for step, (a, b) in enumerate(zip(got, want)):

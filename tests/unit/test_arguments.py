@@ -50,6 +50,23 @@ def test_weighted_data_path_is_a_list():
     (["--global-batch-size", "6"], 2, "--global-batch-size (6) must be divisible by --micro-batch-size (2) x data-parallel size (2) = 4"),
     (["--seq-length", "64", "--max-position-embeddings", "32"], 1, "--seq-length (64) exceeds --max-position-embeddings (32)"),
     (["--tensor-model-parallel-size", "3"], 4, "world size (4) is not divisible by tensor (3)"),
+    (["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"], 6,
+     "world size (6) is not divisible by tensor (2) x pipeline (1) x context (2) parallel sizes = 4"),
+    (["--context-parallel-size", "2", "--seq-length", "30", "--attention-dropout", "0"], 2,
+     "--seq-length (30) must be divisible by 2 x --context-parallel-size (2) = 4"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--group-query-attention", "--num-query-groups", "2",
+      "--attention-dropout", "0"], 4,
+     "key/value groups per tensor-parallel rank (2, from --num-attention-heads / --num-query-groups and "
+     "--tensor-model-parallel-size) must be divisible by --context-parallel-size (4)"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p", "--attention-dropout", "0"], 2,
+     "--cp-comm-type a2a+p2p (hierarchical all-to-all + ring) is not built"),
+    (["--context-parallel-size", "2"], 2, "--attention-dropout (0.1) must be 0 with --context-parallel-size 2"),
+    (["--context-parallel-size", "2", "--attention-dropout", "0", "--reset-attention-mask"], 2,
+     "--reset-attention-mask is not supported with --context-parallel-size 2"),
+    (["--context-parallel-size", "2", "--attention-dropout", "0", "--tensor-model-parallel-size", "4",
+      "--sequence-parallel", "--seq-length", "12", "--max-position-embeddings", "12"], 8,
+     "--seq-length (12) / --context-parallel-size (2) = 6 tokens per context-parallel rank must be divisible by "
+     "--tensor-model-parallel-size (4)"),
     (["--bf16", "--fp16"], 1, "--bf16 and --fp16 are mutually exclusive"),
     (["--group-query-attention", "--num-query-groups", "3"], 1, "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
     (["--transformer-impl", "transformer_engine"], 1, "--transformer-impl transformer_engine"),
@@ -93,6 +110,7 @@ def _script_args(script: str, env: dict) -> list:
                          "NO_TORCH_COMPILE": "1"}, 8),
     ("train_llama2.sh", {"MODEL_SIZE": "7", "NPROC": "8"}, 8),
     ("train_llama2.sh", {"MODEL_SIZE": "13", "TP": "2", "NPROC": "4"}, 4),
+    ("train_llama3.sh", {"MODEL_SIZE": "8", "TP": "2", "CP": "2", "SEQ_LENGTH": "32768", "NPROC": "8"}, 8),
 ])
 def test_example_scripts_pass_valid_flags(script, env, world):
     args = _script_args(script, env)
@@ -108,6 +126,7 @@ def test_example_scripts_pass_valid_flags(script, env, world):
     assert config.parallel.use_torch_fsdp2 == (env.get("FSDP") == "1")
     assert config.logging.profile == (env.get("ENABLE_PROFILING") == "1")
     assert config.model.no_torch_compile == (env.get("NO_TORCH_COMPILE") == "1")
+    assert config.parallel.context_parallel_size == int(env.get("CP", "1"))
 
 
 def test_70b_on_one_node_explains_the_default_layout():

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
      "--micro-batches", "2", "--", "--recompute-granularity", "full", "--recompute-method", "uniform",
      "--recompute-num-layers", "1"],
     ["bench/bench_distributed_optimizer.py", "--preset", "tiny"],
+    ["bench/bench_context_parallel.py", "--preset", "tiny"],
 ])
 def test_benchmark_runs_and_prints_figures(command):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))

@@ -142,3 +142,33 @@ def batch_send_recv(ops: list) -> list:
 def wait_all(requests: list) -> None:
     for request in requests:
         request.wait()
+
+
+def global_rank(group: Group, group_rank: int) -> int:
+    """The global rank of `group`'s member `group_rank` (point-to-point ops address global ranks)."""
+    if group is None:
+        return dist.get_rank() if dist.is_initialized() else 0
+    return dist.get_global_rank(group, group_rank)
+
+
+def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group: Group) -> list:
+    """Starts sending `send` to the next rank of `group` (group rank + 1, wrapping round) and
+    receiving into `recv` from the previous one; returns the handles for `wait_all`. Several
+    exchanges started in the same order on every rank are matched in that order."""
+    me, world = rank(group), size(group)
+    ops = [("send", send, global_rank(group, (me + 1) % world), group),
+           ("recv", recv, global_rank(group, (me - 1) % world), group)]
+    return batch_send_recv(ops)
+
+
+def all_to_all_single(output: torch.Tensor, input_: torch.Tensor, group: Group) -> None:
+    """Rank r's dim-0 chunk j of `input_` lands as dim-0 chunk r of `output` on rank j."""
+    if group is None:
+        output.copy_(input_)
+        return
+    if not output.is_contiguous():  # the backend writes the raw buffer
+        staging = torch.empty_like(output, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(staging, input_.contiguous(), group=group)
+        output.copy_(staging)
+        return
+    dist.all_to_all_single(output, input_.contiguous(), group=group)

@@ -11,6 +11,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from megatron.core.context_parallel import ContextParallelAttention
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, Part, RowParallelLinear
 from megatron.core.tensor_parallel.random import RNGStatesTracker
 from megatron.core.transformer.fusions import pick, rotary
@@ -61,7 +62,8 @@ class CoreAttention(torch.nn.Module):
 
 
 class SelfAttention(torch.nn.Module):
-    def __init__(self, config, *, tp_group, tp_size: int, tp_rank: int, rng_tracker: RNGStatesTracker, device):
+    def __init__(self, config, *, tp_group, tp_size: int, tp_rank: int, rng_tracker: RNGStatesTracker, device,
+                 cp_group=None):
         super().__init__()
         config.check_tensor_parallel(tp_size)
         self.config = config
@@ -78,7 +80,11 @@ class SelfAttention(torch.nn.Module):
                       sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype, device=device)
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, None, parts=parts,
                                                bias=config.add_bias_linear or config.add_qkv_bias, **common)
-        self.core_attention = CoreAttention(config, rng_tracker)
+        if cp_group is None:
+            self.core_attention = CoreAttention(config, rng_tracker)
+        else:  # context parallelism: this rank holds part of the sequence (None is a group of one)
+            self.core_attention = ContextParallelAttention(
+                config, cp_group=cp_group, num_local_heads=self.num_local_heads, num_local_groups=self.num_local_groups)
         self.linear_proj = RowParallelLinear(config.query_projection_size, config.hidden_size,
                                              bias=config.add_bias_linear, **common)
         self._rotate = pick(rotary, config.fuse_elementwise)

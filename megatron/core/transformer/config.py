@@ -42,6 +42,7 @@ class TransformerConfig:
     recompute_granularity: Optional[str] = None  # None, "full" or "selective"
     recompute_method: Optional[str] = None       # "uniform" or "block" (with full)
     recompute_num_layers: Optional[int] = None
+    cp_comm_type: str = "p2p"                    # context parallelism: "p2p", "all_gather" or "a2a"
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:

@@ -8,11 +8,12 @@ from megatron.core.transformer.norm import build_norm
 
 
 class TransformerLayer(torch.nn.Module):
-    def __init__(self, config, *, tp_group, tp_size: int, tp_rank: int, rng_tracker, device):
+    def __init__(self, config, *, tp_group, tp_size: int, tp_rank: int, rng_tracker, device, cp_group=None):
         super().__init__()
         common = dict(tp_size=tp_size, tp_rank=tp_rank, device=device)
         self.input_layernorm = build_norm(config, config.hidden_size, **common)
-        self.self_attention = SelfAttention(config, tp_group=tp_group, rng_tracker=rng_tracker, **common)
+        self.self_attention = SelfAttention(config, tp_group=tp_group, rng_tracker=rng_tracker, cp_group=cp_group,
+                                            **common)
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size, **common)
         self.mlp = MLP(config, tp_group=tp_group, **common)
         self.hidden_dropout = config.hidden_dropout

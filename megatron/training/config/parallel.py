@@ -37,3 +37,7 @@ class ParallelConfig:
     """Communication backend; default nccl when a GPU is present, else gloo."""
     distributed_timeout_minutes: int = 10
     """Timeout of collective operations, in minutes."""
+    context_parallel_size: int = 1
+    """Context-parallel size: ranks that split each sequence (2 chunks per rank, load-balanced for causal attention)."""
+    cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = "p2p"
+    """Context-parallel attention: p2p (ring, overlapped), all_gather (K/V gathered) or a2a (heads split; heads and query groups per TP rank divisible by the CP size). a2a+p2p is not built."""

@@ -56,7 +56,8 @@ class GPTModel(torch.nn.Module):
             self.embedding = _Embedding(config, groups, rng_tracker, device)
         self.rotary = RotaryEmbedding(config, device) if config.position_embedding_type == "rope" else None
         self.decoder = TransformerBlock(config, layer_numbers=layer_numbers, post_process=post_process,
-                                        tp_group=groups.tp, rng_tracker=rng_tracker, device=device, **tp)
+                                        tp_group=groups.tp, rng_tracker=rng_tracker, device=device,
+                                        cp_group=groups.cp, **tp)
         self.input_tensor = None  # set by the pipeline schedule on stages after the first
         if post_process and (not self.share_embeddings or not pre_process):
             # Untied output layer, or the last stage's copy of the tied embedding (kept equal to the

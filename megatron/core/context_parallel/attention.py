@@ -1,0 +1,77 @@
+"""The attention core under context parallelism: same interface as `CoreAttention`, any comm type.
+
+`SelfAttention` uses this module instead of `CoreAttention` when the context-parallel group has
+more than one rank. Its inputs are this rank's chunks of the sequence (see `layout`); its output
+equals the rows of full causal attention over the whole sequence for those tokens.
+"""
+import logging
+from typing import Optional
+
+import torch
+
+from megatron.core.context_parallel.a2a import a2a_attention
+from megatron.core.context_parallel.all_gather import all_gather_attention
+from megatron.core.context_parallel.kernels import flash_attn_package_usable, select_kernel
+from megatron.core.context_parallel.layout import check_divisible
+from megatron.core.context_parallel.ring import ring_attention
+from megatron.core.distributed import comm
+
+logger = logging.getLogger(__name__)
+
+COMM_TYPES = ("p2p", "all_gather", "a2a")           # built here
+MEGATRON_COMM_TYPES = COMM_TYPES + ("a2a+p2p",)      # Megatron's values of --cp-comm-type
+
+
+def check_context_parallel(*, cp_size: int, comm_type: str, num_local_heads: int, num_local_groups: int,
+                           attention_dropout: float = 0.0, seq_length: Optional[int] = None) -> None:
+    """Raises ValueError, naming the flags, for what context parallelism cannot run."""
+    if cp_size == 1:
+        return
+    if comm_type not in MEGATRON_COMM_TYPES:
+        raise ValueError(f"--cp-comm-type must be one of {', '.join(MEGATRON_COMM_TYPES)}, got {comm_type!r}")
+    if comm_type not in COMM_TYPES:
+        raise ValueError(f"--cp-comm-type {comm_type} (hierarchical all-to-all + ring) is not built in this version; "
+                         f"use p2p, all_gather or a2a")
+    if attention_dropout > 0.0:
+        raise ValueError(f"--attention-dropout ({attention_dropout}) must be 0 with --context-parallel-size "
+                         f"{cp_size}: the context-parallel attention kernels run without dropout")
+    if seq_length is not None:
+        check_divisible(seq_length, cp_size)
+    if comm_type == "a2a":
+        for what, count in (("query heads", num_local_heads), ("key/value groups", num_local_groups)):
+            if count % cp_size != 0:
+                raise ValueError(
+                    f"--cp-comm-type a2a splits attention heads over the context-parallel ranks: {what} per "
+                    f"tensor-parallel rank ({count}, from --num-attention-heads / --num-query-groups and "
+                    f"--tensor-model-parallel-size) must be divisible by --context-parallel-size ({cp_size}); "
+                    f"use --cp-comm-type p2p or all_gather")
+
+
+class ContextParallelAttention(torch.nn.Module):
+    """Causal softmax(q k^T / sqrt(d)) v over the context-parallel sequence, for local heads.
+
+    q: [b, nq, s/C, d], k/v: [b, nkv, s/C, d] (this rank's two chunks) -> [b, nq, s/C, d]."""
+
+    def __init__(self, config, *, cp_group, num_local_heads: int, num_local_groups: int):
+        super().__init__()
+        self.cp_group = cp_group
+        self.comm_type = config.cp_comm_type
+        check_context_parallel(cp_size=comm.size(cp_group), comm_type=self.comm_type,
+                               num_local_heads=num_local_heads, num_local_groups=num_local_groups,
+                               attention_dropout=config.attention_dropout)
+        self.use_flash_attn_package = False
+        if config.attention_backend == "flash_attn":
+            self.use_flash_attn_package = flash_attn_package_usable()
+            if not self.use_flash_attn_package:
+                logger.warning("--use-flash-attn: flash-attn >= 2.6 is not installed; context-parallel attention "
+                               "uses SDPA's flash kernel")
+
+    def forward(self, q, k, v, attention_mask=None):
+        if attention_mask is not None:
+            raise ValueError("context parallelism runs causal attention only; an explicit attention mask "
+                             "(--reset-attention-mask) needs --context-parallel-size 1")
+        if self.comm_type == "a2a":
+            return a2a_attention(q, k, v, self.cp_group)
+        kernel = select_kernel(q.device, q.dtype, self.use_flash_attn_package)
+        attend = ring_attention if self.comm_type == "p2p" else all_gather_attention
+        return attend(q, k, v, self.cp_group, kernel)
