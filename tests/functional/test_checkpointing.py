@@ -1,7 +1,7 @@
 """--save / --load end to end with pretrain_gpt.py (gloo, fp32, CPU).
 
 - Layout independence: a checkpoint saved at TP2 x PP2 x DP2 with the distributed optimizer resumes
-  at TP1, TP4, PP4 with interleaving and FSDP2 at DP4; every later loss and gradient norm equals the
+  at TP1, TP4, PP4 with interleaving, FSDP2 at DP4 and CP2 x TP2; every later loss and gradient norm equals the
   uninterrupted run's to rtol 1e-6 (summation order changes with the layout).
 - Exact resume: at the same layout (PP2 x DP2, distributed optimizer, tied embeddings, dropout, real
   .bin/.idx data) the resumed run's losses and grad norms are bit-identical to the uninterrupted run.
@@ -81,7 +81,8 @@ def saved_at_tp2_pp2_dp2(tmp_path_factory):
     (["--tensor-model-parallel-size", "4", "--sequence-parallel"], 4),
     (["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1"], 4),
     (["--use-torch-fsdp2"], 4),
-], ids=["tp1", "tp4", "pp4-interleaved", "fsdp2-dp4"])
+    (["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"], 4),
+], ids=["tp1", "tp4", "pp4-interleaved", "fsdp2-dp4", "cp2-tp2"])
 def test_resume_at_another_layout_continues_the_curve(saved_at_tp2_pp2_dp2, tmp_path, layout, nproc):
     checkpoint, reference = saved_at_tp2_pp2_dp2
     output = ok(run_pretrain(layout + ["--load", str(checkpoint), "--ckpt-step", "3",
