@@ -21,3 +21,12 @@ def test_benchmark_runs_and_prints_figures(command):
     result = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tokens" in result.stdout and "peak memory" in result.stdout.lower()
+
+
+def test_checkpoint_benchmark_runs():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "bench/bench_checkpoint.py", "--size", "tiny", "--repeats", "1"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for text in ("sync save:", "load:", "async save: training blocked"):
+        assert text in result.stdout, result.stdout[-2000:]

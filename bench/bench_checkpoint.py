@@ -1,0 +1,110 @@
+"""Checkpoint save and load: time, bytes, and how long an async save blocks training.
+
+    python bench/bench_checkpoint.py --size tiny
+    python bench/bench_checkpoint.py --size 1b --skip-async      # ~1.1B parameters, fp32 + Adam: ~13 GB on disk
+    python bench/bench_checkpoint.py --size 350m                 # async vs sync (needs a second copy in memory)
+
+One process on the CPU (or the current GPU). The model's weights and Adam moments are filled with
+random values (a checkpoint of a trained model has the same size), then saved synchronously, loaded,
+and saved asynchronously; the async figure is the time training waits (host copy) against the full
+write. Reports the median of --repeats runs of each.
+"""
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from megatron.training.arguments import parse_args  # noqa: E402
+from megatron.training.training import TrainState, setup  # noqa: E402
+from pretrain_gpt import forward_step  # noqa: E402
+
+COMMON = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+          "--group-query-attention", "--untie-embeddings-and-output-weights", "--hidden-dropout", "0",
+          "--attention-dropout", "0", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
+          "--micro-batch-size", "1", "--seq-length", "128", "--train-iters", "1", "--eval-iters", "0",
+          "--distributed-backend", "gloo"]
+SIZES = {
+    "tiny": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--num-query-groups", "2",
+             "--ffn-hidden-size", "96", "--vocab-size", "499"],
+    "350m": ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16", "--num-query-groups", "4",
+             "--ffn-hidden-size", "2816", "--vocab-size", "31999"],
+    "1b": ["--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "32", "--num-query-groups", "8",
+           "--ffn-hidden-size", "5632", "--vocab-size", "31999"],
+}
+
+
+def build(size: str, directory: str):
+    config = parse_args(COMMON + SIZES[size] + ["--save", directory])
+    run = setup(config, forward_step, vocab_size=config.data.vocab_size + 1)
+    for chunk in run.chunks:
+        for buffer in chunk.buffers:  # gradients are not part of a checkpoint: free their memory
+            buffer.grad_data = torch.empty(0)
+    run.optimizer.prepare_state_for_load(1)
+    with torch.no_grad():
+        for _, _, _, master in run.optimizer.state_regions():
+            master.normal_()
+            for key in run.optimizer.moment_keys():
+                run.optimizer.optimizer.state[master][key].normal_()
+    return run
+
+
+def directory_bytes(path: str) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--skip-async", action="store_true", help="skip the async save (it needs a second copy)")
+    args = parser.parse_args(argv)
+    root = args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_")
+    run = build(args.size, os.path.join(root, "save"))
+    params = sum(p.numel() for c in run.chunks for p in c.module.parameters())
+    checkpointer = run.checkpointer
+    save_times, load_times, blocked_times, async_totals = [], [], [], []
+    for repeat in range(args.repeats):
+        shutil.rmtree(os.path.join(root, "save"), ignore_errors=True)
+        state = TrainState(iteration=repeat + 1)
+        start = time.perf_counter()
+        checkpointer.save(run, state, run.vocab_size)
+        save_times.append(time.perf_counter() - start)
+        directory = os.path.join(root, "save", f"iter_{repeat + 1:07d}")
+        size = directory_bytes(directory)
+        from megatron.training.checkpointing import read_common
+
+        start = time.perf_counter()
+        checkpointer.load(run, directory, read_common(directory), TrainState)
+        load_times.append(time.perf_counter() - start)
+        if not args.skip_async:
+            checkpointer.options.async_save = True
+            start = time.perf_counter()
+            checkpointer.save(run, TrainState(iteration=100 + repeat), run.vocab_size)
+            blocked_times.append(time.perf_counter() - start)
+            checkpointer.wait()
+            async_totals.append(time.perf_counter() - start)
+            checkpointer.options.async_save = False
+    median = statistics.median
+    print(f"model: {args.size}, {params / 1e6:.1f}M parameters (fp32 weights + Adam moments), device "
+          f"{run.groups.device}, torch {torch.__version__}")
+    print(f"checkpoint bytes: {size / 1e9:.3f} GB ({size / params:.2f} bytes/parameter)")
+    print(f"sync save: {median(save_times):.2f} s ({size / 1e9 / median(save_times):.2f} GB/s)")
+    print(f"load: {median(load_times):.2f} s ({size / 1e9 / median(load_times):.2f} GB/s)")
+    if blocked_times:
+        print(f"async save: training blocked {median(blocked_times):.2f} s, written in {median(async_totals):.2f} s "
+              f"(blocking {median(blocked_times) / median(save_times):.0%} of the sync save)")
+    if args.dir is None:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
