@@ -119,6 +119,22 @@ def test_missing_bin(good):
         IndexedDataset(good)
 
 
+def test_missing_idx(good):
+    os.remove(good + ".idx")
+    with pytest.raises(FileNotFoundError, match=r"index file .*data\.idx does not exist") as raised:
+        IndexedDataset(good)
+    assert "\n" not in str(raised.value)
+
+
+def test_unknown_dtype_code(good):
+    data = bytearray(open(good + ".idx", "rb").read())
+    data[17] = 9
+    open(good + ".idx", "wb").write(bytes(data))
+    with pytest.raises(ValueError, match=r"data\.idx has unknown dtype code 9; known codes: \[1, 2, 3, 4, 5, 6, 7, 8\]") as raised:
+        IndexedDataset(good)
+    assert "\n" not in str(raised.value)
+
+
 def test_wrong_magic(good):
     data = bytearray(open(good + ".idx", "rb").read())
     data[:7] = b"NOTIDX!"

@@ -1,30 +1,23 @@
 """Megatron-Core itself reads our .bin/.idx, and we read what its builder writes.
 
 Megatron-Core ships a top-level `megatron` package that would clash with ours, so it is never
-imported here: it lives in its own directory (`pip install --no-deps --target DIR megatron-core`),
-and a subprocess with only that directory on PYTHONPATH does the reading and writing. DIR is
-$MEGATRON_CORE_REF, else ~/.cache/megatron-core-ref.
+imported here: the `megatron_core` fixture (conftest.py) runs a script in a subprocess with only
+Megatron-Core on PYTHONPATH, and the test skips with the install command when it is absent.
 """
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
-import pytest
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
-REFERENCE_DIR = os.environ.get("MEGATRON_CORE_REF", os.path.expanduser("~/.cache/megatron-core-ref"))
-
 SCRIPT = textwrap.dedent("""
-    import json, sys, warnings
+    import json, os, sys, warnings
     warnings.simplefilter("ignore")
     import numpy, torch
     from megatron.core.datasets import indexed_dataset as reference
-    assert reference.__file__.startswith(sys.argv[1]), reference.__file__
-    ours_prefix, their_prefix, output, corpus_prefix = sys.argv[2:6]
+    assert reference.__file__.startswith(os.environ["PYTHONPATH"]), reference.__file__
+    ours_prefix, their_prefix, output, corpus_prefix = sys.argv[1:5]
     dataset = reference.IndexedDataset(ours_prefix)
     report = {
         "dtype": numpy.dtype(dataset.index.dtype).name,
@@ -45,14 +38,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def reference_available() -> bool:
-    return os.path.isfile(os.path.join(REFERENCE_DIR, "megatron", "core", "datasets", "indexed_dataset.py"))
-
-
-@pytest.mark.skipif(not reference_available(), reason=(
-    f"Megatron-Core reference not found in {REFERENCE_DIR}: run "
-    f"`pip install --no-deps --target {REFERENCE_DIR} megatron-core` (or set MEGATRON_CORE_REF)"))
-def test_megatron_core_reads_ours_and_we_read_theirs(tmp_path, gpt2_dataset):
+def test_megatron_core_reads_ours_and_we_read_theirs(tmp_path, gpt2_dataset, megatron_core):
     documents = [[[10, 11, 12], [13]], [[14, 15, 16, 17]], [[18]]]
     ours = str(tmp_path / "ours")
     builder = IndexedDatasetBuilder(ours + ".bin", dtype=np.uint16)
@@ -64,13 +50,7 @@ def test_megatron_core_reads_ours_and_we_read_theirs(tmp_path, gpt2_dataset):
     script = tmp_path / "reference_io.py"
     script.write_text(SCRIPT)
     theirs, output = str(tmp_path / "theirs"), str(tmp_path / "report.json")
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    env["PYTHONPATH"] = REFERENCE_DIR
-    result = subprocess.run([sys.executable, str(script), REFERENCE_DIR, ours, theirs, output, gpt2_dataset], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=120)
-    if result.returncode != 0 and "ModuleNotFoundError" in result.stderr:
-        pytest.skip(f"Megatron-Core in {REFERENCE_DIR} cannot be imported here: {result.stderr.strip().splitlines()[-1]}")
-    assert result.returncode == 0, result.stderr
+    megatron_core(script, ours, theirs, output, gpt2_dataset)
     report = json.load(open(output))
     assert report["dtype"] == "uint16"
     assert report["sequences"] == [sequence for document in documents for sequence in document]
