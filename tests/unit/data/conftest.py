@@ -117,6 +117,12 @@ def tool():
 
 
 @pytest.fixture(scope="session")
+def document_generator():
+    """`document_generator(count, seed=0)`: deterministic multi-sentence documents."""
+    return generate_documents
+
+
+@pytest.fixture(scope="session")
 def jsonl_writer():
     """`jsonl_writer(path, documents, key="text")` writes one JSON object per document."""
     return write_jsonl
