@@ -204,7 +204,11 @@ class _Builder:
     def split(self, data_path: Sequence[str], flag: str, split_index: int, bookend: Tuple[float, float], num_samples: int):
         prefixes, weights = parse_data_path(data_path, flag)
         if len(prefixes) == 1 and weights is None:
-            return self.gpt(prefixes[0], split_index, bookend, num_samples)
+            dataset = self.gpt(prefixes[0], split_index, bookend, num_samples)
+            if dataset is None and split_index == 0:
+                raise ValueError(f"{flag}: the train split of {prefixes[0]} ({len(self.open(prefixes[0]))} sequences) is "
+                                 f"empty with --split {self.config.split}; give it a larger share or use more data")
+            return dataset
         if weights is None:  # Megatron: each dataset once (one epoch), blended in proportion to its size
             parts = self.parts(prefixes, flag, split_index, bookend, [None] * len(prefixes))
             weights = [len(part) for part in parts]
@@ -235,6 +239,9 @@ class _Builder:
     def all(self, num_samples: Sequence[int]) -> List:
         results = []
         for index, ((data_path, flag, matrix), count) in enumerate(zip(self.sources(), num_samples)):
+            if index == 0 and count and data_path and matrix[index] is None:
+                raise ValueError(f"--split {self.config.split} gives the train split no share, but training needs "
+                                 f"{count} samples; give it a positive first number, e.g. 969,30,1")
             if not count or not data_path or matrix[index] is None:
                 results.append(None)
                 continue

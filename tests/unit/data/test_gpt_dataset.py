@@ -326,3 +326,14 @@ def test_unweighted_blend_uses_each_dataset_once_in_proportion_to_its_size(tmp_p
     np.testing.assert_allclose(train.weights, np.array(lengths) / sum(lengths))
     one_line_error(ValueError, r"--data-path without weights uses each dataset's train split once.*\d+ samples, fewer than "
                    r"the 100000 training needs", lambda: build_gpt_datasets(config([a, b], tmp_path, split="1,0,0"), (100000, 0, 0)))
+
+
+def test_empty_train_split_is_an_error(tmp_path):
+    tiny = str(tmp_path / "tiny")
+    write_unique_token_dataset(tiny, num_documents=3)
+    one_line_error(ValueError, r"--split 0,50,50 gives the train split no share, but training needs 10 samples",
+                   lambda: build_gpt_datasets(config([tiny], tmp_path, split="0,50,50"), (10, 0, 0)))
+    # round(0.1 * 3) == 0: the train range is empty.
+    one_line_error(ValueError, r"--data-path: the train split of .*tiny \(3 sequences\) is empty with --split 10,90",
+                   lambda: build_gpt_datasets(config([tiny], tmp_path, split="10,90"), (10, 0, 0)))
+    assert build_gpt_datasets(config([tiny], tmp_path, split="0,50,50"), (0, 5, 5))[0] is None
