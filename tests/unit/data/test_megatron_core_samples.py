@@ -44,6 +44,7 @@ SCENARIOS = [
          sizes=(3000, 100, 0)),
     dict(name="blend-a70-c30", data_path=["70", "a", "30", "c"], split="969,30,1", seq_length=32, seed=1234,
          sizes=(1500, 60, 20)),
+    dict(name="blend-of-one-b", data_path=["1", "b"], split="90,5,5", seq_length=8, seed=1234, sizes=(500, 50, 20)),
     dict(name="blend-unweighted-a-d", data_path=["a", "d"], split="90,5,5", seq_length=16, seed=1234,
          sizes=(1000, 100, 10)),
     dict(name="per-split", per_split=(["0.6", "a", "0.4", "d"], ["b"], None), seq_length=16, seed=1234,
@@ -51,7 +52,8 @@ SCENARIOS = [
     dict(name="per-split-mixed", per_split=(["a", "d"], ["0.5", "b", "0.5", "e"], ["c"]), seq_length=16, seed=3,
          sizes=(900, 40, 30)),
 ]
-BOUNDARY_SPLITS = ["90,5,5", "969,30,1", "98,2,0", "100,0,0", "1,1,1", "80,20", "99.5,0.5,0", "949,50,1", "2,1", "7,0,3"]
+BOUNDARY_SPLITS = ["90,5,5", "969,30,1", "98,2,0", "100,0,0", "1,1,1", "80,20", "99.5,0.5,0", "949,50,1", "2,1", "7,0,3",
+                   "969, 30, 1", "98/2/0", "0,1,0", ".5,.25,.25"]
 BOUNDARY_SIZES = list(range(1, 1201)) + [2017, 4999, 10007, 123457]
 
 
