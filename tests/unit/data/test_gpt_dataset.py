@@ -7,7 +7,7 @@ import pytest
 
 from megatron.core.datasets import (BlendedDataset, GPTDatasetConfig, IndexedDatasetBuilder, MockGPTDataset,
                                     build_gpt_datasets, parse_split)
-from megatron.core.datasets import gpt_dataset, helpers
+from megatron.core.datasets import gpt_dataset, helpers, index_cache
 from megatron.core.datasets.gpt_dataset_builder import split_boundaries
 
 SEQ = 16
@@ -120,6 +120,15 @@ def test_cache_is_reused_and_written_atomically(unique_data, tmp_path):
     # A different setting is a different hash: a non-builder rank cannot find it and says where it looked.
     with pytest.raises(FileNotFoundError, match="cache"):
         build_gpt_datasets(config([prefix], tmp_path, seq_length=SEQ + 1), (200, 10, 0), is_builder_rank=False)
+
+
+def test_cache_written_under_other_rules_is_not_read(unique_data, tmp_path, monkeypatch):
+    """The hash covers the format version of the index rules: caches from older rules are never reused."""
+    prefix, _ = unique_data
+    build_gpt_datasets(config([prefix], tmp_path), (200, 10, 0))
+    monkeypatch.setattr(index_cache, "CACHE_FORMAT_VERSION", index_cache.CACHE_FORMAT_VERSION + 1)
+    with pytest.raises(FileNotFoundError, match="cache"):
+        build_gpt_datasets(config([prefix], tmp_path), (200, 10, 0), is_builder_rank=False)
 
 
 def test_default_cache_beside_the_data(unique_data, tmp_path):
