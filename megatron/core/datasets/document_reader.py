@@ -170,6 +170,7 @@ def iter_texts(files: Sequence[str], json_keys: Sequence[str] = ("text",), stats
     """Every document's text (each wanted key's string value), skipping lines that have none of them."""
     import json
 
+    json_keys = [json_keys] if isinstance(json_keys, str) else list(json_keys)
     stats = stats if stats is not None else TextStats()
     for batch in read_batches([Span(path) for path in files]):
         for record in batch.records:
