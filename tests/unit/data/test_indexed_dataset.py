@@ -157,6 +157,23 @@ def test_empty_idx(good):
         IndexedDataset(good)
 
 
+def test_idx_truncated_inside_its_header(good):
+    data = open(good + ".idx", "rb").read()
+    open(good + ".idx", "wb").write(data[:20])
+    with pytest.raises(ValueError, match=r"data\.idx is truncated \(20 bytes, the header alone is 34\)") as raised:
+        IndexedDataset(good)
+    assert "\n" not in str(raised.value)
+
+
+def test_document_indices_that_do_not_end_at_the_sequence_count(good):
+    data = bytearray(open(good + ".idx", "rb").read())
+    data[-8:] = struct.pack("<q", 3)  # the last document index should be the sequence count, 6
+    open(good + ".idx", "wb").write(bytes(data))
+    with pytest.raises(ValueError, match=r"data\.idx: document indices must run from 0 to the sequence count 6") as raised:
+        IndexedDataset(good)
+    assert "\n" not in str(raised.value)
+
+
 def test_truncated_idx(good):
     data = open(good + ".idx", "rb").read()
     open(good + ".idx", "wb").write(data[:-5])
