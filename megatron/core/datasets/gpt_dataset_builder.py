@@ -249,6 +249,13 @@ class _Builder:
         return results
 
 
+def check_data_inputs(config: GPTDatasetConfig) -> None:
+    """Parse `--split` and every blend and open every dataset (no index is built): for callers that
+    want bad flags and files reported before anything expensive, e.g. before building the model."""
+    if not config.mock:
+        _Builder(config, build_indices=False).check_inputs()
+
+
 def build_gpt_datasets(config: GPTDatasetConfig, num_samples: Sequence[int], is_builder_rank: bool = True,
                        barrier: Callable[[], None] = lambda: None):
     """Return (train, valid, test); each is None when its split is empty or asked for 0 samples.

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from megatron.core.datasets import (BlendedDataset, GPTDatasetConfig, IndexedDatasetBuilder, MockGPTDataset,
-                                    build_gpt_datasets, parse_split)
+                                    build_gpt_datasets, check_data_inputs, parse_split)
 from megatron.core.datasets import gpt_dataset, helpers, index_cache
 from megatron.core.datasets.gpt_dataset_builder import split_boundaries
 
@@ -296,6 +296,11 @@ def test_missing_blend_file_fails_before_any_index_is_built(unique_data, tmp_pat
     one_line_error(FileNotFoundError, "--valid-data-path: .*missing_text_document",
                    lambda: build_gpt_datasets(config(None, tmp_path, train_data_path=[prefix], valid_data_path=[missing]),
                                               (100, 10, 0)))
+    assert not os.path.exists(tmp_path / "cache")
+    one_line_error(FileNotFoundError, "--data-path: .*missing_text_document",
+                   lambda: check_data_inputs(config(["0.5", prefix, "0.5", missing], tmp_path)))
+    one_line_error(ValueError, "--split", lambda: check_data_inputs(config([prefix], tmp_path, split="1,x")))
+    check_data_inputs(config([prefix], tmp_path))
     assert not os.path.exists(tmp_path / "cache")
 
 
