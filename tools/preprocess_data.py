@@ -26,7 +26,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megatron.core.datasets.document_reader import RawBatch, expand_inputs, read_batches, split_spans  # noqa: E402
+from megatron.core.datasets.document_reader import (RawBatch, describe_missing_keys, expand_inputs,  # noqa: E402
+                                                    read_batches, split_spans)
 from megatron.core.datasets.indexed_dataset import (IndexedDatasetBuilder, get_bin_path, get_idx_path,  # noqa: E402
                                                     optimal_dtype)
 from megatron.core.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
@@ -51,6 +52,7 @@ class EncodedBatch:
     empty_documents: int = 0
     blank_lines: int = 0
     problems: List[Tuple[int, str]] = field(default_factory=list)  # (line number, reason)
+    keys_found: Dict[str, int] = field(default_factory=dict)  # keys of the lines that lack a --json-keys key
     tokens: Dict[str, np.ndarray] = field(default_factory=dict)
     sequence_lengths: Dict[str, np.ndarray] = field(default_factory=dict)
     document_ends: Dict[str, np.ndarray] = field(default_factory=dict)
@@ -97,6 +99,8 @@ class Encoder:
             missing = [key for key in keys if key not in obj]
             if missing:
                 result.problems.append((line, f"missing key {missing[0]!r}"))
+                for key in obj:
+                    result.keys_found[key] = result.keys_found.get(key, 0) + 1
                 continue
             wrong = [key for key in keys if not isinstance(obj[key], str)]
             if wrong:
@@ -232,6 +236,19 @@ class RunSummary:
     bytes_read: int = 0
     tokens: int = 0
     problems: List[Tuple[str, int, str]] = field(default_factory=list)
+    keys_found: Dict[str, int] = field(default_factory=dict)
+
+    def no_documents_error(self, args: argparse.Namespace) -> ValueError:
+        """Why the input gave no document: the --json-keys key no line has, else the first malformed line."""
+        missing = [key for key in args.json_keys if key not in self.keys_found]
+        if self.keys_found and missing:
+            return ValueError(describe_missing_keys(args.json_keys, missing, args.input, self.keys_found))
+        first = ""
+        if self.problems:
+            path, line, reason = self.problems[0]
+            first = f"; the first: {path}:{line}: {reason}" if line else f"; the first: {path}: {reason}"
+        return ValueError(f"--input {' '.join(args.input)}: no valid documents found "
+                          f"({len(self.problems)} malformed lines, {self.blank_lines} blank lines){first}")
 
 
 def output_prefixes(args: argparse.Namespace, output_prefix: str) -> Dict[str, str]:
@@ -255,6 +272,8 @@ def process_spans(args: argparse.Namespace, spans, output_prefix: str, dtype, su
             encoder = Encoder(args)
             results = (encoder.encode(batch) for batch in batches)
         for result in results:
+            for key, count in result.keys_found.items():
+                summary.keys_found[key] = summary.keys_found.get(key, 0) + count
             for line, reason in result.problems:
                 summary.problems.append((result.path, line, reason))
                 if args.strict:
@@ -355,8 +374,7 @@ def run(args: argparse.Namespace) -> RunSummary:
     if summary.documents == 0:
         for prefix in output_prefixes(args, args.output_prefix).values():
             remove_dataset(prefix)
-        raise ValueError(f"--input {' '.join(args.input)}: no valid documents found "
-                         f"({len(summary.problems)} malformed lines, {summary.blank_lines} blank lines)")
+        raise summary.no_documents_error(args)
     report(args, summary, elapsed)
     return summary
 
@@ -373,7 +391,8 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
     group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     group.add_argument("--tokenizer-model", default=None, help="SentencePiece tokenizer.model, or a Hugging Face directory / tokenizer.json")
-    group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: vocabulary size, EOD included")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="NullTokenizer: N ordinary ids 0..N-1; the EOD is id N (N + 1 entries in all)")
     group.add_argument("--vocab-extra-ids", type=int, default=0, help="SentencePieceTokenizer: number of <extra_id_N> tokens")
     group.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")
     group = parser.add_argument_group("output data")

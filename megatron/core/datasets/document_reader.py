@@ -7,10 +7,11 @@ file under it, in sorted order. Files are read as bytes; JSON parsing happens in
 import gzip
 import io
 import os
-from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Sequence
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+MAX_KEYS_LISTED = 10
 
 
 def is_jsonl(path: str) -> bool:
@@ -144,18 +145,51 @@ def _read_jsonl_batches(span: Span, max_records: int, max_bytes: int) -> Iterato
             yield RawBatch(span.path, line, records, True, size)
 
 
-def iter_texts(files: Sequence[str], json_key: str = "text") -> Iterator[str]:
-    """Every document's text, skipping lines that are not JSON objects with a string `json_key`."""
+@dataclass
+class TextStats:
+    """What `iter_texts` saw: texts yielded, and the keys of JSON lines that lacked every wanted key."""
+
+    texts: int = 0
+    lines_without_key: int = 0
+    keys_found: Dict[str, int] = field(default_factory=dict)
+
+    def describe_missing(self, json_keys: Sequence[str], inputs: Sequence[str]) -> str:
+        return describe_missing_keys(json_keys, json_keys, inputs, self.keys_found)
+
+
+def describe_missing_keys(json_keys: Sequence[str], missing: Sequence[str], inputs: Sequence[str],
+                          keys_found: Dict[str, int]) -> str:
+    """One line: no line of the input has the `missing` keys, and the keys that its lines do have (most common first)."""
+    found = ", ".join(repr(key) for key in sorted(keys_found, key=lambda k: -keys_found[k])[:MAX_KEYS_LISTED])
+    wanted = f"the key {missing[0]!r}" if len(missing) == 1 else "any of the keys " + ", ".join(repr(k) for k in missing)
+    return (f"--json-keys {' '.join(json_keys)}: no line of --input {' '.join(inputs)} has {wanted} with a string value; "
+            f"keys found: {found or 'none (no JSON objects)'}")
+
+
+def iter_texts(files: Sequence[str], json_keys: Sequence[str] = ("text",), stats: Optional[TextStats] = None) -> Iterator[str]:
+    """Every document's text (each wanted key's string value), skipping lines that have none of them."""
     import json
 
+    json_keys = [json_keys] if isinstance(json_keys, str) else list(json_keys)
+    stats = stats if stats is not None else TextStats()
     for batch in read_batches([Span(path) for path in files]):
         for record in batch.records:
             if not batch.jsonl:
+                stats.texts += 1
                 yield record.decode("utf-8", errors="replace")
                 continue
             try:
-                value = json.loads(record).get(json_key)
-            except (ValueError, AttributeError):
+                obj = json.loads(record)
+            except ValueError:
                 continue
-            if isinstance(value, str):
+            if not isinstance(obj, dict):
+                continue
+            values = [obj[key] for key in json_keys if isinstance(obj.get(key), str)]
+            if not values:
+                stats.lines_without_key += 1
+                if len(stats.keys_found) < 1000:
+                    for key in obj:
+                        stats.keys_found[key] = stats.keys_found.get(key, 0) + 1
+            for value in values:
+                stats.texts += 1
                 yield value

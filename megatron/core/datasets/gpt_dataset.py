@@ -1,14 +1,26 @@
 """GPTDataset: fixed-length training samples cut from the documents of an IndexedDataset.
 
-The split's documents are laid end to end, in a fresh seeded permutation for each epoch (so every
-token of the split appears once per epoch), and cut into windows of seq_length + 1 tokens that
-overlap by one token (the last input token's label is the next window's first token). Samples
-are served in a seeded shuffled order. Three cached arrays describe it all:
+The rules are Megatron-Core's (`GPTDataset._build_document_sample_shuffle_indices`), so the same
+files, split, seq_length, sample count and seed give Megatron-Core's samples in its order:
 
-    document_index  int32 [epochs * documents]  sequence ids, epoch by epoch
-    sample_index    int64 [samples + 1, 2]      (position in document_index, token offset) of
-                                                stream position k * seq_length
-    shuffle_index   int64 [samples]             the order samples are served in
+* Epochs: the fewest E with E * tokens_per_epoch >= num_samples * seq_length + 1 (one epoch when
+  num_samples is None).
+* Document index: the split's sequence ids repeated E times and shuffled all together by
+  `numpy.random.RandomState(seed)`, so a document can appear twice before another appears once.
+  With E > 1 and fewer than 80% of an epoch's samples needed from the last epoch, the first E - 1
+  epochs are shuffled together and the last epoch on its own ("separate final epoch").
+* Sample index: the documents laid end to end in that order and cut into windows of
+  seq_length + 1 tokens that overlap by one token (the last input token's label is the next
+  window's first token); the last partial window is dropped.
+* Shuffle index: a permutation of the samples drawn from the same random state, or with a
+  separate final epoch a permutation of the first E - 1 epochs' samples followed by one of the rest.
+
+Three cached arrays describe it all (dtypes as Megatron-Core's):
+
+    document_index  int32 [E * documents]          sequence ids in stream order
+    sample_index    int32 or int64 [samples + 1, 2] (position in document_index, token offset) of
+                                                   stream position k * seq_length; row 0 is (0, 0)
+    shuffle_index   uint32 or int64 [samples]      the order samples are served in
 """
 import os
 from dataclasses import dataclass
@@ -59,17 +71,28 @@ def get_ltor_masks_and_position_ids(tokens: np.ndarray, options: SampleOptions) 
     return result
 
 
-def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState) -> np.ndarray:
-    """One independent permutation of the split's sequence ids per epoch, concatenated."""
-    documents = np.asarray(documents, dtype=np.int32)
-    return np.concatenate([rng.permutation(documents) for _ in range(num_epochs)]) if num_epochs else documents[:0]
+def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
+                         separate_final_epoch: bool = False) -> np.ndarray:
+    """The documents repeated num_epochs times, shuffled together (the last epoch apart if asked)."""
+    if not separate_final_epoch or num_epochs == 1:
+        document_index = np.tile(np.asarray(documents, dtype=np.int32), num_epochs)
+        rng.shuffle(document_index)
+        return document_index
+    first = build_document_index(documents, num_epochs - 1, rng)
+    last = build_document_index(documents, 1, rng)
+    return np.concatenate((first, last))
 
 
-def build_shuffle_index(num_samples: int, first_block: int, rng: np.random.RandomState) -> np.ndarray:
+def build_shuffle_index(first_block: int, num_samples: int, rng: np.random.RandomState) -> np.ndarray:
     """A permutation of [0, first_block) followed by a permutation of [first_block, num_samples)."""
-    first = rng.permutation(np.arange(first_block, dtype=np.int64))
-    rest = first_block + rng.permutation(np.arange(num_samples - first_block, dtype=np.int64))
-    return np.concatenate([first, rest])
+    dtype = np.uint32 if num_samples < np.iinfo(np.uint32).max - 1 else np.int64
+    first = np.arange(first_block, dtype=dtype)
+    rng.shuffle(first)
+    if first_block == num_samples:
+        return first
+    rest = np.arange(first_block, num_samples, dtype=dtype)
+    rng.shuffle(rest)
+    return np.concatenate((first, rest))
 
 
 def plan_epochs(tokens_per_epoch: int, seq_length: int, num_samples: Optional[int]) -> int:
@@ -78,6 +101,15 @@ def plan_epochs(tokens_per_epoch: int, seq_length: int, num_samples: Optional[in
         return 1
     needed = num_samples * seq_length + 1
     return -(-needed // tokens_per_epoch)
+
+
+def uses_separate_final_epoch(tokens_per_epoch: int, seq_length: int, num_epochs: int, num_samples: Optional[int]) -> bool:
+    """Megatron's rule: shuffle the last epoch apart when fewer than 80% of its samples are used."""
+    if num_epochs == 1:
+        return False
+    samples_before_final = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+    samples_per_epoch = (tokens_per_epoch - 1) // seq_length
+    return num_samples - samples_before_final < int(SEPARATE_FINAL_EPOCH_THRESHOLD * samples_per_epoch)
 
 
 class GPTDataset:
@@ -113,6 +145,7 @@ class GPTDataset:
         }
         self.cache = IndexCache(cache_dir, f"GPTDataset-{split_name}", description)
         if build_indices and not self.cache.exists(INDEX_NAMES):
+            self.cache.prepare()
             self.cache.save(self._build_indices(documents, num_samples))
         indices = self.cache.load(INDEX_NAMES)
         self.document_index = indices["document_index"]
@@ -120,18 +153,14 @@ class GPTDataset:
         self.shuffle_index = indices["shuffle_index"]
 
     def _build_indices(self, documents: np.ndarray, num_samples: Optional[int]) -> Dict[str, np.ndarray]:
-        seq_length, epochs = self.options.seq_length, self.num_epochs
-        total_samples = (epochs * self.tokens_per_epoch - 1) // seq_length
-        first_block = total_samples
-        if epochs > 1 and num_samples:
-            samples_before_final = ((epochs - 1) * self.tokens_per_epoch - 1) // seq_length
-            samples_per_epoch = (self.tokens_per_epoch - 1) // seq_length
-            if num_samples - samples_before_final < int(SEPARATE_FINAL_EPOCH_THRESHOLD * samples_per_epoch):
-                first_block = samples_before_final
+        seq_length, epochs, tokens = self.options.seq_length, self.num_epochs, self.tokens_per_epoch
+        separate_final_epoch = uses_separate_final_epoch(tokens, seq_length, epochs, num_samples)
+        total_samples = (epochs * tokens - 1) // seq_length
         rng = np.random.RandomState(self.seed)
-        document_index = build_document_index(documents, epochs, rng)
+        document_index = build_document_index(documents, epochs, rng, separate_final_epoch)
         sample_index = build_sample_idx(self.indexed_dataset.sequence_lengths, document_index, seq_length, total_samples)
-        shuffle_index = build_shuffle_index(total_samples, first_block, rng)
+        first_block = ((epochs - 1) * tokens - 1) // seq_length if separate_final_epoch else total_samples
+        shuffle_index = build_shuffle_index(first_block, total_samples, rng)
         return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
 
     def __len__(self) -> int:

@@ -1,19 +1,20 @@
 """GPTDatasetConfig and build_gpt_datasets: from `--data-path` / `--split` to train/valid/test datasets."""
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megatron.core.datasets.blended_dataset import BlendedDataset
+from megatron.core.datasets.blended_dataset import BlendedDataset, normalize
 from megatron.core.datasets.gpt_dataset import GPTDataset, SampleOptions
 from megatron.core.datasets.index_cache import resolve_cache_dir
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.mock_dataset import MockGPTDataset
 
 SPLIT_NAMES = ("train", "valid", "test")
-# Each blended component gets this much more than its share, so that rounding never runs it dry (Megatron's margin).
-BLEND_MARGIN = 1.005
+# Each blended component builds this fraction more samples than it contributes (Megatron's mid-level surplus).
+MID_LEVEL_DATASET_SURPLUS = 0.005
 VOCAB_CHECK_TOKENS = 1 << 20
 
 
@@ -26,9 +27,10 @@ class GPTDatasetConfig:
     seed: int
     """Seed of the document and sample shuffles; the same seed gives the same order on any number of ranks."""
     data_path: Optional[List[str]]
-    """`--data-path`: ["prefix"] or weighted ["0.3", "a", "0.7", "b"]; split into train/valid/test by `split`."""
+    """`--data-path`: ["prefix"], weighted ["0.3", "a", "0.7", "b"], or bare ["a", "b"] (weighted by size, each
+    used once); split into train/valid/test by `split`."""
     split: str = "969,30,1"
-    """`--split`: relative sizes of train, valid, test, by documents (e.g. "969,30,1" or "98,2,0")."""
+    """`--split`: relative sizes of train, valid, test, by sequences (e.g. "969,30,1" or "98,2,0")."""
     train_data_path: Optional[List[str]] = None
     """`--train-data-path`: used whole for training (instead of data_path + split)."""
     valid_data_path: Optional[List[str]] = None
@@ -65,55 +67,71 @@ class GPTDatasetConfig:
             raise ValueError("no data: pass --data-path PREFIX (or --train-data-path ...), or --mock-data")
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
 def parse_data_path(data_path: Sequence[str], flag: str = "--data-path") -> Tuple[List[str], Optional[List[float]]]:
-    """["a"] -> (["a"], None); ["0.3", "a", "0.7", "b"] -> (["a", "b"], [0.3, 0.7]); a bare list of prefixes is evenly weighted."""
-    data_path = [str(item) for item in data_path]
-    if len(data_path) == 1:
-        return data_path, None
-
-    def is_number(text: str) -> bool:
-        try:
-            float(text)
-            return True
-        except ValueError:
-            return False
-
-    if not is_number(data_path[0]):
-        if any(is_number(item) for item in data_path):
+    """Megatron's blend list: ["a"] -> (["a"], None); ["0.3", "a", "0.7", "b"] -> (["a", "b"], [0.3, 0.7]);
+    bare prefixes ["a", "b"] -> (["a", "b"], None), which blends them in proportion to their sizes."""
+    data_path = [str(item).strip() for item in data_path]
+    if not data_path:
+        raise ValueError(f"{flag} is empty: give 'PREFIX' or 'W1 PREFIX1 W2 PREFIX2 ...'")
+    if not _is_number(data_path[0]):
+        if any(_is_number(item) for item in data_path):
             raise ValueError(f"{flag} {' '.join(data_path)}: mixes weights and prefixes; use 'W1 PREFIX1 W2 PREFIX2 ...'")
-        return data_path, [1.0] * len(data_path)
+        return data_path, None
     if len(data_path) % 2:
         raise ValueError(f"{flag} {' '.join(data_path)}: weighted form needs pairs 'W1 PREFIX1 W2 PREFIX2 ...'")
     weights, prefixes = [], []
     for weight, prefix in zip(data_path[::2], data_path[1::2]):
-        if not is_number(weight) or float(weight) <= 0 or not math.isfinite(float(weight)):
+        if not _is_number(weight) or not float(weight) > 0 or not math.isfinite(float(weight)):
             raise ValueError(f"{flag}: weight {weight!r} before {prefix} must be a positive number")
+        if _is_number(prefix):
+            raise ValueError(f"{flag}: {prefix!r} after weight {weight} is a number, not a dataset prefix; "
+                             "use 'W1 PREFIX1 W2 PREFIX2 ...'")
         weights.append(float(weight))
         prefixes.append(prefix)
     return prefixes, weights
 
 
 def parse_split(split: str) -> List[float]:
-    """'969,30,1' (or '969/30/1', or fewer numbers, padded with 0) -> normalized [train, valid, test]."""
-    text = split.replace("/", ",")
-    try:
-        parts = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"--split {split!r}: expected up to three comma-separated numbers, e.g. 969,30,1") from None
-    if not 1 <= len(parts) <= 3 or any(part < 0 for part in parts) or sum(parts) <= 0:
+    """'969,30,1' (or '969/30/1', or fewer numbers, padded with 0) -> [train, valid, test], normalized as Megatron does."""
+    parts = [part.strip() for part in split.replace("/", ",").split(",")]
+    if not 1 <= len(parts) <= 3 or not all(re.fullmatch(r"[0-9]*\.?[0-9]+|[0-9]+\.", part) for part in parts) \
+            or sum(float(part) for part in parts) <= 0:
         raise ValueError(f"--split {split!r}: expected up to three non-negative numbers with a positive sum, e.g. 969,30,1")
-    parts += [0.0] * (3 - len(parts))
-    total = sum(parts)
-    return [part / total for part in parts]
+    values = [float(part) for part in parts] + [0.0] * (3 - len(parts))
+    return normalize(values)
 
 
-def split_boundaries(weights: Sequence[float], num_elements: int) -> List[int]:
-    """Megatron's rounding: cumulative rounded shares, shifted so that the last boundary is num_elements."""
-    boundaries = [0]
-    for weight in weights:
-        boundaries.append(boundaries[-1] + int(round(weight * float(num_elements))))
-    excess = boundaries[-1] - num_elements
-    return [0] + [boundary - excess for boundary in boundaries[1:]]
+def split_matrix(split_vector: Sequence[float]) -> List[Optional[Tuple[float, float]]]:
+    """Megatron's book-ends: cumulative sums of the normalized split, None for a split of weight 0."""
+    ends = [0]
+    for weight in split_vector:
+        ends.append(ends[-1] + weight)
+    return [(begin, end) if end > begin else None for begin, end in zip(ends[:-1], ends[1:])]
+
+
+def split_range(bookend: Tuple[float, float], num_elements: int) -> Tuple[int, int]:
+    """Megatron's rounding: each book-end times the number of sequences, rounded (half to even)."""
+    return int(round(bookend[0] * float(num_elements))), int(round(bookend[1] * float(num_elements)))
+
+
+def split_boundaries(split_vector: Sequence[float], num_elements: int) -> List[Optional[Tuple[int, int]]]:
+    """[begin, end) of each split's sequences, or None for a split of weight 0."""
+    return [split_range(bookend, num_elements) if bookend else None for bookend in split_matrix(split_vector)]
+
+
+def blend_sizes(weights: Sequence[float], num_samples: int) -> Tuple[List[int], List[int]]:
+    """Megatron's per-dataset sample counts: (used, built), built with the 0.5% surplus."""
+    used = [int(math.ceil(num_samples * weight)) for weight in weights]
+    built = [int(math.ceil(count * (1 + MID_LEVEL_DATASET_SURPLUS))) for count in used]
+    return used, built
 
 
 def check_vocab(dataset: IndexedDataset, vocab_size: Optional[int]) -> None:
@@ -138,69 +156,114 @@ def _options(config: GPTDatasetConfig) -> SampleOptions:
 
 
 class _Builder:
-    """Builds (or, on non-builder ranks, loads) every dataset a config describes."""
+    """Builds (or, on non-builder ranks, loads) every dataset a config describes, as Megatron-Core's
+    BlendedMegatronDatasetBuilder does."""
 
     def __init__(self, config: GPTDatasetConfig, build_indices: bool):
         self.config = config
         self.build_indices = build_indices
         self.indexed = {}
 
-    def open(self, prefix: str) -> IndexedDataset:
+    def sources(self) -> List[Tuple[Sequence[str], str, List[Optional[Tuple[float, float]]]]]:
+        """(blend list, its flag, split matrix) for each of train, valid, test; the blend list is None when absent."""
+        config = self.config
+        if config.data_path:
+            matrix = split_matrix(parse_split(config.split))
+            return [(config.data_path, "--data-path", matrix)] * 3
+        separate = (config.train_data_path, config.valid_data_path, config.test_data_path)
+        whole = [[(0.0, 1.0) if j == i else None for j in range(3)] for i in range(3)]
+        return [(path, f"--{SPLIT_NAMES[i]}-data-path", whole[i]) for i, path in enumerate(separate)]
+
+    def check_inputs(self) -> None:
+        """Parse every blend and open every dataset: bad flags and files fail before any index is built."""
+        for data_path, flag, _ in self.sources():
+            if data_path:
+                for prefix in parse_data_path(data_path, flag)[0]:
+                    self.open(prefix, flag)
+
+    def open(self, prefix: str, flag: str = "--data-path") -> IndexedDataset:
         if prefix not in self.indexed:
-            dataset = IndexedDataset(prefix)
+            try:
+                dataset = IndexedDataset(prefix)
+            except FileNotFoundError as error:
+                raise FileNotFoundError(f"{flag}: {error}") from None
             check_vocab(dataset, self.config.vocab_size)
             self.indexed[prefix] = dataset
         return self.indexed[prefix]
 
-    def gpt(self, prefix: str, split_index: int, split_weights: Sequence[float], num_samples: Optional[int]) -> Optional[GPTDataset]:
+    def gpt(self, prefix: str, split_index: int, bookend: Tuple[float, float], num_samples: Optional[int]) -> Optional[GPTDataset]:
         dataset = self.open(prefix)
-        bounds = split_boundaries(split_weights, len(dataset))
-        documents = np.arange(bounds[split_index], bounds[split_index + 1], dtype=np.int32)
-        if documents.size == 0:
+        begin, end = split_range(bookend, len(dataset))
+        if begin >= end:
             return None
+        documents = np.arange(begin, end, dtype=np.int32)
         return GPTDataset(dataset, documents, num_samples, SPLIT_NAMES[split_index], _options(self.config),
                           seed=self.config.seed, cache_dir=resolve_cache_dir(self.config.data_cache_path, prefix),
                           build_indices=self.build_indices)
 
-    def split(self, data_path: Sequence[str], flag: str, split_index: int, split_weights: Sequence[float], num_samples: int):
+    def split(self, data_path: Sequence[str], flag: str, split_index: int, bookend: Tuple[float, float], num_samples: int):
         prefixes, weights = parse_data_path(data_path, flag)
-        if weights is None:
-            return self.gpt(prefixes[0], split_index, split_weights, num_samples)
-        total = sum(weights)
-        parts = []
-        for prefix, weight in zip(prefixes, weights):
-            share = int(math.ceil(math.ceil(num_samples * weight / total) * BLEND_MARGIN))
-            part = self.gpt(prefix, split_index, split_weights, share)
-            if part is None:
-                raise ValueError(f"{flag}: the {SPLIT_NAMES[split_index]} split of {prefix} is empty with --split "
-                                 f"{self.config.split}; every blended dataset needs documents in each used split")
-            parts.append(part)
-        return BlendedDataset(parts, weights, num_samples,
-                              cache_dir=resolve_cache_dir(self.config.data_cache_path, prefixes[0]),
+        if len(prefixes) == 1 and weights is None:
+            dataset = self.gpt(prefixes[0], split_index, bookend, num_samples)
+            if dataset is None and split_index == 0:
+                raise ValueError(f"{flag}: the train split of {prefixes[0]} ({len(self.open(prefixes[0]))} sequences) is "
+                                 f"empty with --split {self.config.split}; give it a larger share or use more data")
+            return dataset
+        if weights is None:  # Megatron: each dataset once (one epoch), blended in proportion to its size
+            parts = self.parts(prefixes, flag, split_index, bookend, [None] * len(prefixes))
+            weights = [len(part) for part in parts]
+            size = min(num_samples, sum(weights))
+            if split_index == 0 and size < num_samples:
+                raise ValueError(f"{flag} without weights uses each dataset's {SPLIT_NAMES[split_index]} split once, as "
+                                 f"Megatron does: {size} samples, fewer than the {num_samples} training needs; give "
+                                 "weights ('W1 PREFIX1 W2 PREFIX2 ...') to repeat data, or train for fewer samples")
+        else:
+            weights = normalize(weights)
+            used, built = blend_sizes(weights, num_samples)
+            parts = self.parts(prefixes, flag, split_index, bookend, built)
+            size = sum(used)
+        return BlendedDataset(parts, weights, size, cache_dir=resolve_cache_dir(self.config.data_cache_path, prefixes[0]),
                               build_indices=self.build_indices)
 
+    def parts(self, prefixes: Sequence[str], flag: str, split_index: int, bookend: Tuple[float, float],
+              sizes: Sequence[Optional[int]]) -> List[GPTDataset]:
+        parts = []
+        for prefix, size in zip(prefixes, sizes):
+            part = self.gpt(prefix, split_index, bookend, size)
+            if part is None:
+                raise ValueError(f"{flag}: the {SPLIT_NAMES[split_index]} split of {prefix} is empty with --split "
+                                 f"{self.config.split}; every blended dataset needs sequences in each used split")
+            parts.append(part)
+        return parts
+
     def all(self, num_samples: Sequence[int]) -> List:
-        config = self.config
         results = []
-        for index, count in enumerate(num_samples):
-            if not count:
+        for index, ((data_path, flag, matrix), count) in enumerate(zip(self.sources(), num_samples)):
+            if index == 0 and count and data_path and matrix[index] is None:
+                raise ValueError(f"--split {self.config.split} gives the train split no share, but training needs "
+                                 f"{count} samples; give it a positive first number, e.g. 969,30,1")
+            if not count or not data_path or matrix[index] is None:
                 results.append(None)
                 continue
-            if config.data_path:
-                results.append(self.split(config.data_path, "--data-path", index, parse_split(config.split), count))
-                continue
-            path = (config.train_data_path, config.valid_data_path, config.test_data_path)[index]
-            flag = f"--{SPLIT_NAMES[index]}-data-path"
-            results.append(self.split(path, flag, index, [float(i == index) for i in range(3)], count) if path else None)
+            results.append(self.split(data_path, flag, index, matrix[index], count))
         return results
+
+
+def check_data_inputs(config: GPTDatasetConfig) -> None:
+    """Parse `--split` and every blend and open every dataset (no index is built): for callers that
+    want bad flags and files reported before anything expensive, e.g. before building the model."""
+    if not config.mock:
+        _Builder(config, build_indices=False).check_inputs()
 
 
 def build_gpt_datasets(config: GPTDatasetConfig, num_samples: Sequence[int], is_builder_rank: bool = True,
                        barrier: Callable[[], None] = lambda: None):
     """Return (train, valid, test); each is None when its split is empty or asked for 0 samples.
 
-    The builder rank writes the cached indices, then every rank meets at `barrier`, then the
-    other ranks read them. Every rank must call this (the barrier is collective).
+    The same files, split, seq_length, seed and sample counts give exactly Megatron-Core's samples
+    (BlendedMegatronDatasetBuilder + GPTDataset + BlendedDataset), in its order. The builder rank
+    writes the cached indices, then every rank meets at `barrier`, then the other ranks read them.
+    Every rank must call this (the barrier is collective).
     """
     if len(num_samples) != 3:
         raise ValueError(f"num_samples must be (train, valid, test), got {num_samples}")
@@ -211,7 +274,9 @@ def build_gpt_datasets(config: GPTDatasetConfig, num_samples: Sequence[int], is_
                      for n in num_samples)
     if is_builder_rank:
         try:
-            datasets = _Builder(config, build_indices=True).all(num_samples)
+            builder = _Builder(config, build_indices=True)
+            builder.check_inputs()
+            datasets = builder.all(num_samples)
         finally:
             barrier()  # release the other ranks even if building failed; they then report the missing cache
         return tuple(datasets)

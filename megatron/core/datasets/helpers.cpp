@@ -1,8 +1,10 @@
 // Index builders for GPTDataset and BlendedDataset, compiled as megatron.core.datasets._helpers.
-// helpers.py holds a numpy twin of each function that must return identical arrays.
+// helpers.py holds a numpy twin of each function that must return identical arrays. Both follow
+// Megatron-Core's helpers.cpp rule for rule, so the same inputs give Megatron-Core's indices.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -14,8 +16,9 @@ using FloatArray = py::array_t<double, py::array::c_style | py::array::forcecast
 
 // Row k of the result locates stream position k * seq_length, k = 0..num_samples, where the stream
 // is the documents sizes[document_index[0]], sizes[document_index[1]], ... laid end to end:
-// (position in document_index of the first document that ends after it, offset within that document).
-// Sample k is the seq_length + 1 tokens from row k to row k + 1 inclusive.
+// (position in document_index of the document holding that token, offset within that document).
+// Row 0 is always (0, 0), even when the first documents are empty. Sample k is the seq_length + 1
+// tokens from row k to row k + 1 inclusive.
 py::array_t<int64_t> build_sample_idx(const IntArray32& sizes, const IntArray32& document_index,
                                       int64_t seq_length, int64_t num_samples) {
   if (seq_length < 1 || num_samples < 0) {
@@ -38,7 +41,9 @@ py::array_t<int64_t> build_sample_idx(const IntArray32& sizes, const IntArray32&
     py::gil_scoped_release release;
     int64_t position_in_index = 0;  // current entry of document_index
     int64_t document_start = 0;     // stream position where that document starts
-    for (int64_t k = 0; k <= num_samples && !overflow; ++k) {
+    out[0] = 0;
+    out[1] = 0;
+    for (int64_t k = 1; k <= num_samples && !overflow; ++k) {
       const int64_t position = k * seq_length;
       while (position_in_index < num_documents &&
              document_start + size_of[documents[position_in_index]] <= position) {
@@ -59,7 +64,7 @@ py::array_t<int64_t> build_sample_idx(const IntArray32& sizes, const IntArray32&
   return result;
 }
 
-// Greedy blending: sample i goes to the dataset with the largest deficit weight * (i + 1) - count
+// Greedy blending: sample i goes to the dataset with the largest error weight * max(i, 1) - count
 // (the first such dataset on ties). Returns (dataset_index int16, dataset_sample_index int64).
 py::tuple build_blending_indices(const FloatArray& weights, int64_t size) {
   const int64_t num_datasets = weights.size();
@@ -75,13 +80,13 @@ py::tuple build_blending_indices(const FloatArray& weights, int64_t size) {
     py::gil_scoped_release release;
     std::vector<int64_t> counts(num_datasets, 0);
     for (int64_t i = 0; i < size; ++i) {
-      const double target = static_cast<double>(i + 1);
+      const double target = std::max(static_cast<double>(i), 1.0);
       int64_t best = 0;
-      double best_deficit = weight[0] * target - static_cast<double>(counts[0]);
+      double best_error = weight[0] * target - static_cast<double>(counts[0]);
       for (int64_t d = 1; d < num_datasets; ++d) {
-        const double deficit = weight[d] * target - static_cast<double>(counts[d]);
-        if (deficit > best_deficit) {
-          best_deficit = deficit;
+        const double error = weight[d] * target - static_cast<double>(counts[d]);
+        if (error > best_error) {
+          best_error = error;
           best = d;
         }
       }

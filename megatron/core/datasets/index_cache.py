@@ -7,11 +7,14 @@ and writes; the others wait at a barrier and then only read.
 import hashlib
 import json
 import os
+import tempfile
 from typing import Dict, Optional, Sequence
 
 import numpy as np
 
-CACHE_FORMAT_VERSION = 1
+# Part of every hash: bump it whenever the rules that build the indices change, so that caches
+# written under the old rules are never read. 2: Megatron-Core's shuffling, split and blending rules.
+CACHE_FORMAT_VERSION = 2
 
 
 def description_hash(description: Dict) -> str:
@@ -20,7 +23,7 @@ def description_hash(description: Dict) -> str:
 
 
 def default_cache_dir(path_prefix: str) -> str:
-    """Megatron's default: a `cache/` directory beside the data."""
+    """The default cache: a `cache/` directory beside the data."""
     return os.path.join(os.path.dirname(os.path.abspath(path_prefix)), "cache")
 
 
@@ -46,12 +49,18 @@ class IndexCache:
                                     "builder rank did not fail")
         return {name: np.load(self.path(name), mmap_mode="r", allow_pickle=False) for name in names}
 
-    def save(self, arrays: Dict[str, np.ndarray]) -> None:
+    def prepare(self) -> None:
+        """Create the cache directory and check it is writable: call before building anything."""
         try:
             os.makedirs(self.cache_dir, exist_ok=True)
+            with tempfile.TemporaryFile(dir=self.cache_dir):
+                pass
         except OSError as error:
-            raise ValueError(f"cannot create the dataset index cache {self.cache_dir} ({error}); "
+            raise ValueError(f"cannot write the dataset index cache in {self.cache_dir} ({error.strerror or error}); "
                              "set --data-cache-path to a writable directory") from error
+
+    def save(self, arrays: Dict[str, np.ndarray]) -> None:
+        self.prepare()
         self._write(self.stem + "-description.txt", json.dumps(self.description, indent=2, sort_keys=True).encode())
         for name, array in arrays.items():
             temporary = f"{self.path(name)}.tmp-{os.getpid()}"

@@ -9,6 +9,9 @@ import pytest
 
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir))
 TOOLS = os.path.join(REPO_ROOT, "tools")
+# Megatron-Core, the reference, installed apart from our `megatron` package (its top-level name is ours too):
+# `pip install --no-deps --target DIR megatron-core`, DIR = $MEGATRON_CORE_REF, else ~/.cache/megatron-core-ref.
+REFERENCE_DIR = os.environ.get("MEGATRON_CORE_REF", os.path.expanduser("~/.cache/megatron-core-ref"))
 
 WORDS = ("the quick brown fox jumps over a lazy dog while naïve café owners in Zürich count 12 345 6789 "
          "apples; def print(x): return x ** 2 # comment \t tabs and 日本語 テキスト emoji 😀🚀 don't we'll "
@@ -43,6 +46,27 @@ def run_tool(script: str, *args, check: bool = True, env=None) -> subprocess.Com
     if check and result.returncode != 0:
         raise AssertionError(f"{script} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return result
+
+
+@pytest.fixture(scope="session")
+def megatron_core():
+    """`megatron_core(script, *args)` runs a Python script with only Megatron-Core on PYTHONPATH, never
+    importing it here; tests using it skip, with the install command, when it is absent."""
+    if not os.path.isfile(os.path.join(REFERENCE_DIR, "megatron", "core", "datasets", "indexed_dataset.py")):
+        pytest.skip(f"Megatron-Core reference not found in {REFERENCE_DIR}: run "
+                    f"`pip install --no-deps --target {REFERENCE_DIR} megatron-core` (or set MEGATRON_CORE_REF)")
+
+    def run(script, *args, timeout: int = 600) -> subprocess.CompletedProcess:
+        env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+        env["PYTHONPATH"] = REFERENCE_DIR
+        result = subprocess.run([sys.executable, str(script), *[str(a) for a in args]], cwd=os.path.dirname(str(script)),
+                                env=env, capture_output=True, text=True, timeout=timeout)
+        if result.returncode != 0 and "ModuleNotFoundError" in result.stderr:
+            pytest.skip(f"Megatron-Core in {REFERENCE_DIR} cannot be imported here: {result.stderr.strip().splitlines()[-1]}")
+        assert result.returncode == 0, result.stderr[-4000:]
+        return result
+
+    return run
 
 
 @pytest.fixture(scope="session")
@@ -90,6 +114,12 @@ def gpt2_dataset(tmp_path_factory, corpus_file, gpt2_args):
 def tool():
     """`tool("preprocess_data.py", *args, check=True)` runs a script under tools/ in a subprocess."""
     return run_tool
+
+
+@pytest.fixture(scope="session")
+def document_generator():
+    """`document_generator(count, seed=0)`: deterministic multi-sentence documents."""
+    return generate_documents
 
 
 @pytest.fixture(scope="session")

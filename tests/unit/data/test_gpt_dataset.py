@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from megatron.core.datasets import (BlendedDataset, GPTDatasetConfig, IndexedDatasetBuilder, MockGPTDataset,
-                                    build_gpt_datasets, parse_split)
-from megatron.core.datasets import helpers
+                                    build_gpt_datasets, check_data_inputs, parse_split)
+from megatron.core.datasets import gpt_dataset, helpers, index_cache
 from megatron.core.datasets.gpt_dataset_builder import split_boundaries
 
 SEQ = 16
@@ -48,20 +48,18 @@ def stream_of(dataset, documents):
     return [token for d in dataset.document_index for token in documents[d]]
 
 
-def test_every_token_once_per_epoch_and_windows_are_contiguous(unique_data, tmp_path):
+def test_epochs_documents_and_windows(unique_data, tmp_path):
     prefix, documents = unique_data
-    train, _, _ = build_gpt_datasets(config([prefix], tmp_path), num_samples=(1000, 0, 0))
-    bounds = split_boundaries(parse_split("969,30,1"), len(documents))
-    train_documents = list(range(bounds[0], bounds[1]))
-    split_tokens = sorted(t for d in train_documents for t in documents[d])
-    assert train.num_epochs >= 3 and len(train) >= 1000
-    epoch_length = len(train_documents)
+    (begin, end), _, _ = split_boundaries(parse_split("969,30,1"), len(documents))
+    train_documents = list(range(begin, end))
+    split_tokens = sum(len(documents[d]) for d in train_documents)
+    requested = (2 * split_tokens - 1) // SEQ + (split_tokens // SEQ) // 10  # two epochs and 10% of a third
+    train, _, _ = build_gpt_datasets(config([prefix], tmp_path), num_samples=(requested, 0, 0))
+    assert train.num_epochs == 3 and len(train) == (3 * split_tokens - 1) // SEQ
+    # Every document of the split appears once per epoch; the last epoch, less than 80% used, is shuffled apart.
+    assert sorted(train.document_index.tolist()) == sorted(train_documents * train.num_epochs)
+    assert sorted(train.document_index[-len(train_documents):].tolist()) == train_documents
     stream = stream_of(train, documents)
-    for epoch in range(train.num_epochs):
-        epoch_documents = train.document_index[epoch * epoch_length:(epoch + 1) * epoch_length]
-        assert sorted(epoch_documents.tolist()) == train_documents
-        epoch_tokens = stream[epoch * len(split_tokens):(epoch + 1) * len(split_tokens)]
-        assert sorted(epoch_tokens) == split_tokens
     # Sample k is the window [k * SEQ, k * SEQ + SEQ] of the stream; the windows cover it without gaps.
     for sample in range(len(train)):
         assert train.window(sample).tolist() == stream[sample * SEQ: sample * SEQ + SEQ + 1]
@@ -74,6 +72,9 @@ def test_every_token_once_per_epoch_and_windows_are_contiguous(unique_data, tmp_
         assert item["tokens"].tolist() == window[:-1] and item["labels"].tolist() == window[1:]
         assert item["tokens"].dtype == np.int64 and item["labels"].dtype == np.int64
         assert item["loss_mask"].dtype == np.float32 and item["position_ids"].tolist() == list(range(SEQ))
+    # The first epochs' samples come first, in a permutation of their own.
+    before_final = ((train.num_epochs - 1) * split_tokens - 1) // SEQ
+    assert sorted(train.shuffle_index[:before_final].tolist()) == list(range(before_final))
     assert sorted(train.shuffle_index.tolist()) == list(range(len(train)))
 
 
@@ -121,6 +122,15 @@ def test_cache_is_reused_and_written_atomically(unique_data, tmp_path):
         build_gpt_datasets(config([prefix], tmp_path, seq_length=SEQ + 1), (200, 10, 0), is_builder_rank=False)
 
 
+def test_cache_written_under_other_rules_is_not_read(unique_data, tmp_path, monkeypatch):
+    """The hash covers the format version of the index rules: caches from older rules are never reused."""
+    prefix, _ = unique_data
+    build_gpt_datasets(config([prefix], tmp_path), (200, 10, 0))
+    monkeypatch.setattr(index_cache, "CACHE_FORMAT_VERSION", index_cache.CACHE_FORMAT_VERSION + 1)
+    with pytest.raises(FileNotFoundError, match="cache"):
+        build_gpt_datasets(config([prefix], tmp_path), (200, 10, 0), is_builder_rank=False)
+
+
 def test_default_cache_beside_the_data(unique_data, tmp_path):
     prefix, _ = unique_data
     build_gpt_datasets(config([prefix], tmp_path, data_cache_path=None), (50, 0, 0))
@@ -141,6 +151,7 @@ def test_cpp_and_numpy_index_builders_are_identical():
         numpy_twin = helpers.build_sample_idx_numpy(sizes, document_index, seq_length, num_samples)
         assert cpp.dtype == numpy_twin.dtype == np.int64
         np.testing.assert_array_equal(cpp, numpy_twin)
+        assert cpp[0].tolist() == [0, 0]  # Megatron's first row, even when the stream starts with empty documents
     for trial in range(30):
         weights = rng.random(rng.integers(1, 6))
         weights /= weights.sum()
@@ -250,3 +261,93 @@ def test_input_errors_name_the_file_or_flag(unique_data, tmp_path):
         config([prefix], tmp_path, eod_mask_loss=True)
     with pytest.raises(ValueError, match="--data-path"):
         GPTDatasetConfig(seq_length=8, seed=1, data_path=None)
+
+
+def one_line_error(error_type, match, build):
+    """`build()` raises error_type with a one-line message matching `match`; returns the message."""
+    with pytest.raises(error_type, match=match) as raised:
+        build()
+    assert "\n" not in str(raised.value), str(raised.value)
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("data_path, match", [
+    (["0.5", "A", "0.5"], "--data-path .*needs pairs"),
+    (["-1", "A", "2", "B"], "--data-path: weight '-1' before .*unique must be a positive number"),
+    (["nan", "A", "1", "B"], "--data-path: weight 'nan' before .*unique must be a positive number"),
+    (["inf", "A", "1", "B"], "--data-path: weight 'inf' before .*unique must be a positive number"),
+    (["0.3", "A", "B", "0.7"], "--data-path: weight '.*unique' before 0.7 must be a positive number"),
+    (["A", "0.5", "B", "0.5"], "--data-path .*mixes weights and prefixes"),
+    (["0.5", "A", "0.5", "0.7"], "--data-path: '0.7' after weight 0.5 is a number"),
+])
+def test_blend_weights_that_do_not_parse(unique_data, tmp_path, data_path, match):
+    prefix, _ = unique_data
+    data_path = [prefix if item in ("A", "B") else item for item in data_path]
+    one_line_error(ValueError, match, lambda: build_gpt_datasets(config(data_path, tmp_path), (10, 0, 0)))
+
+
+def test_missing_blend_file_fails_before_any_index_is_built(unique_data, tmp_path):
+    prefix, _ = unique_data
+    missing = str(tmp_path / "missing_text_document")
+    message = one_line_error(FileNotFoundError, "--data-path: .*missing_text_document",
+                             lambda: build_gpt_datasets(config(["0.5", prefix, "0.5", missing], tmp_path), (100, 10, 0)))
+    assert "missing_text_document.bin" in message and "missing_text_document.idx" in message
+    assert not os.path.exists(tmp_path / "cache"), "indices of the first dataset were built before the error"
+    one_line_error(FileNotFoundError, "--valid-data-path: .*missing_text_document",
+                   lambda: build_gpt_datasets(config(None, tmp_path, train_data_path=[prefix], valid_data_path=[missing]),
+                                              (100, 10, 0)))
+    assert not os.path.exists(tmp_path / "cache")
+    one_line_error(FileNotFoundError, "--data-path: .*missing_text_document",
+                   lambda: check_data_inputs(config(["0.5", prefix, "0.5", missing], tmp_path)))
+    one_line_error(ValueError, "--split", lambda: check_data_inputs(config([prefix], tmp_path, split="1,x")))
+    check_data_inputs(config([prefix], tmp_path))
+    assert not os.path.exists(tmp_path / "cache")
+
+
+def test_unwritable_cache_directory(unique_data, tmp_path, monkeypatch):
+    prefix, _ = unique_data
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+
+    def no_index_building(*args, **kwargs):
+        raise AssertionError("indices built before the cache directory was checked")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gpt_dataset, "build_sample_idx", no_index_building)
+        one_line_error(ValueError, r"cannot write the dataset index cache in .*a-file.*set --data-cache-path",
+                       lambda: build_gpt_datasets(config([prefix], tmp_path, data_cache_path=str(blocker / "cache")), (10, 0, 0)))
+    if os.geteuid() != 0:  # root writes anywhere
+        read_only = tmp_path / "read-only"
+        read_only.mkdir(mode=0o500)
+        one_line_error(ValueError, "cannot write the dataset index cache in .*read-only",
+                       lambda: build_gpt_datasets(config([prefix], tmp_path, data_cache_path=str(read_only)), (10, 0, 0)))
+    # A complete cache in a read-only place is fine: nothing needs writing.
+    build_gpt_datasets(config([prefix], tmp_path, data_cache_path=str(tmp_path / "built")), (10, 0, 0))
+    os.chmod(tmp_path / "built", 0o500)
+    try:
+        assert len(build_gpt_datasets(config([prefix], tmp_path, data_cache_path=str(tmp_path / "built")), (10, 0, 0))[0]) >= 10
+    finally:
+        os.chmod(tmp_path / "built", 0o700)
+
+
+def test_unweighted_blend_uses_each_dataset_once_in_proportion_to_its_size(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    write_unique_token_dataset(a, seed=1)
+    write_unique_token_dataset(b, num_documents=100, seed=2)
+    train, _, _ = build_gpt_datasets(config([a, b], tmp_path, split="1,0,0"), (300, 0, 0))
+    lengths = [len(part) for part in train.datasets]
+    assert [part.num_epochs for part in train.datasets] == [1, 1] and len(train) == 300
+    np.testing.assert_allclose(train.weights, np.array(lengths) / sum(lengths))
+    one_line_error(ValueError, r"--data-path without weights uses each dataset's train split once.*\d+ samples, fewer than "
+                   r"the 100000 training needs", lambda: build_gpt_datasets(config([a, b], tmp_path, split="1,0,0"), (100000, 0, 0)))
+
+
+def test_empty_train_split_is_an_error(tmp_path):
+    tiny = str(tmp_path / "tiny")
+    write_unique_token_dataset(tiny, num_documents=3)
+    one_line_error(ValueError, r"--split 0,50,50 gives the train split no share, but training needs 10 samples",
+                   lambda: build_gpt_datasets(config([tiny], tmp_path, split="0,50,50"), (10, 0, 0)))
+    # round(0.1 * 3) == 0: the train range is empty.
+    one_line_error(ValueError, r"--data-path: the train split of .*tiny \(3 sequences\) is empty with --split 10,90",
+                   lambda: build_gpt_datasets(config([tiny], tmp_path, split="10,90"), (10, 0, 0)))
+    assert build_gpt_datasets(config([tiny], tmp_path, split="0,50,50"), (0, 5, 5))[0] is None

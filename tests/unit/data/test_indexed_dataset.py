@@ -119,6 +119,22 @@ def test_missing_bin(good):
         IndexedDataset(good)
 
 
+def test_missing_idx(good):
+    os.remove(good + ".idx")
+    with pytest.raises(FileNotFoundError, match=r"index file .*data\.idx does not exist") as raised:
+        IndexedDataset(good)
+    assert "\n" not in str(raised.value)
+
+
+def test_unknown_dtype_code(good):
+    data = bytearray(open(good + ".idx", "rb").read())
+    data[17] = 9
+    open(good + ".idx", "wb").write(bytes(data))
+    with pytest.raises(ValueError, match=r"data\.idx has unknown dtype code 9; known codes: \[1, 2, 3, 4, 5, 6, 7, 8\]") as raised:
+        IndexedDataset(good)
+    assert "\n" not in str(raised.value)
+
+
 def test_wrong_magic(good):
     data = bytearray(open(good + ".idx", "rb").read())
     data[:7] = b"NOTIDX!"
@@ -139,6 +155,23 @@ def test_empty_idx(good):
     open(good + ".idx", "wb").close()
     with pytest.raises(ValueError, match=r"data\.idx"):
         IndexedDataset(good)
+
+
+def test_idx_truncated_inside_its_header(good):
+    data = open(good + ".idx", "rb").read()
+    open(good + ".idx", "wb").write(data[:20])
+    with pytest.raises(ValueError, match=r"data\.idx is truncated \(20 bytes, the header alone is 34\)") as raised:
+        IndexedDataset(good)
+    assert "\n" not in str(raised.value)
+
+
+def test_document_indices_that_do_not_end_at_the_sequence_count(good):
+    data = bytearray(open(good + ".idx", "rb").read())
+    data[-8:] = struct.pack("<q", 3)  # the last document index should be the sequence count, 6
+    open(good + ".idx", "wb").write(bytes(data))
+    with pytest.raises(ValueError, match=r"data\.idx: document indices must run from 0 to the sequence count 6") as raised:
+        IndexedDataset(good)
+    assert "\n" not in str(raised.value)
 
 
 def test_truncated_idx(good):

@@ -172,3 +172,16 @@ def test_ctrl_c_leaves_no_dataset(tmp_path, documents, jsonl_writer, gpt2_args):
     assert process.returncode == 130, remaining
     assert "interrupted" in remaining
     assert [name for name in os.listdir(tmp_path) if name.startswith("out")] == []
+
+
+def test_no_line_has_the_key_names_the_keys_found(tmp_path, documents, jsonl_writer, gpt2_args, tool):
+    source = jsonl_writer(tmp_path / "content.jsonl", documents[:30], key="content")
+    result = tool("preprocess_data.py", "--input", source, "--output-prefix", tmp_path / "out", *gpt2_args, check=False)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: --json-keys text: no line of --input {source} has the key 'text' with a string value; keys found: 'content'")
+    result = tool("preprocess_data.py", "--input", source, "--output-prefix", tmp_path / "out", "--json-keys", "content",
+                  "title", *gpt2_args, check=False)
+    assert result.stderr.strip().splitlines()[-1].startswith("error: --json-keys content title: no line of --input "
+                                                             f"{source} has the key 'title' with a string value")
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("out")]

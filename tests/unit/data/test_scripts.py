@@ -70,3 +70,30 @@ def test_llama_prepare_dataset_errors(tmp_path, overrides, message):
 def test_train_tokenizer_rejects_tiny_vocab(tmp_path, corpus_file, tool):
     result = tool("train_tokenizer.py", "--input", corpus_file, "--output-dir", tmp_path, "--vocab-size", 100, check=False)
     assert result.returncode != 0 and "--vocab-size 100" in result.stderr
+
+
+def test_train_tokenizer_without_sentencepiece_names_the_package(tmp_path, corpus_file, tool):
+    shadow = tmp_path / "shadow" / "sentencepiece"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'sentencepiece'\", name='sentencepiece')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "shadow"))
+    result = tool("train_tokenizer.py", "--input", corpus_file, "--output-dir", tmp_path / "out", "--type", "sentencepiece",
+                  "--vocab-size", 500, check=False, env=env)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip() == ("error: --type sentencepiece needs the sentencepiece package: pip install sentencepiece "
+                                     "(or the extra: pip install -e '.[hf]')")
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_tokenizer_json_keys_missing_key_and_progress(tmp_path, documents, jsonl_writer, tool):
+    source = jsonl_writer(tmp_path / "content.jsonl", documents[:250], key="content")
+    result = tool("train_tokenizer.py", "--input", source, "--output-dir", tmp_path / "none", "--vocab-size", 300, check=False)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (f"error: --json-keys text: no line of --input {source} has the key 'text' with a string "
+                                     "value; keys found: 'content'")
+    result = tool("train_tokenizer.py", "--input", source, "--json-keys", "content", "--output-dir", tmp_path / "tok",
+                  "--vocab-size", 300, "--log-interval", 100)
+    progress = result.stderr.splitlines()
+    assert [line.split(" (")[0] for line in progress[:3]] == ["Read 100 documents", "Read 200 documents", "Read all 250 documents"]
+    assert progress[-1].startswith("Trained a 300-token bpe tokenizer in ")
+    assert os.path.isfile(tmp_path / "tok" / "vocab.json")
