@@ -1,0 +1,1 @@
+"""Checkpoints: this framework's own format and imports from other frameworks' formats."""
