@@ -41,32 +41,27 @@ residuals, rotary sequence interpolation, position embeddings other than rope / 
 none), Megatron-LM's pre-Core models (`--use-legacy-models`, keys under `language_model`), checkpoint
 versions before 3.0, and formats other than the two above.
 
-Safety: nothing in the files is executed. `.pt` files are read with `torch.load(weights_only=True)`,
-allowing only the classes Megatron-LM pickles besides tensors: `argparse.Namespace` and a few standard
-library and numpy types (the RNG state), and Megatron's own enums and config classes, which are never
-imported: they load as inert `MegatronObject` stand-ins. torch.distributed.checkpoint's `.metadata`
-(plain pickle) is read by an unpickler that allows only its own metadata classes. A corrupt or
-truncated file is a ValueError naming the file.
+Safety: nothing in the files is executed (see safe_pickle: `.pt` files are read with
+`torch.load(weights_only=True)`, Megatron's own classes arrive as inert `MegatronObject`s, and
+torch.distributed.checkpoint's `.metadata` is unpickled with an allow-list). A corrupt or truncated
+file is a ValueError naming the file.
 """
-import io
 import json
 import os
-import pickle
 import re
 import warnings
 from argparse import Namespace
 from dataclasses import dataclass
-from pathlib import PosixPath
-from signal import Signals
 from types import SimpleNamespace
 from typing import Optional
 
-import numpy
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megatron.core.checkpointing.safe_pickle import SafeFileSystemReader, first_line, load_pickled
+from megatron.core.models.gpt.hf_mapping import OUTPUT_LAYER
 from megatron.core.models.gpt.model import WORD_EMBEDDINGS, GPTModel
 from megatron.core.parallel_state import single_process
 from megatron.core.transformer.config import TransformerConfig
@@ -77,7 +72,6 @@ _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _STACKED_LAYERS = "decoder.layers."
 _MODEL_ROOTS = ("embedding.", "decoder.", "output_layer.")
-OUTPUT_LAYER = "output_layer.weight"
 
 # The Transformer Engine spec's fused layer-norm names -> the local spec's (and ours).
 _FUSED_NORMS = {
@@ -119,13 +113,12 @@ def read_megatron_checkpoint(path, iteration: Optional[int] = None) -> MegatronC
     directory = iteration_directory(path, iteration)
     fmt = checkpoint_format(directory)
     if fmt == "torch_dist":
-        common, tensors = _read_torch_dist(directory)
-        args = _args_dict(common, os.path.join(directory, "common.pt"))
-        _check_version(common, directory)
-        tensors = _unstack_layers(tensors, _required(args, "num_layers", directory), directory)
+        common = _read_common(load_pickled(os.path.join(directory, "common.pt")), directory)
+        num_layers = _required(vars(common["args"]), "num_layers", directory)
+        tensors = _unstack_layers(_read_torch_dist(directory), num_layers, directory)
     else:
         common, tensors = _read_legacy(directory)
-        args = _args_dict(common, directory)
+    args = dict(vars(common["args"]))
     vocab_rows = _vocab_rows(tensors, directory)
     config = config_from_megatron_args(args, vocab_rows, source=directory)
     logical = _to_logical(tensors, config, directory)
@@ -199,121 +192,11 @@ def checkpoint_format(directory: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# Safe unpickling
-# ------------------------------------------------------------------------------------------------
-class MegatronObject:
-    """An inert stand-in for a Megatron class found in a checkpoint (an enum value, a config): it
-    keeps what it was built from and runs nothing."""
-
-    qualified_name = "megatron"
-
-    def __init__(self, *args):
-        self.args = args
-
-    def __repr__(self) -> str:
-        state = dict(vars(self))
-        args = state.pop("args", ())
-        inner = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in state.items()])
-        return f"{self.qualified_name}({inner})"
-
-
-def _megatron_stand_ins() -> list:
-    names = [
-        "megatron.core.enums.ModelType",
-        "megatron.core.transformer.enums.ModelType",
-        "megatron.core.transformer.enums.AttnBackend",
-        "megatron.core.transformer.enums.AttnMaskType",
-        "megatron.core.transformer.enums.CudaGraphScope",
-        "megatron.core.optimizer.optimizer_config.OptimizerConfig",
-        "megatron.core.rerun_state_machine.RerunDiagnostic",
-        "megatron.core.rerun_state_machine.RerunMode",
-        "megatron.core.rerun_state_machine.RerunState",
-    ]
-    return [(type(name.rsplit(".", 1)[1], (MegatronObject,), {"qualified_name": name}), name) for name in names]
-
-
-def _numpy_globals() -> list:
-    """numpy's RNG state (a uint32 array) as Megatron-LM saves it, under numpy 1 and 2 module names."""
-    reconstruct = numpy.ndarray.__reduce__(numpy.zeros(1))[0]
-    allowed = [numpy.ndarray, numpy.dtype, type(numpy.dtype(numpy.uint32))]
-    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
-        allowed.append((reconstruct, f"{module}._reconstruct"))
-    return allowed
-
-
-_SAFE_GLOBALS = [Namespace, SimpleNamespace, PosixPath, Signals, io.BytesIO, bytes, *_numpy_globals(),
-                 *_megatron_stand_ins()]
-
-
-def load_pickled(path: str):
-    """torch.load(path, weights_only=True) with Megatron-LM's non-tensor classes allowed (see the
-    module docstring); any failure is a ValueError naming the file."""
-    try:
-        with torch.serialization.safe_globals(_SAFE_GLOBALS):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except FileNotFoundError:
-        raise
-    except Exception as error:
-        raise ValueError(f"{path}: cannot be read as a Megatron checkpoint file (corrupt, truncated, or holding "
-                         f"objects other than tensors and Megatron's arguments): {_first_line(error)}") from error
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error)
-    unsupported = re.search(r"Unsupported global: GLOBAL [\w.]+", text)
-    if unsupported:
-        return unsupported.group(0)
-    lines = [line for line in text.splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
-
-
-# What torch.distributed.checkpoint's `.metadata` pickle may reference.
-_DCP_METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata", "BytesStorageMetadata",
-        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "collections": {"OrderedDict"},
-}
-
-
-class _DCPMetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        if name in _DCP_METADATA_CLASSES.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refusing to load global {module}.{name}")
-
-
-class _SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose `.metadata` is unpickled with the allow-list above (the stock reader
-    uses plain pickle, which would run whatever the file names)."""
-
-    def read_metadata(self, *args, **kwargs):
-        path = os.path.join(os.fspath(self.path), ".metadata")
-        try:
-            with open(path, "rb") as f:
-                metadata = _DCPMetadataUnpickler(f).load()
-        except FileNotFoundError:
-            raise
-        except Exception as error:
-            raise ValueError(f"{path}: cannot be read as torch.distributed.checkpoint metadata (corrupt, truncated, "
-                             f"or referencing other objects): {_first_line(error)}") from error
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-# ------------------------------------------------------------------------------------------------
 # torch_dist
 # ------------------------------------------------------------------------------------------------
-def _read_torch_dist(directory: str) -> tuple[dict, dict]:
-    """(common state, {Megatron tensor name: full tensor}) with the decoder's tensors stacked."""
-    common = load_pickled(os.path.join(directory, "common.pt"))
-    reader = _SafeFileSystemReader(directory)
+def _read_torch_dist(directory: str) -> dict:
+    """{Megatron tensor name: full tensor}, the decoder's tensors stacked."""
+    reader = SafeFileSystemReader(directory)
     metadata = reader.read_metadata()
     tensors = {name: torch.empty(meta.size, dtype=meta.properties.dtype)
                for name, meta in metadata.state_dict_metadata.items()
@@ -322,9 +205,9 @@ def _read_torch_dist(directory: str) -> tuple[dict, dict]:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(tensors, storage_reader=reader, no_dist=True)
-    except Exception as error:
+    except (Exception, CheckpointException) as error:  # the latter derives from BaseException
         raise ValueError(_torch_dist_failure(directory, metadata, error)) from error
-    return common, tensors
+    return tensors
 
 
 def _torch_dist_failure(directory: str, metadata, error: Exception) -> str:
@@ -338,7 +221,7 @@ def _torch_dist_failure(directory: str, metadata, error: Exception) -> str:
         if actual is None or actual < size:
             state = "is missing" if actual is None else f"is truncated ({actual} bytes, .metadata says {size})"
             return f"{file} {state}"
-    return f"{directory}: reading the torch_dist checkpoint failed: {_first_line(error)}"
+    return f"{directory}: reading the torch_dist checkpoint failed: {first_line(error)}"
 
 
 def _unstack_layers(tensors: dict, num_layers: int, directory: str) -> dict:
@@ -361,7 +244,8 @@ def _unstack_layers(tensors: dict, num_layers: int, directory: str) -> dict:
 # Legacy (mp_rank_XX[_YYY]/model_optim_rng.pt)
 # ------------------------------------------------------------------------------------------------
 def _read_legacy(directory: str) -> tuple[dict, dict]:
-    """(rank 0's state without the model, {Megatron tensor name (global layer numbers): full tensor})."""
+    """(args, iteration and version of rank 0's file, {Megatron tensor name (global layer numbers): full
+    tensor}). Stage by stage: one stage's shards are in memory at a time."""
     files, tp_size, pp_size = _legacy_files(directory)
     chunks = {}   # (virtual stage, pipeline stage) -> {name with local layer number: full tensor}
     common = None
@@ -371,12 +255,11 @@ def _read_legacy(directory: str) -> tuple[dict, dict]:
             file = files[(tp_rank, stage)]
             state = load_pickled(file)
             if common is None:
-                common = {key: value for key, value in state.items() if not key.startswith("model")}
-                _check_version(common, file)
+                common = _read_common(state, directory)
                 _check_layout(common, tp_size, pp_size, directory)
             shards.append(_model_chunks(state, file))
             del state
-        gated = bool(_arg(common, "swiglu", False))
+        gated = bool(getattr(common["args"], "swiglu", False))
         for virtual, chunk_shards in enumerate(zip(*shards, strict=True)):
             chunks[(virtual, stage)] = _merge_tensor_parallel(list(chunk_shards), gated, files[(0, stage)])
     return common, _number_layers_globally(chunks, pp_size, directory)
@@ -406,7 +289,7 @@ def _legacy_files(directory: str) -> tuple[dict, int, int]:
 def _check_layout(common: dict, tp_size: int, pp_size: int, directory: str) -> None:
     """The shard directories found must be all the checkpoint's arguments say there are."""
     for arg, found in (("tensor_model_parallel_size", tp_size), ("pipeline_model_parallel_size", pp_size)):
-        expected = _arg(common, arg, None)
+        expected = getattr(common["args"], arg, None)
         if expected is not None and int(expected) != found:
             raise ValueError(f"{directory}: {arg} is {expected} in the checkpoint's arguments but its mp_rank_* "
                              f"directories hold {found}; shards are missing")
@@ -439,7 +322,7 @@ def _merge_tensor_parallel(shards: list, gated: bool, file: str) -> dict:
         pieces = [shard[raw_name] for shard in shards]
         if dim is None or len(pieces) == 1:
             merged[name] = pieces[0]
-        elif gated and _LAYER.fullmatch(name) and _LAYER.fullmatch(name).group(2).startswith("mlp.linear_fc1."):
+        elif gated and re.fullmatch(r"decoder\.layers\.\d+\.mlp\.linear_fc1\.(weight|bias)", name):
             halves = [piece.chunk(2, dim=0) for piece in pieces]  # each shard: [gate_r; up_r]
             merged[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
         else:
@@ -506,17 +389,18 @@ _UNSUPPORTED = (
 )
 
 
-def _args_dict(common: dict, source: str) -> dict:
-    args = common.get("args") if isinstance(common, dict) else None
-    if args is None:
+def _read_common(state, source: str) -> dict:
+    """Arguments, iteration and checkpoint version, checked before any weight is read: the arguments
+    must exist and name no option GPTModel lacks."""
+    args = state.get("args") if isinstance(state, dict) else None
+    if not isinstance(args, (Namespace, SimpleNamespace)):
         raise ValueError(f"{source}: the checkpoint holds no 'args' (Megatron-LM's arguments); cannot tell the "
                          "model's shape")
-    return dict(vars(args)) if isinstance(args, (Namespace, SimpleNamespace)) else dict(args)
-
-
-def _arg(common: dict, name: str, default):
-    args = common.get("args")
-    return getattr(args, name, default) if args is not None else default
+    version = state.get("checkpoint_version")
+    if version is not None and float(version) < 3.0:
+        raise ValueError(f"{source}: checkpoint_version {version} (before 3.0) is not supported")
+    check_supported(vars(args), source)
+    return {"args": args, "iteration": state.get("iteration"), "checkpoint_version": version}
 
 
 def _required(args: dict, name: str, source: str):
@@ -525,22 +409,14 @@ def _required(args: dict, name: str, source: str):
     return args[name]
 
 
-def _check_version(common: dict, source: str) -> None:
-    version = common.get("checkpoint_version")
-    if version is not None and float(version) < 3.0:
-        raise ValueError(f"{source}: checkpoint_version {version} (before 3.0) is not supported")
-
-
 def _vocab_rows(tensors: dict, source: str) -> int:
     if WORD_EMBEDDINGS not in tensors:
         raise ValueError(f"{source}: no {WORD_EMBEDDINGS} in the checkpoint")
     return tensors[WORD_EMBEDDINGS].shape[0]
 
 
-def config_from_megatron_args(args: dict, padded_vocab_size: int, *, source: str = "checkpoint") -> TransformerConfig:
-    """Our TransformerConfig for Megatron-LM's arguments (names as in its argparse namespace).
-
-    Raises ValueError for options GPTModel does not implement (see `_UNSUPPORTED`)."""
+def check_supported(args: dict, source: str = "checkpoint") -> None:
+    """Raises ValueError naming the first option in Megatron's arguments that GPTModel lacks."""
     for name, flag, what in _UNSUPPORTED:
         if args.get(name):
             raise ValueError(f"{source}: {flag} ({what}; {name}={args[name]!r}) cannot be imported: GPTModel does "
@@ -551,6 +427,13 @@ def config_from_megatron_args(args: dict, padded_vocab_size: int, *, source: str
         value = args.get(name) or default
         if value not in supported:
             raise ValueError(f"{source}: --{name.replace('_', '-')} {value} cannot be imported; supported: {supported}")
+
+
+def config_from_megatron_args(args: dict, padded_vocab_size: int, *, source: str = "checkpoint") -> TransformerConfig:
+    """Our TransformerConfig for Megatron-LM's arguments (names as in its argparse namespace).
+
+    Raises ValueError for options GPTModel does not implement (see `check_supported`)."""
+    check_supported(args, source)
     saved_vocab = args.get("padded_vocab_size")
     if saved_vocab is not None and saved_vocab != padded_vocab_size:
         raise ValueError(f"{source}: padded_vocab_size is {saved_vocab} in the arguments but the word embedding has "
