@@ -1,4 +1,5 @@
-"""Layout-independent checkpoints: logical tensors saved and loaded as boxes with torch.distributed.checkpoint."""
+"""Checkpoints: this framework's layout-independent format (logical tensors saved and loaded as
+boxes with torch.distributed.checkpoint) and imports from other frameworks' formats."""
 
 
 class CheckpointFormatError(ValueError):

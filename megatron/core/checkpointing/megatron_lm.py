@@ -1,0 +1,534 @@
+"""Reading Megatron-LM / Megatron-Core GPT checkpoints into the logical state.
+
+`read_megatron_checkpoint(path)` returns the model weights of a checkpoint that Megatron-LM's
+`pretrain_gpt.py` saved, as this framework's logical state ({global parameter name: {part name: full
+fp32 tensor}}, the form `hf_mapping.load_logical_into_model` loads into any TP rank / PP stage),
+together with an equivalent `TransformerConfig`. Optimizer, scheduler and RNG state are not read.
+
+Where: `path` is a save directory (`latest_checkpointed_iteration.txt` naming an iteration, or
+"release") or one iteration's directory (`iter_0000100/`, `release/`).
+
+Formats (Megatron-LM's `--ckpt-format`):
+- `torch_dist`: Megatron-Core's dist_checkpointing on torch.distributed.checkpoint (`.metadata`,
+  `__*_*.distcp`, `common.pt` with the arguments, `metadata.json`). Tensors are stored whole
+  (global shapes, any TP/PP layout), the decoder's tensors stacked with a leading layer dimension
+  (`decoder.layers.mlp.linear_fc2.weight` is [num_layers, h, ffn]). Only the model's tensors are
+  read, without a process group.
+- `torch` (legacy): one `mp_rank_XX/model_optim_rng.pt` per TP rank, `mp_rank_XX_YYY/` per TP rank
+  XX and PP stage YYY; the model under `model`, or `model0`, `model1`, ... per virtual pipeline
+  stage. Shards are merged: column-parallel weights (linear_qkv, linear_fc1, the vocabulary-parallel
+  embedding and output layer) along dim 0, row-parallel ones (linear_proj, linear_fc2) along dim 1,
+  norms and row-parallel biases taken from TP rank 0. Layers are numbered per model chunk; chunks are
+  laid out in pipeline order (virtual stage 0 of stages 0..PP-1, then virtual stage 1, ...), each
+  chunk's layer count taken from its own shard.
+
+Layouts undone:
+- linear_qkv interleaves q, k and v per query group ([q heads of group 0, k0, v0, q heads of group 1,
+  k1, v1, ...]); ours is [q | k | v], kept as the parts "q", "k", "v".
+- linear_fc1 with SwiGLU is [gate; up] on each TP shard (legacy) or over the whole tensor
+  (torch_dist); ours keeps the parts "gate" and "up".
+- The Transformer Engine spec fuses the layer norms into the next linear layer
+  (`self_attention.linear_qkv.layer_norm_weight`, `mlp.linear_fc1.layer_norm_weight`, and `_bias`);
+  torch_dist checkpoints use those names for every spec. They become `input_layernorm` and
+  `pre_mlp_layernorm`; `_extra_state` entries (FP8 metadata) are skipped.
+- A tied output layer (no `--untie-embeddings-and-output-weights`) is the word embedding: the last
+  pipeline stage's copy in legacy files is not read.
+
+Refused with a ValueError naming the option: what GPTModel cannot represent (mixture of experts,
+--qk-layernorm, --apply-layernorm-1p, multi-latent attention, multi-token prediction, interleaved
+rotary, sliding-window attention, non-vanilla softmax, squared ReLU, quick GeGLU, post-layernorm
+residuals, rotary sequence interpolation, position embeddings other than rope / learned_absolute /
+none), Megatron-LM's pre-Core models (`--use-legacy-models`, keys under `language_model`), checkpoint
+versions before 3.0, and formats other than the two above.
+
+Safety: nothing in the files is executed (see safe_pickle: `.pt` files are read with
+`torch.load(weights_only=True)`, Megatron's own classes arrive as inert `MegatronObject`s, and
+torch.distributed.checkpoint's `.metadata` is unpickled with an allow-list). A corrupt or truncated
+file is a ValueError naming the file.
+"""
+import json
+import os
+import re
+import warnings
+from argparse import Namespace
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from megatron.core.checkpointing.safe_pickle import SafeFileSystemReader, first_line, load_pickled
+from megatron.core.models.gpt.hf_mapping import OUTPUT_LAYER
+from megatron.core.models.gpt.model import WORD_EMBEDDINGS, GPTModel
+from megatron.core.parallel_state import single_process
+from megatron.core.transformer.config import TransformerConfig
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FORMATS = ("torch_dist", "torch")
+_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_STACKED_LAYERS = "decoder.layers."
+_MODEL_ROOTS = ("embedding.", "decoder.", "output_layer.")
+
+# The Transformer Engine spec's fused layer-norm names -> the local spec's (and ours).
+_FUSED_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+# How legacy files split each tensor over TP ranks: the dim its shards are concatenated along, or
+# None for tensors every rank holds whole.
+_LAYER_SPLIT = {
+    "input_layernorm.weight": None, "input_layernorm.bias": None,
+    "self_attention.linear_qkv.weight": 0, "self_attention.linear_qkv.bias": 0,
+    "self_attention.linear_proj.weight": 1, "self_attention.linear_proj.bias": None,
+    "pre_mlp_layernorm.weight": None, "pre_mlp_layernorm.bias": None,
+    "mlp.linear_fc1.weight": 0, "mlp.linear_fc1.bias": 0,
+    "mlp.linear_fc2.weight": 1, "mlp.linear_fc2.bias": None,
+}
+_MODEL_SPLIT = {
+    WORD_EMBEDDINGS: 0, "embedding.position_embeddings.weight": None,
+    "decoder.final_layernorm.weight": None, "decoder.final_layernorm.bias": None,
+    OUTPUT_LAYER: 0,
+}
+
+
+@dataclass
+class MegatronCheckpoint:
+    iteration: int
+    args: dict                 # Megatron argument name -> value
+    config: TransformerConfig  # ours, equivalent
+    logical: dict              # {global name: {part: full fp32 tensor}}
+    format: str                # "torch_dist" or "torch" (legacy)
+    directory: str             # the iteration's directory that was read
+
+
+def read_megatron_checkpoint(path, iteration: Optional[int] = None) -> MegatronCheckpoint:
+    """Reads a Megatron-LM GPT checkpoint (see the module docstring). `iteration`: which `iter_*`
+    of a save directory to read instead of the one its tracker file names."""
+    directory = iteration_directory(path, iteration)
+    fmt = checkpoint_format(directory)
+    if fmt == "torch_dist":
+        common = _read_common(load_pickled(os.path.join(directory, "common.pt")), directory)
+        num_layers = _required(vars(common["args"]), "num_layers", directory)
+        tensors = _unstack_layers(_read_torch_dist(directory), num_layers, directory)
+    else:
+        common, tensors = _read_legacy(directory)
+    args = dict(vars(common["args"]))
+    vocab_rows = _vocab_rows(tensors, directory)
+    config = config_from_megatron_args(args, vocab_rows, source=directory)
+    logical = _to_logical(tensors, config, directory)
+    _check_against_model(logical, config, directory)
+    found = common.get("iteration")
+    return MegatronCheckpoint(iteration=int(found) if found is not None else 0, args=args, config=config,
+                              logical=logical, format=fmt, directory=directory)
+
+
+# ------------------------------------------------------------------------------------------------
+# Where and which format
+# ------------------------------------------------------------------------------------------------
+def iteration_directory(path, iteration: Optional[int] = None) -> str:
+    """The directory of one iteration: `path` itself, or the one its tracker file (or
+    `iteration`) names."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"Megatron checkpoint directory {path} does not exist")
+    if _holds_one_iteration(path):
+        if iteration is not None and os.path.basename(os.path.normpath(path)) != f"iter_{iteration:07d}":
+            raise ValueError(f"{path} is the directory of one iteration; iteration={iteration} asks for another: "
+                             "pass the save directory above it")
+        return path
+    tracker = os.path.join(path, TRACKER)
+    if iteration is not None:
+        name, named_by = f"iter_{iteration:07d}", f"iteration={iteration}"
+    elif os.path.isfile(tracker):
+        name, named_by = _read_tracker(tracker), tracker
+    else:
+        raise ValueError(f"{path} is not a Megatron checkpoint: no {TRACKER}, and no metadata.json or mp_rank_* "
+                         "directories of one iteration")
+    directory = os.path.join(path, name)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"checkpoint directory {directory} (named by {named_by}) does not exist")
+    return directory
+
+
+def _read_tracker(tracker: str) -> str:
+    with open(tracker) as f:
+        text = f.read().strip()
+    if text == "release":
+        return "release"
+    if not text.isdigit():
+        raise ValueError(f"{tracker}: expected an iteration number or 'release', found {text!r}")
+    return f"iter_{int(text):07d}"
+
+
+def _holds_one_iteration(path: str) -> bool:
+    names = os.listdir(path)
+    return any(n in ("metadata.json", ".metadata") or _RANK_DIR.fullmatch(n) for n in names)
+
+
+def checkpoint_format(directory: str) -> str:
+    """"torch_dist" or "torch" (legacy): the format of one iteration's directory."""
+    config_file = os.path.join(directory, "metadata.json")
+    if os.path.isfile(config_file):
+        try:
+            with open(config_file) as f:
+                backend = json.load(f).get("sharded_backend")
+        except (OSError, ValueError, AttributeError) as error:
+            raise ValueError(f"{config_file}: not a Megatron dist_checkpointing metadata file ({error})") from error
+        if backend != "torch_dist":
+            raise ValueError(f"{directory}: --ckpt-format {backend} cannot be imported; supported: {FORMATS}")
+        return "torch_dist"
+    if os.path.isfile(os.path.join(directory, ".metadata")):
+        raise ValueError(f"{directory}: a torch.distributed.checkpoint directory without Megatron's metadata.json "
+                         f"(--ckpt-format torch_dcp or fsdp_dtensor?) cannot be imported; supported: {FORMATS}")
+    if any(_RANK_DIR.fullmatch(name) for name in os.listdir(directory)):
+        return "torch"
+    raise ValueError(f"{directory}: neither a torch_dist checkpoint (metadata.json) nor a legacy one (mp_rank_*/)")
+
+
+# ------------------------------------------------------------------------------------------------
+# torch_dist
+# ------------------------------------------------------------------------------------------------
+def _read_torch_dist(directory: str) -> dict:
+    """{Megatron tensor name: full tensor}, the decoder's tensors stacked."""
+    reader = SafeFileSystemReader(directory)
+    metadata = reader.read_metadata()
+    tensors = {name: torch.empty(meta.size, dtype=meta.properties.dtype)
+               for name, meta in metadata.state_dict_metadata.items()
+               if isinstance(meta, TensorStorageMetadata) and name.startswith(_MODEL_ROOTS)}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(tensors, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as error:  # the latter derives from BaseException
+        raise ValueError(_torch_dist_failure(directory, metadata, error)) from error
+    return tensors
+
+
+def _torch_dist_failure(directory: str, metadata, error: Exception) -> str:
+    """Names the data file that is too short for what `.metadata` says it holds, if one is."""
+    needed = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for relative_path, size in sorted(needed.items()):
+        file = os.path.join(directory, relative_path)
+        actual = os.path.getsize(file) if os.path.exists(file) else None
+        if actual is None or actual < size:
+            state = "is missing" if actual is None else f"is truncated ({actual} bytes, .metadata says {size})"
+            return f"{file} {state}"
+    return f"{directory}: reading the torch_dist checkpoint failed: {first_line(error)}"
+
+
+def _unstack_layers(tensors: dict, num_layers: int, directory: str) -> dict:
+    """decoder.layers.X [num_layers, ...] -> decoder.layers.{i}.X for each layer (local names)."""
+    out = {}
+    for name, tensor in tensors.items():
+        if not name.startswith(_STACKED_LAYERS):
+            out[name] = tensor
+            continue
+        if tensor.ndim == 0 or tensor.shape[0] != num_layers:
+            raise ValueError(f"{directory}: {name} has shape {tuple(tensor.shape)}; expected the layers stacked in "
+                             f"its first dimension (num_layers={num_layers})")
+        suffix = name[len(_STACKED_LAYERS):]
+        for layer in range(num_layers):
+            out[_canonical_name(f"decoder.layers.{layer}.{suffix}")] = tensor[layer]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Legacy (mp_rank_XX[_YYY]/model_optim_rng.pt)
+# ------------------------------------------------------------------------------------------------
+def _read_legacy(directory: str) -> tuple[dict, dict]:
+    """(args, iteration and version of rank 0's file, {Megatron tensor name (global layer numbers): full
+    tensor}). Stage by stage: one stage's shards are in memory at a time."""
+    files, tp_size, pp_size = _legacy_files(directory)
+    chunks = {}   # (virtual stage, pipeline stage) -> {name with local layer number: full tensor}
+    common = None
+    for stage in range(pp_size):
+        shards = []
+        for tp_rank in range(tp_size):
+            file = files[(tp_rank, stage)]
+            state = load_pickled(file)
+            if common is None:
+                common = _read_common(state, directory)
+                _check_layout(common, tp_size, pp_size, directory)
+            shards.append(_model_chunks(state, file))
+            del state
+        gated = bool(getattr(common["args"], "swiglu", False))
+        for virtual, chunk_shards in enumerate(zip(*shards, strict=True)):
+            chunks[(virtual, stage)] = _merge_tensor_parallel(list(chunk_shards), gated, files[(0, stage)])
+    return common, _number_layers_globally(chunks, pp_size, directory)
+
+
+def _legacy_files(directory: str) -> tuple[dict, int, int]:
+    files = {}
+    for entry in os.listdir(directory):
+        match = _RANK_DIR.fullmatch(entry)
+        if not match:
+            continue
+        if match.group(3) is not None:
+            raise ValueError(f"{os.path.join(directory, entry)}: expert-parallel shards (--num-experts, mixture of "
+                             "experts) cannot be imported")
+        files[(int(match.group(1)), int(match.group(2) or 0))] = os.path.join(directory, entry, "model_optim_rng.pt")
+    tp_size = 1 + max(tp for tp, _ in files)
+    pp_size = 1 + max(pp for _, pp in files)
+    for tp in range(tp_size):
+        for pp in range(pp_size):
+            name = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if pp_size > 1 else "")
+            if (tp, pp) not in files or not os.path.isfile(files[(tp, pp)]):
+                raise FileNotFoundError(f"{os.path.join(directory, name, 'model_optim_rng.pt')} is missing "
+                                        f"(the checkpoint has TP {tp_size} x PP {pp_size} shards)")
+    return files, tp_size, pp_size
+
+
+def _check_layout(common: dict, tp_size: int, pp_size: int, directory: str) -> None:
+    """The shard directories found must be all the checkpoint's arguments say there are."""
+    for arg, found in (("tensor_model_parallel_size", tp_size), ("pipeline_model_parallel_size", pp_size)):
+        expected = getattr(common["args"], arg, None)
+        if expected is not None and int(expected) != found:
+            raise ValueError(f"{directory}: {arg} is {expected} in the checkpoint's arguments but its mp_rank_* "
+                             f"directories hold {found}; shards are missing")
+
+
+def _model_chunks(state: dict, file: str) -> list:
+    """The model state dicts of one file: `model`, or `model0`, `model1`, ... (virtual stages)."""
+    if "model" in state:
+        chunks = [state["model"]]
+    else:
+        indices = sorted(int(key[len("model"):]) for key in state if re.fullmatch(r"model\d+", key))
+        if not indices:
+            raise ValueError(f"{file}: no model weights (no 'model' or 'model0' entry); saved with --no-save-model?")
+        chunks = [state[f"model{i}"] for i in indices]
+    for chunk in chunks:
+        if "language_model" in chunk:
+            raise ValueError(f"{file}: a pre-Megatron-Core model (--use-legacy-models, keys under 'language_model') "
+                             "cannot be imported; convert it to Megatron-Core's format first")
+    return chunks
+
+
+def _merge_tensor_parallel(shards: list, gated: bool, file: str) -> dict:
+    """The full tensors of one model chunk from its TP shards (Megatron's layouts kept)."""
+    merged = {}
+    for raw_name in shards[0]:
+        if raw_name.endswith("_extra_state"):
+            continue
+        name = _canonical_name(raw_name)
+        dim = _split_dim(name, file)
+        pieces = [shard[raw_name] for shard in shards]
+        if dim is None or len(pieces) == 1:
+            merged[name] = pieces[0]
+        elif gated and re.fullmatch(r"decoder\.layers\.\d+\.mlp\.linear_fc1\.(weight|bias)", name):
+            halves = [piece.chunk(2, dim=0) for piece in pieces]  # each shard: [gate_r; up_r]
+            merged[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        else:
+            merged[name] = torch.cat(pieces, dim=dim)
+    return merged
+
+
+def _split_dim(name: str, file: str) -> Optional[int]:
+    match = _LAYER.fullmatch(name)
+    table, key = (_LAYER_SPLIT, match.group(2)) if match else (_MODEL_SPLIT, name)
+    if key not in table:
+        raise ValueError(f"{file}: tensor {name!r} is not part of a GPT model this framework can build "
+                         "(an option it does not implement?)")
+    return table[key]
+
+
+def _canonical_name(name: str) -> str:
+    """The local spec's name for a Transformer Engine spec's fused layer-norm name."""
+    match = _LAYER.fullmatch(name)
+    if match and match.group(2) in _FUSED_NORMS:
+        return f"decoder.layers.{match.group(1)}.{_FUSED_NORMS[match.group(2)]}"
+    return name
+
+
+def _number_layers_globally(chunks: dict, pp_size: int, directory: str) -> dict:
+    """Local layer numbers -> global: chunks in pipeline order (virtual stage, then stage)."""
+    tensors, offset = {}, 0
+    for virtual, stage in sorted(chunks):
+        chunk = chunks[(virtual, stage)]
+        local = {int(m.group(1)) for m in map(_LAYER.fullmatch, chunk) if m}
+        if local and local != set(range(len(local))):
+            raise ValueError(f"{directory}: pipeline stage {stage} (virtual stage {virtual}) holds layers "
+                             f"{sorted(local)}; expected 0..{len(local) - 1}")
+        for name, tensor in chunk.items():
+            match = _LAYER.fullmatch(name)
+            if match:
+                name = f"decoder.layers.{offset + int(match.group(1))}.{match.group(2)}"
+            if name in tensors:
+                raise ValueError(f"{directory}: {name} is held by more than one pipeline stage")
+            tensors[name] = tensor
+        offset += len(local)
+    return tensors
+
+
+# ------------------------------------------------------------------------------------------------
+# Megatron's arguments -> TransformerConfig
+# ------------------------------------------------------------------------------------------------
+# (argument, Megatron flag, what it is) for options GPTModel does not implement: refused when set.
+_UNSUPPORTED = (
+    ("num_experts", "--num-experts", "mixture of experts"),
+    ("qk_layernorm", "--qk-layernorm", "layer norms on queries and keys"),
+    ("apply_layernorm_1p", "--apply-layernorm-1p", "zero-centered layer-norm weights"),
+    ("multi_latent_attention", "--multi-latent-attention", "multi-latent attention"),
+    ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction"),
+    ("rotary_interleaved", "--rotary-interleaved", "interleaved rotary embeddings"),
+    ("rotary_seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor", "rotary interpolation"),
+    ("apply_residual_connection_post_layernorm", "--apply-residual-connection-post-layernorm",
+     "residuals taken after the layer norm"),
+    ("squared_relu", "--squared-relu", "squared ReLU"),
+    ("quick_geglu", "--quick-geglu", "quick GeGLU"),
+    ("window_size", "--window-size", "sliding-window attention"),
+    ("attention_output_gate", "--attention-output-gate", "gated attention output"),
+    ("use_legacy_models", "--use-legacy-models", "pre-Megatron-Core models"),
+)
+
+
+def _read_common(state, source: str) -> dict:
+    """Arguments, iteration and checkpoint version, checked before any weight is read: the arguments
+    must exist and name no option GPTModel lacks."""
+    args = state.get("args") if isinstance(state, dict) else None
+    if not isinstance(args, (Namespace, SimpleNamespace)):
+        raise ValueError(f"{source}: the checkpoint holds no 'args' (Megatron-LM's arguments); cannot tell the "
+                         "model's shape")
+    version = state.get("checkpoint_version")
+    if version is not None and float(version) < 3.0:
+        raise ValueError(f"{source}: checkpoint_version {version} (before 3.0) is not supported")
+    check_supported(vars(args), source)
+    return {"args": args, "iteration": state.get("iteration"), "checkpoint_version": version}
+
+
+def _required(args: dict, name: str, source: str):
+    if args.get(name) is None:
+        raise ValueError(f"{source}: the checkpoint's arguments have no {name}")
+    return args[name]
+
+
+def _vocab_rows(tensors: dict, source: str) -> int:
+    if WORD_EMBEDDINGS not in tensors:
+        raise ValueError(f"{source}: no {WORD_EMBEDDINGS} in the checkpoint")
+    return tensors[WORD_EMBEDDINGS].shape[0]
+
+
+def check_supported(args: dict, source: str = "checkpoint") -> None:
+    """Raises ValueError naming the first option in Megatron's arguments that GPTModel lacks."""
+    for name, flag, what in _UNSUPPORTED:
+        if args.get(name):
+            raise ValueError(f"{source}: {flag} ({what}; {name}={args[name]!r}) cannot be imported: GPTModel does "
+                             "not implement it")
+    for name, default, supported in (("position_embedding_type", "learned_absolute", ("rope", "learned_absolute", "none")),
+                                     ("normalization", "LayerNorm", ("LayerNorm", "RMSNorm")),
+                                     ("softmax_type", "vanilla", ("vanilla",))):
+        value = args.get(name) or default
+        if value not in supported:
+            raise ValueError(f"{source}: --{name.replace('_', '-')} {value} cannot be imported; supported: {supported}")
+
+
+def config_from_megatron_args(args: dict, padded_vocab_size: int, *, source: str = "checkpoint") -> TransformerConfig:
+    """Our TransformerConfig for Megatron-LM's arguments (names as in its argparse namespace).
+
+    Raises ValueError for options GPTModel does not implement (see `check_supported`)."""
+    check_supported(args, source)
+    saved_vocab = args.get("padded_vocab_size")
+    if saved_vocab is not None and saved_vocab != padded_vocab_size:
+        raise ValueError(f"{source}: padded_vocab_size is {saved_vocab} in the arguments but the word embedding has "
+                         f"{padded_vocab_size} rows")
+    hidden = _required(args, "hidden_size", source)
+    heads = _required(args, "num_attention_heads", source)
+    add_bias_linear = bool(args.get("add_bias_linear", True))
+    swiglu = bool(args.get("swiglu", False))
+    return TransformerConfig(
+        num_layers=_required(args, "num_layers", source),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        vocab_size=padded_vocab_size,
+        ffn_hidden_size=args.get("ffn_hidden_size") or 4 * hidden,
+        kv_channels=args.get("kv_channels") or hidden // heads,
+        num_query_groups=args.get("num_query_groups") if args.get("group_query_attention") else heads,
+        max_position_embeddings=args.get("max_position_embeddings") or 4096,
+        normalization=args.get("normalization") or "LayerNorm",
+        norm_epsilon=float(args.get("norm_epsilon", 1e-5)),
+        gated_linear_unit=swiglu,
+        activation="silu" if swiglu else _gelu(args, add_bias_linear),
+        add_bias_linear=add_bias_linear,
+        add_qkv_bias=bool(args.get("add_qkv_bias", False)),
+        position_embedding_type=args.get("position_embedding_type") or "learned_absolute",
+        rotary_base=float(args.get("rotary_base", 10000)),
+        rotary_percent=float(args.get("rotary_percent", 1.0)),
+        rope_scaling=bool(args.get("use_rope_scaling", False)),
+        rope_scaling_factor=float(args.get("rope_scaling_factor", 8.0)),
+        untie_embeddings_and_output_weights=bool(args.get("untie_embeddings_and_output_weights", False)),
+        hidden_dropout=float(args.get("hidden_dropout", 0.1)),
+        attention_dropout=float(args.get("attention_dropout", 0.1)),
+        init_method_std=float(args.get("init_method_std", 0.02)),
+    )
+
+
+def _gelu(args: dict, add_bias_linear: bool) -> str:
+    """Megatron-Core's fused bias-GeLU (--bias-gelu-fusion, on by default, used when linear layers
+    have biases) is the tanh approximation; otherwise its MLP calls the exact F.gelu."""
+    return "gelu_tanh" if args.get("bias_gelu_fusion", True) and add_bias_linear else "gelu"
+
+
+# ------------------------------------------------------------------------------------------------
+# Megatron's layouts -> logical state
+# ------------------------------------------------------------------------------------------------
+def _to_logical(tensors: dict, config: TransformerConfig, source: str) -> dict:
+    logical = {}
+    for name, tensor in tensors.items():
+        if name == OUTPUT_LAYER and not config.untie_embeddings_and_output_weights:
+            continue  # the last stage's copy of the tied word embedding
+        match = _LAYER.fullmatch(name)
+        suffix = match.group(2) if match else ""
+        if suffix.startswith("self_attention.linear_qkv."):
+            parts = _split_qkv(tensor, config, name, source)
+        elif suffix.startswith("mlp.linear_fc1.") and config.gated_linear_unit:
+            gate, up = tensor.chunk(2, dim=0)
+            parts = {"gate": gate, "up": up}
+        else:
+            parts = {"": tensor}
+        logical[name] = {part: piece.to(torch.float32, copy=True).contiguous() for part, piece in parts.items()}
+    return logical
+
+
+def _split_qkv(tensor: torch.Tensor, config: TransformerConfig, name: str, source: str) -> dict:
+    """[q heads of group 0, k0, v0, q heads of group 1, k1, v1, ...] -> {"q", "k", "v"}."""
+    groups, heads, head_dim = config.num_query_groups, config.num_attention_heads, config.kv_channels
+    per_group = heads // groups
+    rows = groups * (per_group + 2) * head_dim
+    if tensor.shape[0] != rows:
+        raise ValueError(f"{source}: {name} has {tensor.shape[0]} rows; the arguments (num_query_groups={groups}, "
+                         f"num_attention_heads={heads}, kv_channels={head_dim}) give {rows}")
+    rest = tuple(tensor.shape[1:])
+    grouped = tensor.reshape(groups, per_group + 2, head_dim, *rest)
+    return {"q": grouped[:, :per_group].reshape(heads * head_dim, *rest),
+            "k": grouped[:, per_group].reshape(groups * head_dim, *rest),
+            "v": grouped[:, per_group + 1].reshape(groups * head_dim, *rest)}
+
+
+def _check_against_model(logical: dict, config: TransformerConfig, source: str) -> None:
+    """Every parameter of the GPTModel `config` builds, with its shape, and nothing else."""
+    model = GPTModel(config, single_process(), device="meta")
+    expected = {}
+    for local_name, param in model.named_parameters():
+        layout = param.tp_layout
+        shapes = {}
+        for part in layout.parts:
+            shape = list(param.shape)
+            shape[layout.dim] = part.full_size
+            shapes[part.name] = tuple(shape)
+        expected[model.global_param_name(local_name)] = shapes
+    missing = sorted(set(expected) - set(logical))
+    unexpected = sorted(set(logical) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{source}: the checkpoint's tensors do not match the model its arguments describe: "
+                         f"missing {missing}, unexpected {unexpected}")
+    for name, shapes in expected.items():
+        found = {part: tuple(tensor.shape) for part, tensor in logical[name].items()}
+        if found != shapes:
+            raise ValueError(f"{source}: {name} has shapes {found}; the model its arguments describe has {shapes}")

@@ -1,0 +1,135 @@
+"""Reading pickled checkpoint files without running anything in them.
+
+- `load_pickled`: `torch.load(weights_only=True)` allowing, besides tensors, only what Megatron-LM
+  pickles next to them: `argparse.Namespace` (its arguments), a few standard-library and numpy types
+  (the RNG state), and Megatron's own enums and config classes, which are never imported: they load
+  as inert `MegatronObject` stand-ins.
+- `SafeFileSystemReader`: torch.distributed.checkpoint's FileSystemReader, except that `.metadata`
+  (which the stock reader unpickles with plain pickle, running whatever the file names) is read by
+  an unpickler that allows only torch.distributed.checkpoint's own metadata classes.
+
+Any failure is a ValueError naming the file (corrupt, truncated, or holding other objects).
+"""
+import io
+import os
+import pickle
+import re
+from argparse import Namespace
+from pathlib import PosixPath
+from signal import Signals
+from types import SimpleNamespace
+
+import numpy
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+
+class MegatronObject:
+    """An inert stand-in for a Megatron class found in a checkpoint (an enum value, a config): it
+    keeps what it was built from and runs nothing."""
+
+    qualified_name = "megatron"
+
+    def __init__(self, *args):
+        self.args = args
+
+    def __repr__(self) -> str:
+        state = dict(vars(self))
+        args = state.pop("args", ())
+        inner = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in state.items()])
+        return f"{self.qualified_name}({inner})"
+
+
+def _megatron_stand_ins() -> list:
+    names = [
+        "megatron.core.enums.ModelType",
+        "megatron.core.transformer.enums.ModelType",
+        "megatron.core.transformer.enums.AttnBackend",
+        "megatron.core.transformer.enums.AttnMaskType",
+        "megatron.core.transformer.enums.CudaGraphScope",
+        "megatron.core.optimizer.optimizer_config.OptimizerConfig",
+        "megatron.core.rerun_state_machine.RerunDiagnostic",
+        "megatron.core.rerun_state_machine.RerunMode",
+        "megatron.core.rerun_state_machine.RerunState",
+    ]
+    return [(type(name.rsplit(".", 1)[1], (MegatronObject,), {"qualified_name": name}), name) for name in names]
+
+
+def _numpy_globals() -> list:
+    """numpy's RNG state (a uint32 array) as Megatron-LM saves it, under numpy 1 and 2 module names."""
+    reconstruct = numpy.ndarray.__reduce__(numpy.zeros(1))[0]
+    allowed = [numpy.ndarray, numpy.dtype, type(numpy.dtype(numpy.uint32))]
+    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        allowed.append((reconstruct, f"{module}._reconstruct"))
+    return allowed
+
+
+_SAFE_GLOBALS = [Namespace, SimpleNamespace, PosixPath, Signals, io.BytesIO, bytes, *_numpy_globals(),
+                 *_megatron_stand_ins()]
+
+
+def load_pickled(path: str):
+    """torch.load(path, weights_only=True) with Megatron-LM's non-tensor classes allowed (see the
+    module docstring); any failure is a ValueError naming the file."""
+    try:
+        with torch.serialization.safe_globals(_SAFE_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except FileNotFoundError:
+        raise
+    except Exception as error:
+        raise ValueError(f"{path}: cannot be read as a Megatron checkpoint file (corrupt, truncated, or holding "
+                         f"objects other than tensors and Megatron's arguments): {first_line(error)}") from error
+
+
+_WEIGHTS_ONLY_REASON = re.compile(
+    r"Unsupported global: GLOBAL [\w.]+|Trying to load unsupported GLOBAL [\w.]+|WeightsUnpickler error: [^\n]+")
+
+
+def first_line(error: BaseException) -> str:
+    """The reason in one line (for weights-only refusals: the global that was refused)."""
+    text = str(error)
+    reason = _WEIGHTS_ONLY_REASON.search(text)
+    if reason:
+        return reason.group(0)
+    lines = [line for line in text.splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+# What torch.distributed.checkpoint's `.metadata` pickle may reference.
+_DCP_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata", "BytesStorageMetadata",
+        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if name in _DCP_METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing to load global {module}.{name}")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader whose `.metadata` is unpickled with the allow-list above (the stock reader
+    uses plain pickle, which would run whatever the file names)."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = os.path.join(os.fspath(self.path), ".metadata")
+        try:
+            with open(path, "rb") as f:
+                metadata = _DCPMetadataUnpickler(f).load()
+        except FileNotFoundError:
+            raise
+        except Exception as error:
+            raise ValueError(f"{path}: cannot be read as torch.distributed.checkpoint metadata (corrupt, truncated, "
+                             f"or referencing other objects): {first_line(error)}") from error
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
