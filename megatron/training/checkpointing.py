@@ -149,7 +149,7 @@ def check_architecture(directory: str, saved: dict, current: dict) -> list:
     flags = dict(ARCHITECTURE_FLAGS, max_position_embeddings="--max-position-embeddings",
                  vocab_size="--vocab-size / the tokenizer's vocabulary size")
     for name, flag in flags.items():
-        if name in saved and name in current and saved[name] != current[name]:
+        if saved.get(name) is not None and current.get(name) is not None and saved[name] != current[name]:
             raise ConfigError(f"the checkpoint {directory} is of another model: it has {name} = {saved[name]!r} "
                               f"({flag}), this run has {current[name]!r}; pass the checkpoint's value "
                               "(or --use-checkpoint-args)")

@@ -105,6 +105,29 @@ def test_imported_model_gives_megatron_core_logits(megatron_checkpoints, tp1_log
             assert torch.equal(checkpoint.logical[name][part], tensor), (name, part)
 
 
+def test_convert_tool_writes_a_checkpoint_of_the_same_model(megatron_checkpoints, tmp_path):
+    """tools/checkpoint/convert.py --source-format megatron: the written checkpoint reads back to the
+    imported tensors and gives Megatron-Core's logits."""
+    import importlib.util
+
+    from megatron.training.checkpoint_conversion import read_weights
+
+    spec = importlib.util.spec_from_file_location("convert_tool", Path(__file__).resolve().parents[2]
+                                                  / "tools" / "checkpoint" / "convert.py")
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+    source = checkpoint_dir(megatron_checkpoints, "llama", "torch_dist", "tp2_pp2")
+    convert.convert(["--source-format", "megatron", "--source", str(source), "--target", str(tmp_path / "ours")])
+    logical, config, _, _ = read_weights(str(tmp_path / "ours"))
+    imported = read_megatron_checkpoint(source)
+    for name, parts in imported.logical.items():
+        for part, tensor in parts.items():
+            assert torch.equal(logical[name][part], tensor), (name, part)
+    reference = torch.load(megatron_checkpoints / "llama_logits.pt", weights_only=True)
+    converted = megatron_lm.MegatronCheckpoint(ITERATION, {}, config, logical, "torch_dist", str(tmp_path))
+    assert (our_logits(converted, reference["tokens"]) - reference["logits"]).abs().max().item() < TOLERANCE
+
+
 def test_config_follows_megatron_arguments(megatron_checkpoints):
     llama = read_megatron_checkpoint(checkpoint_dir(megatron_checkpoints, "llama", "torch_dist", "tp2_pp2")).config
     assert (llama.num_layers, llama.num_query_groups, llama.kv_channels, llama.vocab_size) == (4, 2, 16, 128)

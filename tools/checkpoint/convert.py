@@ -58,8 +58,18 @@ def read(args) -> tuple:
     from megatron.core.checkpointing.megatron_lm import read_megatron_checkpoint
 
     checkpoint = read_megatron_checkpoint(args.source, args.iteration)
-    vocab_size = checkpoint.args.get("vocab_size") or checkpoint.config.vocab_size
-    return checkpoint.logical, checkpoint.config, vocab_size
+    return checkpoint.logical, checkpoint.config, megatron_vocab_size(checkpoint.args)
+
+
+def megatron_vocab_size(megatron_args: dict):
+    """The unpadded vocabulary of a Megatron-LM run when its arguments tell it (NullTokenizer: N ids
+    plus EOD), else None: Megatron saves only the padded size, and the vocabulary check on --load is
+    then skipped."""
+    if megatron_args.get("tokenizer_type") == "NullTokenizer" and megatron_args.get("vocab_size"):
+        return int(megatron_args["vocab_size"]) + 1
+    print("note: the checkpoint records only the padded vocabulary size; its rows past the tokenizer's "
+          "vocabulary are kept")
+    return None
 
 
 def convert(argv=None) -> str:
@@ -75,6 +85,7 @@ def convert(argv=None) -> str:
         print(f"wrote {directory}: load it with --load {args.target} --finetune --use-checkpoint-args")
         return directory
     arch = hf_mapping.architecture_for_hf(config)
+    vocab_size = vocab_size or config.vocab_size  # unknown: keep the padded rows
     state = hf_mapping.logical_to_hf(logical, config, arch, vocab_size=vocab_size)
     conversion.write_hf(args.target, hf_mapping.hf_config_from_transformer_config(config, vocab_size), state)
     print(f"wrote {args.target} ({arch}, {len(state)} tensors)")

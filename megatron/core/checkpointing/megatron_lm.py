@@ -60,7 +60,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megatron.core.checkpointing.safe_pickle import SafeFileSystemReader, first_line, load_pickled
+from megatron.core.checkpointing.safe_pickle import SafeFileSystemReader, check_dcp_files, first_line, load_pickled
 from megatron.core.models.gpt.hf_mapping import OUTPUT_LAYER
 from megatron.core.models.gpt.model import WORD_EMBEDDINGS, GPTModel
 from megatron.core.parallel_state import single_process
@@ -198,6 +198,7 @@ def _read_torch_dist(directory: str) -> dict:
     """{Megatron tensor name: full tensor}, the decoder's tensors stacked."""
     reader = SafeFileSystemReader(directory)
     metadata = reader.read_metadata()
+    check_dcp_files(directory, metadata)
     tensors = {name: torch.empty(meta.size, dtype=meta.properties.dtype)
                for name, meta in metadata.state_dict_metadata.items()
                if isinstance(meta, TensorStorageMetadata) and name.startswith(_MODEL_ROOTS)}
@@ -206,22 +207,8 @@ def _read_torch_dist(directory: str) -> dict:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(tensors, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as error:  # the latter derives from BaseException
-        raise ValueError(_torch_dist_failure(directory, metadata, error)) from error
+        raise ValueError(f"{directory}: reading the torch_dist checkpoint failed: {first_line(error)}") from error
     return tensors
-
-
-def _torch_dist_failure(directory: str, metadata, error: Exception) -> str:
-    """Names the data file that is too short for what `.metadata` says it holds, if one is."""
-    needed = {}
-    for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for relative_path, size in sorted(needed.items()):
-        file = os.path.join(directory, relative_path)
-        actual = os.path.getsize(file) if os.path.exists(file) else None
-        if actual is None or actual < size:
-            state = "is missing" if actual is None else f"is truncated ({actual} bytes, .metadata says {size})"
-            return f"{file} {state}"
-    return f"{directory}: reading the torch_dist checkpoint failed: {first_line(error)}"
 
 
 def _unstack_layers(tensors: dict, num_layers: int, directory: str) -> dict:

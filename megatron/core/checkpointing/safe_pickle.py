@@ -22,6 +22,9 @@ from types import SimpleNamespace
 import numpy
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from megatron.core.checkpointing import CheckpointFormatError
 
 
 class MegatronObject:
@@ -102,8 +105,14 @@ _DCP_METADATA_CLASSES = {
         "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"},
     "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint._extension": {"StreamTransformExtension"},
     "torch.serialization": {"_get_layout"},
+    "torch": {"Size", "layout", "strided", "memory_format", "contiguous_format", "preserve_format",
+              "channels_last"},
+    "pathlib": {"PosixPath", "PurePosixPath"},
     "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset"},
+    "enum": {"Enum"},
 }
 
 
@@ -111,25 +120,50 @@ class _DCPMetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if name in _DCP_METADATA_CLASSES.get(module, ()):
             return super().find_class(module, name)
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"refusing to load global {module}.{name}")
 
 
+def read_dcp_metadata(directory) -> Metadata:
+    """The `.metadata` of a torch.distributed.checkpoint directory, unpickled with the allow-list
+    above; a missing or corrupt file is a CheckpointFormatError naming it."""
+    path = os.path.join(os.fspath(directory), ".metadata")
+    if not os.path.isfile(path):
+        raise CheckpointFormatError(f"{path} is missing: {directory} is not a complete checkpoint")
+    try:
+        with open(path, "rb") as handle:
+            metadata = _DCPMetadataUnpickler(handle).load()
+    except Exception as error:
+        raise CheckpointFormatError(f"{path} is corrupt or not a checkpoint index ({first_line(error)})") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointFormatError(f"{path} does not hold checkpoint metadata")
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    return metadata
+
+
+def check_dcp_files(directory, metadata: Metadata) -> None:
+    """Every data file `.metadata` refers to exists and is long enough (a truncated copy or an
+    interrupted transfer is named here, not deep inside the reader)."""
+    needed = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, length in sorted(needed.items()):
+        path = os.path.join(os.fspath(directory), name)
+        if not os.path.isfile(path):
+            raise CheckpointFormatError(f"{path} is missing (the checkpoint index refers to it)")
+        size = os.path.getsize(path)
+        if size < length:
+            raise CheckpointFormatError(f"{path} is truncated: {size} bytes, the checkpoint index needs {length}")
+
+
 class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose `.metadata` is unpickled with the allow-list above (the stock reader
-    uses plain pickle, which would run whatever the file names)."""
+    """FileSystemReader whose `.metadata` is read by `read_dcp_metadata` (the stock reader uses plain
+    pickle, which would run whatever the file names); tensors are read by DCP itself with
+    torch.load(weights_only=True)."""
 
     def read_metadata(self, *args, **kwargs):
-        path = os.path.join(os.fspath(self.path), ".metadata")
-        try:
-            with open(path, "rb") as f:
-                metadata = _DCPMetadataUnpickler(f).load()
-        except FileNotFoundError:
-            raise
-        except Exception as error:
-            raise ValueError(f"{path}: cannot be read as torch.distributed.checkpoint metadata (corrupt, truncated, "
-                             f"or referencing other objects): {first_line(error)}") from error
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = self.load_id
+        metadata = read_dcp_metadata(self.path)
+        metadata.storage_meta.load_id = self.load_id
         return metadata

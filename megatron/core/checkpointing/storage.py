@@ -20,7 +20,6 @@ import collections
 import contextlib
 import io
 import os
-import pickle
 import warnings
 from typing import Optional
 
@@ -42,6 +41,7 @@ from torch.distributed.checkpoint.planner_helpers import (
 )
 
 from megatron.core.checkpointing import CheckpointFormatError
+from megatron.core.checkpointing.safe_pickle import SafeFileSystemReader, check_dcp_files, read_dcp_metadata
 from megatron.core.checkpointing.sharded import Boxes, ShardedState
 
 
@@ -117,57 +117,9 @@ def _quiet():
 
 
 # ---------------------------------------------------------------------------------------------
-# Reading metadata safely
+# Reading
 # ---------------------------------------------------------------------------------------------
-_METADATA_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.distributed.checkpoint._extension", "StreamTransformExtension"),
-    ("torch.distributed.checkpoint.planner", "WriteItemType"),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("torch", "layout"), ("torch", "strided"), ("torch", "memory_format"),
-    ("torch", "contiguous_format"), ("torch", "preserve_format"), ("torch", "channels_last"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-    ("enum", "Enum"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits DCP's metadata dataclasses, torch dtypes and plain containers; nothing else."""
-
-    def find_class(self, module: str, name: str):
-        if (module, name) in _METADATA_CLASSES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
-
-
-class _SafeReader(dcp.FileSystemReader):
-    """DCP's file reader, with `.metadata` read by `_MetadataUnpickler` (tensors are read with
-    `torch.load(weights_only=True)` by DCP itself)."""
-
-    def read_metadata(self, *args, **kwargs):
-        return read_metadata(str(self.path))
-
-
-def read_metadata(directory: str) -> dcp_metadata.Metadata:
-    """The DCP metadata of a checkpoint directory; errors name the file."""
-    path = os.path.join(directory, ".metadata")
-    if not os.path.isfile(path):
-        raise CheckpointFormatError(f"{path} is missing: {directory} is not a complete checkpoint")
-    try:
-        with open(path, "rb") as handle:
-            metadata = _MetadataUnpickler(handle).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as error:
-        raise CheckpointFormatError(f"{path} is corrupt or not a checkpoint index ({error})") from None
-    if not isinstance(metadata, dcp_metadata.Metadata):
-        raise CheckpointFormatError(f"{path} does not hold checkpoint metadata")
-    if getattr(metadata, "storage_meta", None) is None:
-        metadata.storage_meta = dcp_metadata.StorageMeta()
-    return metadata
+read_metadata = read_dcp_metadata
 
 
 def saved_shapes(directory: str) -> dict:
@@ -236,29 +188,14 @@ def _check_shape(key: str, saved: tuple, wanted: tuple) -> None:
         raise CheckpointFormatError(f"{key}: the checkpoint holds shape {saved}, this model needs {wanted}")
 
 
-def check_files(directory: str, metadata: dcp_metadata.Metadata) -> None:
-    """Every data file the index refers to exists and is long enough (a truncated copy or an
-    interrupted transfer is named here rather than failing deep inside the reader)."""
-    needed = {}
-    for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, length in sorted(needed.items()):
-        path = os.path.join(directory, name)
-        if not os.path.isfile(path):
-            raise CheckpointFormatError(f"{path} is missing (the checkpoint index refers to it)")
-        size = os.path.getsize(path)
-        if size < length:
-            raise CheckpointFormatError(f"{path} is truncated: {size} bytes, the checkpoint index needs {length}")
-
-
 def load_state(state: ShardedState, directory: str, *, process_group=None) -> None:
     """Fills every tensor of `state` in place from `directory` (collective like `save_state`)."""
     if not os.path.isdir(directory):
         raise CheckpointFormatError(f"checkpoint directory {directory} does not exist")
-    check_files(directory, read_metadata(directory))
+    check_dcp_files(directory, read_metadata(directory))
     try:
         with _quiet():
-            dcp.load(_flat_dict(state), storage_reader=_SafeReader(directory), planner=_LoadPlanner(),
+            dcp.load(_flat_dict(state), storage_reader=SafeFileSystemReader(directory), planner=_LoadPlanner(),
                      process_group=process_group, no_dist=not _distributed())
     except dcp.CheckpointException as error:
         raise CheckpointFormatError(_describe_failure(directory, error)) from None
