@@ -75,7 +75,8 @@ class SelfAttention(torch.nn.Module):
             Part("v", config.kv_projection_size, kv_shards, sum_replica_grads=True),
         )
         common = dict(tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank,
-                      sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype, device=device)
+                      sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype, device=device,
+                      gradient_accumulation_fusion=config.gradient_accumulation_fusion)
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, None, parts=parts,
                                                bias=config.add_bias_linear or config.add_qkv_bias, **common)
         self.core_attention = CoreAttention(config, rng_tracker)

@@ -14,20 +14,19 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.parallel_state import ParallelGroups
-from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.cross_entropy import fused_vocab_parallel_cross_entropy, vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.layers import (
+    ALL_REDUCE_INPUT_GRAD,
+    GATHER_INPUT,
     TPLayout,
     VocabParallelEmbedding,
     initialize_param,
+    linear_with_grad_accumulation,
     replicated_layout,
     set_layout,
     split_layout,
 )
-from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_parallel_region,
-    gather_from_sequence_parallel_region,
-    scatter_to_sequence_parallel_region,
-)
+from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from megatron.core.tensor_parallel.random import RNGStatesTracker
 from megatron.core.transformer.block import TransformerBlock
 from megatron.core.transformer.config import TransformerConfig
@@ -115,15 +114,20 @@ class GPTModel(torch.nn.Module):
         if labels is None:
             return logits
         vocab_start = self.groups.tp_rank * logits.shape[-1]
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_start)  # [s, b]
+        cross_entropy = (fused_vocab_parallel_cross_entropy if self.config.cross_entropy_loss_fusion
+                         else vocab_parallel_cross_entropy)
+        loss = cross_entropy(logits, labels.t(), self.groups.tp, vocab_start)  # [s, b]
         return loss.t()
 
     def _logits(self, x):
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.groups.tp)
-        else:
-            x = copy_to_tensor_parallel_region(x, self.groups.tp)
-        return F.linear(x, self.output_weight())  # [s, b, V/tp]
+        # With tied embeddings on this stage the embedding's backward, which runs later, signals
+        # that the shared weight's gradient is complete.
+        tied_here = self.pre_process and self.share_embeddings
+        return linear_with_grad_accumulation(
+            x, self.output_weight(), group=self.groups.tp,
+            input_comm=GATHER_INPUT if self.sequence_parallel else ALL_REDUCE_INPUT_GRAD,
+            gradient_accumulation_fusion=self.config.gradient_accumulation_fusion,
+            notify=not tied_here)  # [s, b, V/tp]
 
 
 class _Embedding(torch.nn.Module):
@@ -136,7 +140,8 @@ class _Embedding(torch.nn.Module):
         self.word_embeddings = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp_group=groups.tp, tp_size=groups.tp_size,
             tp_rank=groups.tp_rank, sequence_parallel=config.sequence_parallel,
-            params_dtype=config.params_dtype, device=device)
+            params_dtype=config.params_dtype, device=device,
+            gradient_accumulation_fusion=config.gradient_accumulation_fusion)
         if config.position_embedding_type == "learned_absolute":
             self.position_embeddings = torch.nn.Embedding(config.max_position_embeddings, config.hidden_size,
                                                           dtype=config.params_dtype, device=device)
