@@ -30,6 +30,7 @@ from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_
 from megatron.core.tensor_parallel.random import RNGStatesTracker
 from megatron.core.transformer.block import TransformerBlock
 from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.fp8 import attach_fp8
 from megatron.core.transformer.rope import RotaryEmbedding
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
@@ -56,6 +57,8 @@ class GPTModel(torch.nn.Module):
         self.rotary = RotaryEmbedding(config, device) if config.position_embedding_type == "rope" else None
         self.decoder = TransformerBlock(config, layer_numbers=layer_numbers, post_process=post_process,
                                         tp_group=groups.tp, rng_tracker=rng_tracker, device=device, **tp)
+        # FP8 layers' linears get their FP8 GEMMs; `fp8_scaling` holds the delayed recipe's amax history.
+        self.fp8_scaling = attach_fp8(self.decoder, config, device) if config.fp8 else None
         self.input_tensor = None  # set by the pipeline schedule on stages after the first
         if post_process and (not self.share_embeddings or not pre_process):
             # Untied output layer, or the last stage's copy of the tied embedding (kept equal to the
@@ -102,6 +105,8 @@ class GPTModel(torch.nn.Module):
         """tokens/position_ids/labels: [b, s]. Returns the per-token loss [b, s] when labels are
         given on the last stage, logits [s, b, V/tp] on the last stage otherwise, else the hidden
         states [s, b, h] ([s/tp, b, h] with sequence parallelism) for the next stage."""
+        if self.fp8_scaling is not None:
+            self.fp8_scaling.roll()  # one amax-history entry per micro-batch
         if not self.pre_process:
             x = hidden_states if hidden_states is not None else self.input_tensor
         else:
@@ -114,9 +119,11 @@ class GPTModel(torch.nn.Module):
         if labels is None:
             return logits
         vocab_start = self.groups.tp_rank * logits.shape[-1]
-        cross_entropy = (fused_vocab_parallel_cross_entropy if self.config.cross_entropy_loss_fusion
-                         else vocab_parallel_cross_entropy)
-        loss = cross_entropy(logits, labels.t(), self.groups.tp, vocab_start)  # [s, b]
+        if self.config.cross_entropy_loss_fusion:
+            loss = fused_vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_start,
+                                                      compiled=self.config.fuse_elementwise)  # [s, b]
+        else:
+            loss = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_start)
         return loss.t()
 
     def _logits(self, x):
