@@ -7,6 +7,7 @@ The order in which wrappers are applied is fixed here and nowhere else:
   4. data parallelism wraps each chunk (gradient buffer and reduction);
   5. the optimizer is built over the wrapped chunks.
 """
+import dataclasses
 import importlib.util
 
 import torch
@@ -20,6 +21,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import LRScheduleConfig, OptimizerConfig, OptimizerParamScheduler, get_megatron_optimizer
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.pipeline_parallel import layout
+from megatron.core.transformer.attention import resolve_attention_backend
 from megatron.core.transformer.config import TransformerConfig
 from megatron.training.config import Config
 
@@ -81,6 +83,18 @@ def transformer_config(config: Config, vocab_size: int) -> TransformerConfig:
         num_layers_at_start_in_bf16=m.num_layers_at_start_in_bf16,
         num_layers_at_end_in_bf16=m.num_layers_at_end_in_bf16,
     )
+
+
+def resolve_attention(model_config: TransformerConfig, config: Config,
+                      groups: ParallelGroups) -> tuple[TransformerConfig, str]:
+    """The attention kernel for this run (probed once on GPU for --attention-backend auto) and the
+    log line naming it."""
+    backend, report = resolve_attention_backend(
+        model_config.attention_backend, batch=config.training.micro_batch_size,
+        heads=model_config.num_attention_heads // groups.tp_size,
+        groups=max(1, model_config.num_query_groups // groups.tp_size), seq=config.training.seq_length,
+        head_dim=model_config.kv_channels, dtype=model_config.params_dtype, device=groups.device)
+    return dataclasses.replace(model_config, attention_backend=backend), report
 
 
 def stage_layer_numbers(config: Config, groups: ParallelGroups) -> list:

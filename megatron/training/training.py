@@ -43,6 +43,7 @@ class Run:
     global_batch_size: int
     num_microbatches: int
     printer: Callable
+    attention_report: str = ""
 
 
 def print_rank_0(message: str) -> None:
@@ -58,6 +59,8 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int) -> Run:
     for note in notes:
         print_rank_0(f"NOTE: {note}")
     model_config = builders.transformer_config(config, vocab_size)
+    model_config, attention_report = builders.resolve_attention(model_config, config, groups)
+    print_rank_0(f"> {attention_report}")
     chunks = builders.build_model_chunks(config, groups, model_config, rng_tracker)
     chunks = builders.wrap_data_parallel(chunks, config, groups)
     optimizer, scheduler = builders.build_optimizer(config, chunks, groups)
@@ -72,7 +75,7 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int) -> Run:
     if groups.dp_rank == 0 and groups.cp_rank == 0:
         print(report, flush=True)
     return Run(config, groups, model_config, chunks, optimizer, scheduler, forward_step_func, global_batch,
-               num_microbatches, print_rank_0)
+               num_microbatches, print_rank_0, attention_report)
 
 
 def _activation_shape(run: Run) -> tuple:

@@ -28,6 +28,7 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from megatron.core.tensor_parallel.random import RNGStatesTracker
+from megatron.core.transformer.attention import document_attention_mask
 from megatron.core.transformer.block import TransformerBlock
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.fp8 import attach_fp8
@@ -101,10 +102,15 @@ class GPTModel(torch.nn.Module):
     # ----------------------------------------------------------------------------------------
     def forward(self, tokens: Optional[torch.Tensor], position_ids: torch.Tensor,
                 labels: Optional[torch.Tensor] = None, hidden_states: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None):
+                attention_mask: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None):
         """tokens/position_ids/labels: [b, s]. Returns the per-token loss [b, s] when labels are
         given on the last stage, logits [s, b, V/tp] on the last stage otherwise, else the hidden
-        states [s, b, h] ([s/tp, b, h] with sequence parallelism) for the next stage."""
+        states [s, b, h] ([s/tp, b, h] with sequence parallelism) for the next stage.
+
+        `document_ids` [b, s] (packed documents, --reset-attention-mask): each token attends only
+        to earlier tokens of its own document; the mask is built once here for all layers."""
+        if document_ids is not None:
+            attention_mask = document_attention_mask(document_ids)
         if self.fp8_scaling is not None:
             self.fp8_scaling.roll()  # one amax-history entry per micro-batch
         if not self.pre_process:
