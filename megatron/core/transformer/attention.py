@@ -88,7 +88,7 @@ class CoreAttention(torch.nn.Module):
             out = out[0] if isinstance(out, tuple) else out  # FA3 also returns the log-sum-exp
             return out.transpose(1, 2)
         mask = {"attn_mask": attention_mask} if attention_mask is not None else {"is_causal": True}
-        with sdpa_kernel(self.kernels) if self.kernels else contextlib.nullcontext():
+        with sdpa_kernel(list(self.kernels)) if self.kernels else contextlib.nullcontext():
             if group > 1 and not self.expand_kv:
                 try:
                     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, enable_gqa=True, **mask)
