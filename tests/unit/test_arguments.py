@@ -126,6 +126,7 @@ def _script_args(script: str, env: dict) -> list:
     ("train_llama3.sh", {"MODEL_SIZE": "8", "FSDP": "1", "NPROC": "8", "ENABLE_PROFILING": "1",
                          "NO_TORCH_COMPILE": "1"}, 8),
     ("train_llama2.sh", {"MODEL_SIZE": "7", "NPROC": "8"}, 8),
+    ("train_llama3.sh", {"MODEL_SIZE": "8", "TE_FP8": "1", "NPROC": "8"}, 8),
     ("train_llama2.sh", {"MODEL_SIZE": "13", "TP": "2", "NPROC": "4"}, 4),
 ])
 def test_example_scripts_pass_valid_flags(script, env, world):
@@ -142,6 +143,7 @@ def test_example_scripts_pass_valid_flags(script, env, world):
     assert config.parallel.use_torch_fsdp2 == (env.get("FSDP") == "1")
     assert config.logging.profile == (env.get("ENABLE_PROFILING") == "1")
     assert config.model.no_torch_compile == (env.get("NO_TORCH_COMPILE") == "1")
+    assert (config.model.fp8 == "hybrid") == (env.get("TE_FP8") == "1")
 
 
 def test_70b_on_one_node_explains_the_default_layout():
