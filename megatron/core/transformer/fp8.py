@@ -21,6 +21,7 @@ Activations are saved for backward in bf16 as in the bf16 path and quantized aga
 Megatron's `blockwise` and `mxfp8` recipes exist only as Transformer Engine kernels and are named
 errors here.
 """
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -28,7 +29,6 @@ from typing import Optional
 import torch
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.fusions import pick
 
 FORMATS = {
     "e4m3": (torch.float8_e4m3fn, torch.float8_e4m3fn),   # (activations and weights, gradients)
@@ -90,6 +90,13 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     """x * scale, saturated to the format's range, cast to `dtype` (scale broadcasts: 0-d or per row)."""
     limit = fp8_max(dtype)
     return (x.float() * scale).clamp(-limit, limit).to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_quantize():
+    """`quantize` as one fused kernel per cast (GPU). Shape-dynamic: one graph serves every linear's
+    operands, instead of one recompilation per shape."""
+    return torch.compile(quantize, dynamic=True)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
@@ -169,7 +176,7 @@ class FP8Linear:
 
     def __init__(self, options: FP8Options, scaling: Optional[DelayedScaling], compiled: bool = False):
         self.options = options
-        self._cast = pick(quantize, compiled)  # one fused kernel per cast on GPU
+        self._cast = compiled_quantize() if compiled else quantize
         self.forward_dtype, self.grad_dtype = FORMATS[options.format]
         self.rowwise = options.recipe == "rowwise"
         self.scaling = scaling if options.recipe == "delayed" else None
