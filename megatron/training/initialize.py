@@ -1,6 +1,7 @@
 """Start-up: torch.distributed, the device, the process groups and the RNG streams."""
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -45,10 +46,10 @@ def limit_compile_threads() -> None:
         return
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     threads = max(1, (os.cpu_count() or 1) // local_ranks)
-    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(threads)
-    import torch._inductor.config as inductor_config
-
-    inductor_config.compile_threads = threads
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(threads)  # read when inductor is first imported
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is not None:  # already imported: set it there too
+        inductor_config.compile_threads = threads
 
 
 def world_size_from_env() -> int:
