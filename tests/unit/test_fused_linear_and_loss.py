@@ -194,3 +194,24 @@ def test_gpt_model_loss_is_the_same_fused_or_not():
     assert results[1][0] == pytest.approx(results[0][0], rel=1e-6)
     for name, grad in results[0][1].items():
         torch.testing.assert_close(results[1][1][name], grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("config_name", ["llama_config", "gpt2_config"])  # untied; tied with biases
+def test_gpt_model_main_grads_are_the_same_with_and_without_fusion(config_name):
+    """Whole model under DDP, 2 micro-batches: --gradient-accumulation-fusion changes no gradient."""
+    from megatron.core.models.gpt import GPTModel
+    from tests.distributed import parity
+
+    tokens = torch.randint(0, 128, (2, 2, 16), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for fusion in (False, True):
+        model = GPTModel(getattr(parity, config_name)(gradient_accumulation_fusion=fusion), single_process())
+        model.initialize_parameters(3)
+        ddp = DistributedDataParallel(model, single_process())
+        ddp.zero_grad_buffer()
+        for micro in tokens:
+            ddp(micro, torch.arange(16).expand_as(micro), labels=micro).mean().backward()
+        ddp.finish_grad_sync()
+        grads.append({name: p.main_grad.clone() for name, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
