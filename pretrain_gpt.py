@@ -47,10 +47,8 @@ def loss_func(loss_mask: torch.Tensor, cp_group, per_token_loss: torch.Tensor):
 def forward_step(data_iterator, model):
     groups = model.groups  # the model chunk's (and its data-parallel wrapper's) parallel layout
     batch = get_batch(data_iterator, groups)
-    attention_mask = batch.get("attention_mask")
-    if attention_mask is not None:
-        attention_mask = attention_mask.unsqueeze(1) if attention_mask.dim() == 3 else attention_mask
-    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], attention_mask=attention_mask)
+    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
+                   document_ids=batch.get("document_ids"))
     return output, partial(loss_func, batch["loss_mask"], groups.cp)
 
 
@@ -73,7 +71,8 @@ def datasets_provider(config: Config, groups, num_samples: tuple, tokenizer=None
         train_data_path=d.train_data_path or None, valid_data_path=d.valid_data_path or None,
         test_data_path=d.test_data_path or None, data_cache_path=d.data_cache_path, mock=d.mock_data,
         vocab_size=vocab_size, eod_token=tokenizer.eod if tokenizer is not None else None,
-        reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
+        reset_position_ids=d.reset_position_ids,
+        reset_attention_mask=d.reset_attention_mask and d.create_attention_mask_in_dataloader,
         eod_mask_loss=d.eod_mask_loss)
     return build_gpt_datasets(dataset_config, num_samples=num_samples, is_builder_rank=groups.global_rank == 0,
                               barrier=comm.barrier)

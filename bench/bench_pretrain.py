@@ -4,11 +4,14 @@
     python bench/bench_pretrain.py --preset llama3.2-1b
     python bench/bench_pretrain.py --preset tiny --device cpu          # smoke run of this script on CPU
     python bench/bench_pretrain.py --preset llama3.2-1b -- --recompute-granularity full ...  (extra flags)
+    python bench/bench_pretrain.py --preset llama3-8b-8layers -- --fp8-format hybrid --fp8-recipe delayed
+    python bench/bench_pretrain.py --preset tiny --device cpu --json out.json   # figures also as JSON
 
 Protocol (DESIGN.md section 5): the median of --steps optimizer steps after --warmup steps, each
 timed with a device synchronize; FLOPs by Megatron's formula; MFU against the dense BF16 peak.
 """
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -50,6 +53,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps first")
     parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per optimizer step")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", help="also write the figures to this JSON file")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     flags = PRESETS[args.preset] + COMMON + extra
@@ -78,16 +82,27 @@ def main() -> None:
     flops = flops_per_iteration(run.model_config, run.global_batch_size, seq)
     tflops = flops / seconds / 1e12 / run.groups.world_size
     tokens = run.global_batch_size * seq / seconds / run.groups.world_size
-    precision = "bf16"
-    print(f"preset: {args.preset} | device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'} | "
-          f"torch {torch.__version__}")
+    precision = "fp8" if "--fp8-format" in flags else "bf16"
+    figures = {
+        "preset": args.preset, "flags": " ".join(extra), "precision": precision,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+        "step_ms": seconds * 1000, "tflops_per_gpu": tflops, "tokens_per_gpu": tokens,
+        "mfu_bf16_peak": 100 * tflops / PEAK_TFLOPS["bf16"], "mfu_fp8_peak": 100 * tflops / PEAK_TFLOPS["fp8"],
+        "peak_memory_gb": utils.peak_memory_bytes(device) / 1e9, "attention": run.attention_report,
+    }
+    print(f"preset: {args.preset} | device: {figures['device']} | torch {torch.__version__} | {precision}")
     print(f"global batch: {run.global_batch_size} x {seq} tokens ({args.micro_batches} micro-batches of {micro})")
+    print(f"{run.attention_report}")
     print(f"median step time (ms): {seconds * 1000:.1f}  (min {min(times) * 1000:.1f}, max {max(times) * 1000:.1f})")
     print(f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}")
     if device.type == "cuda":
-        print(f"MFU ({precision}, peak {PEAK_TFLOPS[precision]:.0f}): {100 * tflops / PEAK_TFLOPS[precision]:.1f}%")
+        print(f"MFU (of the dense BF16 peak {PEAK_TFLOPS['bf16']:.0f}): {figures['mfu_bf16_peak']:.1f}%")
+        if precision == "fp8":
+            print(f"MFU (of the dense FP8 peak {PEAK_TFLOPS['fp8']:.0f}): {figures['mfu_fp8_peak']:.1f}%")
     print(f"tokens per GPU (tokens/s/GPU): {tokens:.0f}")
-    print(f"peak memory (GB): {utils.peak_memory_bytes(device) / 1e9:.2f}")
+    print(f"peak memory (GB): {figures['peak_memory_gb']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1))
 
 
 if __name__ == "__main__":

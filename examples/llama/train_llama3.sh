@@ -17,7 +17,7 @@
 #   RECOMPUTE       1: full activation recomputation of every layer       [0]
 #   FSDP            1: shard with PyTorch FSDP2                           [0]
 #   USE_FLASH_ATTN  1: use the flash-attn package if installed            [0]
-#   TE_FP8          1: FP8 training (not supported yet: the run stops with an error)   [0]
+#   TE_FP8          1: FP8 training (hybrid format, delayed scaling; torch._scaled_mm)   [0]
 #   ENABLE_PROFILING 1: PyTorch-profile one iteration mid-run; Chrome trace in logs/profiles  [0]
 #   NO_TORCH_COMPILE 1: run RMSNorm/RoPE/SwiGLU eagerly (by default torch.compile'd on GPU)  [0]
 #   GEMM_TUNING     accepted; no effect yet.

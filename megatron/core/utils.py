@@ -10,11 +10,16 @@ def divide(numerator: int, denominator: int, what: str = "") -> int:
     return numerator // denominator
 
 
-def default_device(backend: str) -> torch.device:
-    """The device a rank computes on: the local CUDA/ROCm device for nccl, else the CPU."""
-    if backend == "nccl":
+def default_device() -> torch.device:
+    """The device a rank computes on: the local CUDA/ROCm device when there is one, else the CPU.
+    Independent of the communication backend (gloo on a GPU machine still computes on the GPU)."""
+    if accelerator_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def is_accelerator(device: torch.device) -> bool:
+    return device.type != "cpu"
 
 
 def accelerator_available() -> bool:
@@ -59,6 +64,8 @@ def set_rng_state(device: torch.device, state) -> None:
 
 
 def manual_seed(device: torch.device, seed: int) -> None:
+    """Seeds the default generator of `device` only (the CPU's, or the current CUDA device's)."""
     if device.type == "cuda":
         torch.cuda.manual_seed(seed)
-    torch.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)

@@ -15,9 +15,15 @@ from typing import Optional
 
 from megatron.training.config import SECTIONS, Config
 
-# field name -> (flag, argparse action): flags that invert or rename a field.
+# field name -> (flag, argparse action): flags that invert or rename a field. An action of None
+# keeps the field's typed handling under the other name; BooleanOptionalAction gives a switch both
+# spellings (--x / --no-x).
 IRREGULAR_FLAGS = {
     "add_bias_linear": ("--disable-bias-linear", "store_false"),
+    "fp8": ("--fp8-format", None),
+    "gradient_accumulation_fusion": ("--gradient-accumulation-fusion", argparse.BooleanOptionalAction),
+    "cross_entropy_loss_fusion": ("--cross-entropy-loss-fusion", argparse.BooleanOptionalAction),
+    "create_attention_mask_in_dataloader": ("--no-create-attention-mask-in-dataloader", "store_false"),
 }
 
 _MISSING = dataclasses.MISSING
@@ -49,11 +55,12 @@ def _add_field(group, field: dataclasses.Field, annotation, help_text: str) -> N
     has_default = field.default is not _MISSING or field.default_factory is not _MISSING
     default = field.default if field.default is not _MISSING else (
         field.default_factory() if field.default_factory is not _MISSING else None)
+    flag = "--" + name.replace("_", "-")
     if name in IRREGULAR_FLAGS:
         flag, action = IRREGULAR_FLAGS[name]
-        group.add_argument(flag, dest=name, action=action, help=help_text)
-        return
-    flag = "--" + name.replace("_", "-")
+        if action is not None:
+            group.add_argument(flag, dest=name, action=action, default=default, help=help_text)
+            return
     kind = _unwrap_optional(annotation)
     kwargs = dict(dest=name, help=help_text)
     if kind is bool:

@@ -7,6 +7,7 @@ The order in which wrappers are applied is fixed here and nowhere else:
   4. data parallelism wraps each chunk (gradient buffer and reduction);
   5. the optimizer is built over the wrapped chunks.
 """
+import dataclasses
 import importlib.util
 
 import torch
@@ -20,6 +21,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import LRScheduleConfig, OptimizerConfig, OptimizerParamScheduler, get_megatron_optimizer
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.pipeline_parallel import layout
+from megatron.core.transformer.attention import resolve_attention_backend
 from megatron.core.transformer.config import TransformerConfig
 from megatron.training.config import Config
 
@@ -38,11 +40,18 @@ def params_dtype(config: Config) -> torch.dtype:
 
 
 def fuse_elementwise(config: Config) -> bool:
-    """torch.compile the elementwise chains: on GPU (nccl) with Triton present, unless --no-torch-compile."""
-    from megatron.training.initialize import resolve_backend
+    """torch.compile the elementwise chains: on GPU with Triton present, unless --no-torch-compile.
+    (The device follows the hardware, not --distributed-backend.)"""
+    from megatron.core.utils import accelerator_available
 
-    return (not config.model.no_torch_compile and resolve_backend(config) == "nccl"
+    return (not config.model.no_torch_compile and accelerator_available()
             and importlib.util.find_spec("triton") is not None)
+
+
+def attention_backend(config: Config) -> str:
+    """--attention-backend, with --use-flash-attn meaning flash_attn when the backend is left on auto."""
+    m = config.model
+    return "flash_attn" if m.use_flash_attn and m.attention_backend == "auto" else m.attention_backend
 
 
 def transformer_config(config: Config, vocab_size: int) -> TransformerConfig:
@@ -64,10 +73,28 @@ def transformer_config(config: Config, vocab_size: int) -> TransformerConfig:
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std, params_dtype=params_dtype(config),
         sequence_parallel=config.parallel.sequence_parallel,
-        attention_backend="flash_attn" if m.use_flash_attn else "sdpa", fuse_elementwise=fuse_elementwise(config),
+        attention_backend=attention_backend(config), fuse_elementwise=fuse_elementwise(config),
         recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
         recompute_num_layers=t.recompute_num_layers, cp_comm_type=config.parallel.cp_comm_type,
+        gradient_accumulation_fusion=m.gradient_accumulation_fusion and not config.parallel.use_torch_fsdp2,
+        cross_entropy_loss_fusion=m.cross_entropy_loss_fusion,
+        fp8=m.fp8, fp8_recipe=m.fp8_recipe, fp8_margin=m.fp8_margin, fp8_amax_history_len=m.fp8_amax_history_len,
+        fp8_amax_compute_algo=m.fp8_amax_compute_algo, first_last_layers_bf16=m.first_last_layers_bf16,
+        num_layers_at_start_in_bf16=m.num_layers_at_start_in_bf16,
+        num_layers_at_end_in_bf16=m.num_layers_at_end_in_bf16,
     )
+
+
+def resolve_attention(model_config: TransformerConfig, config: Config,
+                      groups: ParallelGroups) -> tuple[TransformerConfig, str]:
+    """The attention kernel for this run (probed once on GPU for --attention-backend auto) and the
+    log line naming it."""
+    backend, report = resolve_attention_backend(
+        model_config.attention_backend, batch=config.training.micro_batch_size,
+        heads=model_config.num_attention_heads // groups.tp_size,
+        groups=max(1, model_config.num_query_groups // groups.tp_size), seq=config.training.seq_length,
+        head_dim=model_config.kv_channels, dtype=model_config.params_dtype, device=groups.device)
+    return dataclasses.replace(model_config, attention_backend=backend), report
 
 
 def stage_layer_numbers(config: Config, groups: ParallelGroups) -> list:

@@ -1,6 +1,7 @@
 """Start-up: torch.distributed, the device, the process groups and the RNG streams."""
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -20,21 +21,36 @@ def initialize_distributed(config: Config) -> tuple[ParallelGroups, RNGStatesTra
     backend = resolve_backend(config)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if backend == "nccl":
-        if not utils.accelerator_available():
-            raise ValueError("--distributed-backend nccl needs a GPU; use --distributed-backend gloo on CPU")
+    if backend == "nccl" and not utils.accelerator_available():
+        raise ValueError("--distributed-backend nccl needs a GPU; use --distributed-backend gloo on CPU")
+    if utils.accelerator_available():  # the device follows the hardware, whatever the backend
         utils.set_accelerator_device(local_rank)
+    limit_compile_threads()
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(
             minutes=config.parallel.distributed_timeout_minutes))
     if backend == "gloo":
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
-    device = utils.default_device(backend)
+    device = utils.default_device()
     groups = initialize_model_parallel(config.parallel.tensor_model_parallel_size,
                                        config.parallel.pipeline_model_parallel_size,
                                        config.parallel.context_parallel_size, device=device)
     tracker = build_tracker(config.training.seed, groups.tp_rank, groups.pp_rank, device)
     return groups, tracker
+
+
+def limit_compile_threads() -> None:
+    """torch.compile's worker pool defaults to every CPU of the node, per process: with N ranks per
+    node compiling at once that is N x the cores. Each rank gets its share instead (unless
+    TORCHINDUCTOR_COMPILE_THREADS is set)."""
+    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
+        return
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    threads = max(1, (os.cpu_count() or 1) // local_ranks)
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(threads)  # read when inductor is first imported
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is not None:  # already imported: set it there too
+        inductor_config.compile_threads = threads
 
 
 def world_size_from_env() -> int:

@@ -58,6 +58,7 @@ class Run:
     vocab_size: int
     checkpointer: Optional[Checkpointer]
     checkpoint_to_load: Optional[tuple]  # (directory, common.json) found by --load
+    attention_report: str = ""
 
 
 def print_rank_0(message: str) -> None:
@@ -77,6 +78,8 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int) -> Run:
         notes += check_architecture(to_load[0], to_load[1]["model"], architecture(model_config, vocab_size))
     for note in notes:
         print_rank_0(f"NOTE: {note}")
+    model_config, attention_report = builders.resolve_attention(model_config, config, groups)
+    print_rank_0(f"> {attention_report}")
     chunks = builders.build_model_chunks(config, groups, model_config, rng_tracker)
     chunks = builders.wrap_data_parallel(chunks, config, groups)
     optimizer, scheduler = builders.build_optimizer(config, chunks, groups)
@@ -94,7 +97,7 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int) -> Run:
     checkpointer = (Checkpointer(config, groups, rng_tracker, print_rank_0)
                     if config.checkpoint.save or to_load is not None else None)
     return Run(config, groups, model_config, chunks, optimizer, scheduler, forward_step_func, global_batch,
-               num_microbatches, print_rank_0, vocab_size, checkpointer, to_load)
+               num_microbatches, print_rank_0, vocab_size, checkpointer, to_load, attention_report)
 
 
 def _find_checkpoint(config: Config) -> tuple[list, Optional[tuple]]:

@@ -86,19 +86,8 @@ def validate(config: Config, world_size: int) -> list:
                                          f"--tensor-model-parallel-size ({tp}) with --sequence-parallel")
     _validate_context_parallel(config)
 
-    if m.transformer_impl == "transformer_engine":
-        if importlib.util.find_spec("transformer_engine") is None:
-            raise ConfigError("--transformer-impl transformer_engine needs the transformer_engine package, which "
-                              "is not installed; install it or use --transformer-impl local")
-        raise ConfigError("--transformer-impl transformer_engine is not supported by this version; "
-                          "use --transformer-impl local (the default)")
-    if (not m.no_torch_compile and (p.distributed_backend or "nccl") == "nccl" and
-            importlib.util.find_spec("triton") is None and _cuda_available()):
-        notes.append("Triton is not installed, so RMSNorm/RoPE/SwiGLU run eagerly (unfused); "
-                      "install triton for the torch.compile'd kernels")
-    if m.use_flash_attn and importlib.util.find_spec("flash_attn") is None:
-        notes.append("--use-flash-attn: the flash-attn package is not installed; using PyTorch SDPA "
-                     "(its flash kernel on GPU)")
+    _validate_kernels(config, notes)
+    _validate_fp8(config)
 
     if config.logging.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("--tensorboard-dir needs the tensorboard package, which is not installed: "
@@ -157,6 +146,68 @@ def _validate_context_parallel(config: Config) -> None:
              f"--reset-attention-mask is not supported with --context-parallel-size {cp}: context parallelism runs "
              "causal attention only (documents in a sample attend across EOD); drop --reset-attention-mask or use "
              "--context-parallel-size 1")
+
+
+def _validate_kernels(config: Config, notes: list) -> None:
+    """Implementation choices: Transformer Engine, attention kernels, fused cross entropy, compile."""
+    m, p, d = config.model, config.parallel, config.data
+    te_installed = importlib.util.find_spec("transformer_engine") is not None
+    if m.transformer_impl == "transformer_engine":
+        why = "its layers are not wired into this version" if te_installed else "it is not installed"
+        notes.append(f"--transformer-impl transformer_engine: Transformer Engine is not used ({why}); running "
+                     "the local implementation (plain PyTorch, FP8 through torch._scaled_mm)")
+    if m.cross_entropy_fusion_impl == "te":
+        notes.append("--cross-entropy-fusion-impl te: running the native fused cross entropy "
+                     "(Transformer Engine's kernel is not used by this version)")
+    if (not m.no_torch_compile and importlib.util.find_spec("triton") is None and _cuda_available()):
+        notes.append("Triton is not installed, so RMSNorm/RoPE/SwiGLU run eagerly (unfused); "
+                      "install triton for the torch.compile'd kernels")
+    if m.use_flash_attn:
+        _require(m.attention_backend in ("auto", "flash", "flash_attn"),
+                 f"--use-flash-attn conflicts with --attention-backend {m.attention_backend}; drop one of them")
+    wants_package = m.use_flash_attn or m.attention_backend == "flash_attn"
+    if wants_package and importlib.util.find_spec("flash_attn") is None:
+        notes.append("--use-flash-attn / --attention-backend flash_attn: the flash-attn package is not installed; "
+                     "using PyTorch SDPA's flash kernel instead")
+    if p.use_torch_fsdp2 and m.gradient_accumulation_fusion:
+        notes.append("--use-torch-fsdp2 keeps no main_grad buffers, so gradient accumulation fusion is off")
+    if d.reset_attention_mask and not d.create_attention_mask_in_dataloader:
+        notes.append("--reset-attention-mask with --no-create-attention-mask-in-dataloader: samples carry no "
+                     "document boundaries, so attention stays causal over the whole sequence (as Megatron-LM)")
+    if d.reset_attention_mask and d.create_attention_mask_in_dataloader and _cuda_available():
+        _require(m.attention_dropout == 0.0,
+                 f"--reset-attention-mask on GPU runs FlexAttention block masks, which have no dropout; "
+                 f"pass --attention-dropout 0 (got {m.attention_dropout})")
+
+
+def _validate_fp8(config: Config) -> None:
+    m, t, p = config.model, config.training, config.parallel
+    if m.fp8 is None:
+        return
+    from megatron.core.transformer.fp8 import check_fp8_options
+
+    try:
+        check_fp8_options(m.fp8, m.fp8_recipe, m.fp8_margin, m.fp8_amax_history_len, m.fp8_amax_compute_algo)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    _require(t.bf16, "--fp8-format needs --bf16 (FP8 GEMMs take bf16 inputs and write bf16 outputs)")
+    _require(not p.use_torch_fsdp2, "--fp8-format with --use-torch-fsdp2 is not supported yet (cached FP8 "
+                                    "weights follow DDP's parameter storage); drop one of them")
+    tp = p.tensor_model_parallel_size
+    kv = m.kv_channels or m.hidden_size // m.num_attention_heads
+    groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    sizes = {"--hidden-size": m.hidden_size, "--ffn-hidden-size / TP": ffn // tp,
+             "attention heads x --kv-channels / TP": m.num_attention_heads * kv // tp,
+             "query groups x --kv-channels": groups * kv,
+             "--micro-batch-size x --seq-length": t.micro_batch_size * t.seq_length}
+    for what, size in sizes.items():
+        _require(size % 16 == 0, f"FP8 GEMMs need matrix sizes divisible by 16: {what} is {size}")
+    if m.first_last_layers_bf16:
+        start, end = m.num_layers_at_start_in_bf16, m.num_layers_at_end_in_bf16
+        _require(start >= 0 and end >= 0 and start + end <= m.num_layers,
+                 f"--num-layers-at-start-in-bf16 ({start}) + --num-layers-at-end-in-bf16 ({end}) must be >= 0 "
+                 f"and at most --num-layers ({m.num_layers})")
 
 
 def _validate_data(config: Config, notes: list) -> None:

@@ -117,7 +117,10 @@ def _fp16_inf_run(use_distributed_optimizer):
             grad.view(-1)[0] = float("inf")
             return grad
 
-        handle = chunk.params[0].register_hook(poison) if inject else None
+        # A norm weight: its gradient comes through autograd (the linears and the embedding
+        # accumulate theirs into main_grad directly, with no gradient tensor to hook).
+        norm_weight = next(p for p in chunk.params if p.ndim == 1)
+        handle = norm_weight.register_hook(poison) if inject else None
         before = [p.detach().clone() for p in model.parameters()]
         scale_before = optimizer.loss_scale()
         _, applied, _ = train_step(chunk, optimizer, groups, my_micro_batches(batches[step], groups, 2))

@@ -139,7 +139,7 @@ def test_torchrun_layout_matches_single_process(single_process_run, layout):
     (["--tensor-model-parallel-size", "2"], "world size (1) is not divisible by tensor (2)"),
     (["--global-batch-size", "7"], "--global-batch-size (7) must be divisible by --micro-batch-size (2)"),
     (["--seq-length", "64"], "--seq-length (64) exceeds --max-position-embeddings (32)"),
-    (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine"),
+    (["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8", "--bf16"], "--fp8-recipe mxfp8 is not available"),
     (["--num-virtual-stages-per-pipeline-rank", "2"], "--pipeline-model-parallel-size"),
 ])
 def test_bad_flags_fail_before_building(flags, message):
@@ -147,6 +147,18 @@ def test_bad_flags_fail_before_building(flags, message):
     assert result.returncode != 0
     assert message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_transformer_engine_flags_run_the_native_fp8_path_with_a_note():
+    """Megatron's FP8 flags as launch scripts pass them (TE_FP8=1): without Transformer Engine the
+    local layers train in FP8 through torch._scaled_mm, after a one-line note."""
+    result = run_pretrain(["--transformer-impl", "transformer_engine", "--bf16", "--fp8-format", "hybrid",
+                           "--fp8-recipe", "delayed", "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo",
+                           "max", "--eval-iters", "0"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "NOTE: --transformer-impl transformer_engine: Transformer Engine is not used" in result.stdout
+    curve = losses(result.stdout)
+    assert len(curve) == 5 and curve[-1] < curve[0]
 
 
 def test_unknown_flag_is_an_error():

@@ -69,7 +69,17 @@ def test_weighted_data_path_is_a_list():
      "--tensor-model-parallel-size (4)"),
     (["--bf16", "--fp16"], 1, "--bf16 and --fp16 are mutually exclusive"),
     (["--group-query-attention", "--num-query-groups", "3"], 1, "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
-    (["--transformer-impl", "transformer_engine"], 1, "--transformer-impl transformer_engine"),
+    (["--fp8-format", "hybrid"], 1, "--fp8-format needs --bf16"),
+    (["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "blockwise"], 1,
+     "--fp8-recipe blockwise is not available without Transformer Engine"),
+    (["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"], 1, "--fp8-recipe mxfp8 is not available"),
+    (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "rowwise"], 1,
+     "--fp8-recipe rowwise takes --fp8-format e4m3"),
+    (["--bf16", "--fp8-format", "e4m3", "--hidden-size", "72", "--num-attention-heads", "4"], 1,
+     "FP8 GEMMs need matrix sizes divisible by 16: --hidden-size is 72"),
+    (["--bf16", "--fp8-format", "e4m3", "--use-torch-fsdp2"], 2, "--fp8-format with --use-torch-fsdp2"),
+    (["--use-flash-attn", "--attention-backend", "math"], 1,
+     "--use-flash-attn conflicts with --attention-backend math"),
     (["--recompute-granularity", "full"], 1, "--recompute-granularity full needs --recompute-method"),
     (["--lr-decay-style", "WSD"], 1, "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
     (["--profile", "--use-pytorch-profiler"], 1, "--profile-step-end (12) exceeds --train-iters (3)"),
@@ -80,6 +90,30 @@ def test_bad_flags_name_the_flag_and_values(flags, world, message):
     with pytest.raises(ConfigError) as error:
         validate(parse_args(MINIMAL + flags), world)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("flags, note", [
+    (["--transformer-impl", "transformer_engine"],
+     "--transformer-impl transformer_engine: Transformer Engine is not used"),
+    (["--cross-entropy-fusion-impl", "te"], "--cross-entropy-fusion-impl te: running the native fused cross entropy"),
+    (["--reset-attention-mask", "--no-create-attention-mask-in-dataloader"],
+     "attention stays causal over the whole sequence"),
+])
+def test_implementation_fallbacks_run_with_a_note(flags, note):
+    notes = validate(parse_args(MINIMAL + flags), 1)
+    assert any(note in n for n in notes), notes
+
+
+def test_fusion_and_fp8_flags_parse_with_megatron_spellings():
+    config = parse_args(MINIMAL)
+    assert config.model.gradient_accumulation_fusion and config.model.cross_entropy_loss_fusion
+    assert config.model.fp8 is None and config.model.attention_backend == "auto"
+    config = parse_args(MINIMAL + ["--no-gradient-accumulation-fusion", "--no-cross-entropy-loss-fusion",
+                                   "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--attention-backend",
+                                   "fused", "--no-create-attention-mask-in-dataloader"])
+    assert not config.model.gradient_accumulation_fusion and not config.model.cross_entropy_loss_fusion
+    assert (config.model.fp8, config.model.fp8_recipe, config.model.attention_backend) == ("hybrid", "tensorwise", "fused")
+    assert config.data.create_attention_mask_in_dataloader is False
 
 
 def test_missing_data_source_is_an_error():
@@ -109,6 +143,7 @@ def _script_args(script: str, env: dict) -> list:
     ("train_llama3.sh", {"MODEL_SIZE": "8", "FSDP": "1", "NPROC": "8", "ENABLE_PROFILING": "1",
                          "NO_TORCH_COMPILE": "1"}, 8),
     ("train_llama2.sh", {"MODEL_SIZE": "7", "NPROC": "8"}, 8),
+    ("train_llama3.sh", {"MODEL_SIZE": "8", "TE_FP8": "1", "NPROC": "8"}, 8),
     ("train_llama2.sh", {"MODEL_SIZE": "13", "TP": "2", "NPROC": "4"}, 4),
     ("train_llama3.sh", {"MODEL_SIZE": "8", "TP": "2", "CP": "2", "SEQ_LENGTH": "32768", "NPROC": "8"}, 8),
 ])
@@ -127,6 +162,7 @@ def test_example_scripts_pass_valid_flags(script, env, world):
     assert config.logging.profile == (env.get("ENABLE_PROFILING") == "1")
     assert config.model.no_torch_compile == (env.get("NO_TORCH_COMPILE") == "1")
     assert config.parallel.context_parallel_size == int(env.get("CP", "1"))
+    assert (config.model.fp8 == "hybrid") == (env.get("TE_FP8") == "1")
 
 
 def test_70b_on_one_node_explains_the_default_layout():

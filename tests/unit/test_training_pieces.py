@@ -107,3 +107,23 @@ def test_weight_decay_skips_norms_and_biases_and_masters_are_fp32():
     assert all(p.ndim == 1 for p in by_decay[0.0])
     assert len(by_decay[0.0]) == sum(1 for p in model.parameters() if p.ndim == 1) > 0
     assert all(p.dtype == torch.float32 for group in optimizer.param_groups for p in group["params"])
+
+
+def test_compile_threads_are_split_between_the_ranks_of_a_node(monkeypatch):
+    """N ranks compiling at once each get 1/N of the node's CPUs; an explicit setting wins."""
+    import os
+
+    import torch._inductor.config as inductor_config
+
+    from megatron.training.initialize import limit_compile_threads
+
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)
+    limit_compile_threads()
+    assert os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "8" and inductor_config.compile_threads == 8
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    limit_compile_threads()
+    assert os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "3"

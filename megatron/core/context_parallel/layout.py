@@ -47,8 +47,8 @@ def slice_batch(batch: dict, cp_size: int, cp_rank: int) -> dict:
     the true positions. Attention masks are not sliced: context parallelism runs causal attention."""
     if cp_size == 1:
         return batch
-    if batch.get("attention_mask") is not None:
-        raise ValueError("context parallelism runs causal attention only; batches with an attention_mask "
+    if batch.get("document_ids") is not None:
+        raise ValueError("context parallelism runs causal attention only; batches with document boundaries "
                          "(--reset-attention-mask) need --context-parallel-size 1")
     return {key: slice_sequence(value, 1, cp_size, cp_rank) for key, value in batch.items()}
 

@@ -50,7 +50,9 @@ class SampleOptions:
 
 
 def get_ltor_masks_and_position_ids(tokens: np.ndarray, options: SampleOptions) -> Dict[str, np.ndarray]:
-    """Loss mask, position ids and (with reset_attention_mask) the causal mask, True where attention is allowed."""
+    """Loss mask, position ids and (with reset_attention_mask) document_ids: the index, within the
+    sample, of the document each token belongs to (an end-of-document token ends its document). The
+    model turns them into document-aware causal attention; no s x s mask is built here."""
     length = tokens.shape[0]
     loss_mask = np.ones(length, dtype=np.float32)
     position_ids = np.arange(length, dtype=np.int64)
@@ -59,10 +61,9 @@ def get_ltor_masks_and_position_ids(tokens: np.ndarray, options: SampleOptions) 
     if options.eod_mask_loss:
         loss_mask[eod_positions] = 0.0
     if options.reset_attention_mask:
-        mask = np.tril(np.ones((length, length), dtype=bool))
-        for position in eod_positions:
-            mask[position + 1:, :position + 1] = False  # tokens after an EOD do not see the previous document
-        result["attention_mask"] = mask[None]  # [1, s, s]
+        document_ids = np.zeros(length, dtype=np.int64)
+        document_ids[eod_positions[eod_positions + 1 < length] + 1] = 1
+        result["document_ids"] = np.cumsum(document_ids)  # tokens after an EOD start the next document
     if options.reset_position_ids:
         start = 0
         for position in eod_positions:

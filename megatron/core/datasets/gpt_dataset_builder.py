@@ -48,7 +48,7 @@ class GPTDatasetConfig:
     reset_position_ids: bool = False
     """Restart position ids after every EOD token."""
     reset_attention_mask: bool = False
-    """Stop attention across EOD tokens; samples then carry a boolean attention_mask [1, s, s]."""
+    """Stop attention across EOD tokens; samples then carry document_ids [s] (each token's document)."""
     eod_mask_loss: bool = False
     """Zero the loss mask at EOD tokens."""
 

@@ -3,7 +3,10 @@
 Every parameter that trains gets `param.main_grad`, a view into a gradient buffer (fp32, or bf16
 with `--grad-reduce-in-bf16`; see `param_and_grad_buffer`). A hook run after autograd accumulates
 `param.grad` adds it to `main_grad` and frees `param.grad`, so micro-batches accumulate straight
-into the buffer whatever the parameter dtype.
+into the buffer whatever the parameter dtype. Layers that fuse the accumulation
+(`--gradient-accumulation-fusion`: the parallel linears and the embedding write into `main_grad`
+themselves and produce no `param.grad`) call the same hook, as `param.main_grad_hook`, once their
+contribution is in, so bucket readiness is recorded for every parameter either way.
 
 The reduction averages over the data-parallel x context-parallel group, by bucket:
 - without `--overlap-grad-reduce`, every bucket is reduced in `finish_grad_sync`, after backward;
@@ -24,6 +27,7 @@ import torch
 from megatron.core.distributed import comm
 from megatron.core.distributed.param_and_grad_buffer import DEFAULT_BUCKET_SIZE, ParamAndGradBuffer
 from megatron.core.parallel_state import ParallelGroups
+from megatron.core.tensor_parallel.layers import all_reduce_partial_replica_grads
 
 
 @dataclass
@@ -86,6 +90,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._sync_enabled = True
         for param in self.params:
             param.register_post_accumulate_grad_hook(self._on_grad_ready)
+            param.main_grad_hook = self._on_grad_ready
         if cfg.overlap_param_gather:
             self._register_param_gather_hooks()
 
@@ -137,8 +142,9 @@ class DistributedDataParallel(torch.nn.Module):
 
     # -- internals ---------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        param.main_grad.add_(param.grad)
-        param.grad = None
+        if param.grad is not None:  # None when the layer accumulated into main_grad itself
+            param.main_grad.add_(param.grad)
+            param.grad = None
         if self.ddp_config.overlap_grad_reduce and self._sync_enabled:
             self._param_to_buffer[param].mark_ready(param)
 
@@ -158,7 +164,8 @@ class DistributedDataParallel(torch.nn.Module):
 
 def finalize_model_grads(model_chunks: list, groups: ParallelGroups) -> None:
     """After the last backward of a step: data-parallel reduction, then the tensor-parallel sums of
-    partial replica gradients (sequence-parallel norms, replicated key/value heads), then the tied
+    partial replica gradients (sequence-parallel norms, replicated key/value heads; one flattened
+    all-reduce for all of them), then the tied
     embedding copies across the first and last pipeline stages.
 
     All three are sums, so their order does not change the result. With the distributed optimizer
@@ -168,10 +175,9 @@ def finalize_model_grads(model_chunks: list, groups: ParallelGroups) -> None:
     for chunk in model_chunks:
         chunk.finish_grad_sync()
     if groups.tp_size > 1:
-        for chunk in model_chunks:
-            for param in chunk.module.parameters():
-                if param.requires_grad and hasattr(param, "main_grad"):
-                    param.tp_layout.sum_partial_replica_grads(param.main_grad, groups.tp)
+        all_reduce_partial_replica_grads(
+            [(param.tp_layout, param.main_grad) for chunk in model_chunks for param in chunk.module.parameters()
+             if param.requires_grad and hasattr(param, "main_grad")], groups.tp)
     _sync_tied_embeddings(model_chunks, groups)
 
 

@@ -89,7 +89,13 @@ class MixedPrecisionOptimizer:
         return 1.0 if self.grad_scaler is None else self.grad_scaler.scale.item()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss if self.grad_scaler is None else loss * self.grad_scaler.scale.to(loss.device)
+        """loss x the fp16 loss scale. The scale moves to the loss's device once and stays there
+        (the dynamic scaler's updates keep it there), so no micro-batch copies it."""
+        if self.grad_scaler is None:
+            return loss
+        if self.grad_scaler.scale.device != loss.device:
+            self.grad_scaler.scale = self.grad_scaler.scale.to(loss.device)
+        return loss * self.grad_scaler.scale
 
     def grads(self) -> list:
         return [p.main_grad for p in self.model_params]

@@ -9,6 +9,14 @@ the full ("logical") tensors of the unsharded model. That one description serves
 - counting replicated parameters once in the global gradient norm;
 - summing gradients of replicas that each saw only part of the work (sequence-parallel norms,
   key/value heads replicated when TP exceeds the number of query groups).
+
+The column- and row-parallel linears (and the output layer) run one autograd Function,
+`linear_with_grad_accumulation`, which also owns the tensor-parallel communication of its input and
+input gradient, so it can (a) save only the local sequence shard under sequence parallelism and
+re-gather it in backward, (b) overlap that gather and the input-gradient reduction with the GEMMs,
+and (c) accumulate the weight gradient straight into the fp32 `main_grad` buffer that data
+parallelism attaches (`--gradient-accumulation-fusion`, Megatron's default), instead of producing a
+`param.grad` in the parameter's dtype that a hook then adds to `main_grad`.
 """
 import hashlib
 import math
@@ -20,8 +28,6 @@ import torch.nn.functional as F
 
 from megatron.core.distributed import comm
 from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -102,22 +108,39 @@ class TPLayout:
 
     def sum_partial_replica_grads(self, grad: torch.Tensor, group) -> None:
         """In place: sums, over the ranks replicating each slice, the parts marked sum_replica_grads."""
-        for part, offset, length in self.local_offsets():
-            if not part.sum_replica_grads or self.replicas(part) == 1:
+        all_reduce_partial_replica_grads([(self, grad)], group)
+
+
+def all_reduce_partial_replica_grads(layouts_and_grads: list, group) -> None:
+    """`TPLayout.sum_partial_replica_grads` for many (layout, grad) pairs with one all-reduce per
+    gradient dtype instead of one per part (sequence-parallel norms and biases, replicated key/value
+    heads). A part replicated on every rank is summed as is; a part whose slices are each replicated
+    on a subset of ranks is placed in a zeroed full-size tensor at its slice's offset, so one sum over
+    the whole group adds exactly the replicas of each slice."""
+    pieces = []  # (local view, payload summed over the group, (dim, start, length) within the payload or None)
+    for layout, grad in layouts_and_grads:
+        for part, offset, length in layout.local_offsets():
+            if not part.sum_replica_grads or layout.replicas(part) == 1:
                 continue
-            local = grad.narrow(self.dim, offset, length)
+            local = grad.narrow(layout.dim, offset, length)
             if part.num_shards == 1:
-                reduced = local.contiguous()
-                comm.all_reduce(reduced, group)
-            else:
-                start, _ = self.local_range(part)
-                shape = list(local.shape)
-                shape[self.dim] = part.full_size
-                slots = local.new_zeros(shape)
-                slots.narrow(self.dim, start, length).copy_(local)
-                comm.all_reduce(slots, group)
-                reduced = slots.narrow(self.dim, start, length)
-            local.copy_(reduced)
+                pieces.append((local, local, None))
+                continue
+            start, _ = layout.local_range(part)
+            shape = list(local.shape)
+            shape[layout.dim] = part.full_size
+            slots = local.new_zeros(shape)
+            slots.narrow(layout.dim, start, length).copy_(local)
+            pieces.append((local, slots, (layout.dim, start, length)))
+    for dtype in dict.fromkeys(local.dtype for local, _, _ in pieces):
+        same = [piece for piece in pieces if piece[0].dtype == dtype]
+        flat = torch.cat([payload.reshape(-1) for _, payload, _ in same])
+        comm.all_reduce(flat, group)
+        offset = 0
+        for local, payload, where in same:
+            reduced = flat[offset:offset + payload.numel()].view(payload.shape)
+            offset += payload.numel()
+            local.copy_(reduced if where is None else reduced.narrow(*where))
 
 
 def replicated_layout(shape, tp_size: int, tp_rank: int, sum_replica_grads: bool = False) -> TPLayout:
@@ -174,6 +197,135 @@ def initialize_param(param: torch.nn.Parameter, name: str, seed: int, std: float
     param.copy_(layout.full_to_local(full))
 
 
+# -- the one linear Function ---------------------------------------------------------------------
+GATHER_INPUT = "gather_input"          # sequence parallel: all-gather dim 0 in, reduce-scatter the input grad
+ALL_REDUCE_INPUT_GRAD = "all_reduce"   # replicated input: all-reduce the input grad
+
+
+def main_grad_ready(param: torch.nn.Parameter) -> None:
+    """Tells whoever owns `param.main_grad` (data parallelism's `main_grad_hook`) that this backward's
+    contribution is in, as autograd's post-accumulate hook would have for a `param.grad`."""
+    hook = getattr(param, "main_grad_hook", None)
+    if hook is not None:
+        hook(param)
+
+
+_MIXED_ADDMM = {}
+
+
+def _mixed_dtype_addmm_works(device: torch.device) -> bool:
+    """Whether `torch.addmm(..., out_dtype=fp32)` runs bf16/fp16 GEMMs into an fp32 output on this
+    device type (cuBLAS does; the CPU build has no such kernel). Probed once per device type."""
+    if device.type not in _MIXED_ADDMM:
+        try:
+            out = torch.zeros(2, 2, device=device)
+            half = torch.ones(2, 2, device=device, dtype=torch.bfloat16)
+            torch.addmm(out, half, half, out_dtype=torch.float32, out=out)
+            _MIXED_ADDMM[device.type] = bool(torch.all(out == 2))
+        except (RuntimeError, NotImplementedError, TypeError):
+            _MIXED_ADDMM[device.type] = False
+    return _MIXED_ADDMM[device.type]
+
+
+def accumulate_matmul_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out += a @ b without a separate product tensor where the device allows: one GEMM with
+    beta = 1, into an fp32 `out` even when a and b are bf16 (on GPU). Elsewhere the product is formed
+    in a's dtype and added (the same arithmetic as autograd's gradient plus a hook's add)."""
+    if out.dtype == a.dtype:
+        out.addmm_(a, b)
+    elif _mixed_dtype_addmm_works(out.device):
+        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    else:
+        out.add_(a @ b)
+
+
+class _LinearFunction(torch.autograd.Function):
+    """y = x W^T + b with the tensor-parallel communication of x and of its gradient.
+
+    input_comm GATHER_INPUT: x is this rank's sequence shard [s/tp, b, in]; forward all-gathers it;
+    backward re-gathers it (asynchronously, under the input-gradient GEMM) for the weight gradient and
+    reduce-scatters the input gradient (asynchronously, under the weight-gradient GEMM).
+    ALL_REDUCE_INPUT_GRAD: x is replicated; the input gradient is all-reduced under the weight GEMM.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, input_comm, fuse_wgrad, notify, fp8):
+        total = x
+        if input_comm == GATHER_INPUT:
+            total = x.new_empty((comm.size(group) * x.shape[0], *x.shape[1:]))
+            comm.all_gather_into_tensor(total, x, group)
+        if fp8 is not None:
+            y = fp8.forward(total, weight)
+            y = y + bias if bias is not None else y
+        else:
+            y = F.linear(total, weight, bias)
+        ctx.save_for_backward(x, weight)  # x: the local shard under sequence parallelism
+        ctx.group, ctx.input_comm, ctx.fp8 = group, input_comm, fp8
+        ctx.fuse_wgrad, ctx.notify, ctx.has_bias = fuse_wgrad, notify, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        group, fp8 = ctx.group, ctx.fp8
+        total, gather = x, None
+        if ctx.input_comm == GATHER_INPUT and ctx.needs_input_grad[1]:
+            total = x.new_empty((comm.size(group) * x.shape[0], *x.shape[1:]))
+            gather = comm.all_gather_into_tensor(total, x, group, async_op=True)
+        grad_input, reduction = None, None
+        if ctx.needs_input_grad[0]:
+            grad_input = fp8.dgrad(grad, weight) if fp8 is not None else grad.matmul(weight)
+        if gather is not None:
+            gather.wait()
+        if grad_input is not None and ctx.input_comm == GATHER_INPUT:
+            shard = grad_input.new_empty((grad_input.shape[0] // comm.size(group), *grad_input.shape[1:]))
+            reduction = comm.reduce_scatter_tensor(shard, grad_input, group, async_op=True)
+            grad_input = shard
+        elif grad_input is not None and ctx.input_comm == ALL_REDUCE_INPUT_GRAD:
+            reduction = comm.all_reduce(grad_input, group, async_op=True)
+        grad2d = grad.reshape(-1, grad.shape[-1])
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = _weight_gradient(ctx, grad2d, total.reshape(-1, total.shape[-1]), weight)
+        grad_bias = grad2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if reduction is not None:
+            reduction.wait()
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _weight_gradient(ctx, grad2d, input2d, weight):
+    """dW = grad^T x, accumulated into `weight.main_grad` (returning None) when fused."""
+    fp8 = ctx.fp8
+    if not ctx.fuse_wgrad:
+        return fp8.wgrad(grad2d, input2d) if fp8 is not None else grad2d.t().matmul(input2d)
+    if fp8 is not None:
+        weight.main_grad.add_(fp8.wgrad(grad2d, input2d))
+    else:
+        accumulate_matmul_(weight.main_grad, grad2d.t(), input2d)
+    if ctx.notify:
+        main_grad_ready(weight)
+    return None
+
+
+def fuses_grad_accumulation(weight: torch.nn.Parameter, enabled: bool) -> bool:
+    """Fusion applies where data parallelism gave the weight an fp32 `main_grad` buffer (not under
+    FSDP2, not for a bare module) and a backward will run."""
+    return enabled and torch.is_grad_enabled() and weight.requires_grad and hasattr(weight, "main_grad")
+
+
+def linear_with_grad_accumulation(x, weight, bias=None, *, group=None, input_comm=None,
+                                  gradient_accumulation_fusion: bool = True, notify: bool = True, fp8=None):
+    """The linear layer every parallel linear calls (see `_LinearFunction`).
+
+    `notify=False` leaves the "gradient ready" signal to another use of the same weight later in
+    backward (the tied output layer before the embedding). `fp8`: an FP8 GEMM recipe
+    (`transformer.fp8`) or None."""
+    if comm.size(group) == 1:
+        input_comm = None
+    fuse = fuses_grad_accumulation(weight, gradient_accumulation_fusion)
+    return _LinearFunction.apply(x, weight, bias, group, input_comm, fuse, notify, fp8)
+
+
 class ColumnParallelLinear(torch.nn.Module):
     """Y = X A^T + b with A split by rows (output features) over the tensor-parallel group.
 
@@ -185,11 +337,13 @@ class ColumnParallelLinear(torch.nn.Module):
     def __init__(self, input_size: int, output_size: Optional[int], *, tp_group, tp_size: int, tp_rank: int,
                  bias: bool, sequence_parallel: bool = False, gather_output: bool = False,
                  parts: Optional[tuple] = None, params_dtype=torch.float32, device=None,
-                 init: str = "normal"):
+                 init: str = "normal", gradient_accumulation_fusion: bool = True):
         super().__init__()
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel and tp_size > 1
         self.gather_output = gather_output
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.fp8 = None  # an FP8 GEMM recipe, attached by the model for FP8 layers
         if parts is None:
             divide(output_size, tp_size, "output features of a column-parallel linear by --tensor-model-parallel-size")
             parts = (Part("", output_size, tp_size),)
@@ -204,11 +358,10 @@ class ColumnParallelLinear(torch.nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.tp_group)
-        else:
-            x = copy_to_tensor_parallel_region(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)
+        y = linear_with_grad_accumulation(
+            x, self.weight, self.bias, group=self.tp_group,
+            input_comm=GATHER_INPUT if self.sequence_parallel else ALL_REDUCE_INPUT_GRAD,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion, fp8=self.fp8)
         return gather_from_tensor_parallel_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -221,11 +374,14 @@ class RowParallelLinear(torch.nn.Module):
 
     def __init__(self, input_size: int, output_size: int, *, tp_group, tp_size: int, tp_rank: int,
                  bias: bool, sequence_parallel: bool = False, input_is_parallel: bool = True,
-                 params_dtype=torch.float32, device=None, init: str = "scaled_normal"):
+                 params_dtype=torch.float32, device=None, init: str = "scaled_normal",
+                 gradient_accumulation_fusion: bool = True):
         super().__init__()
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel and tp_size > 1
         self.input_is_parallel = input_is_parallel
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.fp8 = None  # an FP8 GEMM recipe, attached by the model for FP8 layers
         layout = split_layout(1, input_size, tp_size, tp_rank, "input features of a row-parallel linear")
         local_in = input_size // tp_size
         self.weight = torch.nn.Parameter(torch.empty(output_size, local_in, dtype=params_dtype, device=device))
@@ -239,7 +395,9 @@ class RowParallelLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group)
-        y = F.linear(x, self.weight)
+        y = linear_with_grad_accumulation(x, self.weight, group=self.tp_group,
+                                          gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+                                          fp8=self.fp8)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:
@@ -256,9 +414,11 @@ class VocabParallelEmbedding(torch.nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group, tp_size: int, tp_rank: int,
-                 sequence_parallel: bool = False, params_dtype=torch.float32, device=None):
+                 sequence_parallel: bool = False, params_dtype=torch.float32, device=None,
+                 gradient_accumulation_fusion: bool = True):
         super().__init__()
         self.tp_group = tp_group
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.sequence_parallel = sequence_parallel and tp_size > 1
         layout = split_layout(0, num_embeddings, tp_size, tp_rank, "padded vocabulary size")
         self.vocab_start, local_rows = layout.local_range(layout.parts[0])
@@ -269,12 +429,40 @@ class VocabParallelEmbedding(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         tokens = tokens.t()  # [s, b]: sequence-first from here on
+        outside = None
+        local_ids = tokens
         if self.tp_size > 1:
             outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
             local_ids = (tokens - self.vocab_start).masked_fill(outside, 0)
-            out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if fuses_grad_accumulation(self.weight, self.gradient_accumulation_fusion):
+            out = _EmbeddingFunction.apply(local_ids, outside, self.weight)
         else:
-            out = F.embedding(tokens, self.weight)
+            out = F.embedding(local_ids, self.weight)
+            out = out.masked_fill(outside.unsqueeze(-1), 0.0) if outside is not None else out
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
         return reduce_from_tensor_parallel_region(out, self.tp_group)
+
+
+class _EmbeddingFunction(torch.autograd.Function):
+    """Embedding lookup whose backward adds the rows' gradients straight into `weight.main_grad`
+    (`index_add_` over the s*b looked-up rows) instead of building a dense [V/tp, h] gradient."""
+
+    @staticmethod
+    def forward(ctx, local_ids, outside, weight):
+        out = F.embedding(local_ids, weight)
+        if outside is not None:
+            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        ctx.save_for_backward(local_ids, outside)
+        ctx.weight = weight
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        local_ids, outside = ctx.saved_tensors
+        if outside is not None:
+            grad = grad.masked_fill(outside.unsqueeze(-1), 0.0)
+        main_grad = ctx.weight.main_grad
+        main_grad.index_add_(0, local_ids.reshape(-1), grad.reshape(-1, grad.shape[-1]).to(main_grad.dtype))
+        main_grad_ready(ctx.weight)
+        return None, None, None

@@ -52,7 +52,10 @@ def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int) -> tuple[int, int
 
 
 def build_tracker(seed: int, tp_rank: int, pp_rank: int, device: torch.device) -> RNGStatesTracker:
+    """Seeds the default generators (the CPU's and `device`'s) alike on every TP rank and adds the
+    per-rank model-parallel stream, which seeds only `device`'s generator and restores it."""
     default, tensor_parallel = model_parallel_seed(seed, tp_rank, pp_rank)
+    utils.manual_seed(torch.device("cpu"), default)
     utils.manual_seed(device, default)
     tracker = RNGStatesTracker(device)
     tracker.add(MODEL_PARALLEL_RNG, tensor_parallel)

@@ -5,12 +5,16 @@ the key/value groups they read. When TP exceeds the number of query groups, each
 projection is replicated on the tp/groups ranks that use it (their gradients are summed after
 backward, see `TPLayout.sum_partial_replica_grads`).
 """
+import contextlib
 import importlib.util
 import logging
+import time
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from megatron.core import utils
 from megatron.core.context_parallel import ContextParallelAttention
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, Part, RowParallelLinear
 from megatron.core.tensor_parallel.random import RNGStatesTracker
@@ -20,23 +24,53 @@ logger = logging.getLogger(__name__)
 
 _SDPA_HAS_GQA = "enable_gqa" in F.scaled_dot_product_attention.__doc__
 
+# --attention-backend values -> the SDPA kernels each may run, in PyTorch's order of preference.
+# Megatron's names: flash, fused (cuDNN, else memory-efficient), unfused and local (math).
+SDPA_KERNELS = {
+    "flash": (SDPBackend.FLASH_ATTENTION,),
+    "fused": (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION),
+    "unfused": (SDPBackend.MATH,),
+    "local": (SDPBackend.MATH,),
+    "cudnn": (SDPBackend.CUDNN_ATTENTION,),
+    "efficient": (SDPBackend.EFFICIENT_ATTENTION,),
+    "math": (SDPBackend.MATH,),
+}
+ATTENTION_BACKENDS = ("auto", *SDPA_KERNELS, "flash_attn")
+PROBED = ("cudnn", "flash", "efficient")  # what --attention-backend auto times on GPU
+
 
 def flash_attn_available() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    return flash_attn_module() is not None
+
+
+def flash_attn_module():
+    """The flash-attn package's module: the Hopper FA3 build when installed, else FA2, else None."""
+    for name in ("flash_attn_interface", "flash_attn"):
+        if importlib.util.find_spec(name) is not None:
+            return importlib.import_module(name)
+    return None
 
 
 class CoreAttention(torch.nn.Module):
-    """softmax(q k^T / sqrt(d) + causal mask) v over local heads.
+    """softmax(q k^T / sqrt(d) + mask) v over local heads.
 
-    q: [b, nq, s, d], k/v: [b, nkv, s, d] -> [b, nq, s, d]. The module boundary is what selective
+    q: [b, nq, s, d], k/v: [b, nkv, s, d] -> [b, nq, s, d]. The mask is causal unless
+    `attention_mask` says otherwise: a FlexAttention `BlockMask` (document-aware attention on GPU)
+    or a dense bool [b, 1, s, s] (True = may attend). The module boundary is what selective
     recomputation re-runs, and what context parallelism replaces with ring attention.
     """
 
     def __init__(self, config, rng_tracker):
         super().__init__()
+        if config.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {config.attention_backend!r}")
         self.dropout = config.attention_dropout
         self.rng_tracker = rng_tracker
-        self.use_flash_attn_package = config.attention_backend == "flash_attn" and flash_attn_available()
+        self.flash_attn = flash_attn_module() if config.attention_backend == "flash_attn" else None
+        backend = "flash" if config.attention_backend == "flash_attn" else config.attention_backend
+        self.kernels = SDPA_KERNELS.get(backend)  # None: PyTorch chooses (auto, unresolved)
+        self.expand_kv = not _SDPA_HAS_GQA  # set when the chosen kernel rejects grouped k/v
 
     def forward(self, q, k, v, attention_mask=None):
         dropout = self.dropout if self.training else 0.0
@@ -46,19 +80,114 @@ class CoreAttention(torch.nn.Module):
         return self._attend(q, k, v, attention_mask, dropout)
 
     def _attend(self, q, k, v, attention_mask, dropout):
-        if self.use_flash_attn_package and attention_mask is None:
-            from flash_attn import flash_attn_func
-
-            out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                  dropout_p=dropout, causal=True)
-            return out.transpose(1, 2)
         group = q.shape[1] // k.shape[1]
-        if group > 1 and not _SDPA_HAS_GQA:
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        extra = {"enable_gqa": True} if group > 1 and _SDPA_HAS_GQA else {}
-        if attention_mask is not None:  # [b, 1, s, s] bool, True = may attend
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout, **extra)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, **extra)
+        if is_block_mask(attention_mask):
+            return flex_attention_fn(q.device)(q, k, v, block_mask=attention_mask, enable_gqa=group > 1)
+        if self.flash_attn is not None and attention_mask is None:
+            out = self.flash_attn.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  causal=True, **({"dropout_p": dropout} if dropout else {}))
+            out = out[0] if isinstance(out, tuple) else out  # FA3 also returns the log-sum-exp
+            return out.transpose(1, 2)
+        mask = {"attn_mask": attention_mask} if attention_mask is not None else {"is_causal": True}
+        with sdpa_kernel(list(self.kernels)) if self.kernels else contextlib.nullcontext():
+            if group > 1 and not self.expand_kv:
+                try:
+                    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, enable_gqa=True, **mask)
+                except RuntimeError:  # this kernel takes no grouped k/v: expand them from now on
+                    self.expand_kv = True
+            if group > 1:
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, **mask)
+
+
+# -- document-aware attention (--reset-attention-mask) ---------------------------------------------
+def is_block_mask(mask) -> bool:
+    return mask is not None and type(mask).__name__ == "BlockMask"
+
+
+def flex_attention_fn(device):
+    """FlexAttention, compiled on an accelerator (its Triton kernel), eager elsewhere."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return pick(flex_attention, utils.is_accelerator(device))
+
+
+def document_attention_mask(document_ids: torch.Tensor):
+    """The causal mask restricted to each token's own document, from document_ids [b, s] (the
+    index of the document each token belongs to). On an accelerator a FlexAttention `BlockMask`
+    (block-sparse: no s x s tensor, fully masked blocks are skipped); on the CPU the exact dense
+    bool mask [b, 1, s, s]."""
+    b, s = document_ids.shape
+    if not utils.is_accelerator(document_ids.device):
+        causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
+        same_document = document_ids.unsqueeze(-1) == document_ids.unsqueeze(-2)  # [b, s, s]
+        return (same_document & causal).unsqueeze(1)
+    return document_block_mask(document_ids)
+
+
+def document_block_mask(document_ids: torch.Tensor):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, s = document_ids.shape
+
+    def causal_same_document(batch, head, q_index, kv_index):
+        return (q_index >= kv_index) & (document_ids[batch, q_index] == document_ids[batch, kv_index])
+
+    return create_block_mask(causal_same_document, B=b, H=None, Q_LEN=s, KV_LEN=s, device=document_ids.device,
+                             _compile=utils.is_accelerator(document_ids.device))
+
+
+# -- choosing the kernel once at start-up ---------------------------------------------------------
+def resolve_attention_backend(requested: str, *, batch: int, heads: int, groups: int, seq: int, head_dim: int,
+                              dtype: torch.dtype, device: torch.device) -> tuple[str, str]:
+    """(backend to build the model with, one line saying which kernel runs).
+
+    `auto` on an accelerator times each SDPA kernel (and the flash-attn package when installed) on
+    one micro-batch's attention shape, forward and backward, and takes the fastest that runs; on the
+    CPU it leaves the choice to PyTorch. Explicit choices run as asked."""
+    if requested == "flash_attn":
+        module = flash_attn_module()
+        if module is None:
+            return "flash", "attention: flash-attn not installed; SDPA FLASH_ATTENTION"
+        return "flash_attn", f"attention: flash-attn package ({module.__name__})"
+    if requested != "auto":
+        kernels = ", ".join(k.name for k in SDPA_KERNELS[requested])
+        return requested, f"attention: --attention-backend {requested} -> SDPA {kernels}"
+    if not utils.is_accelerator(device):
+        return "auto", "attention: SDPA, kernel chosen by PyTorch (CPU)"
+    candidates = (("flash_attn",) if flash_attn_available() else ()) + PROBED
+    timings = {}
+    for name in candidates:
+        seconds = _time_backend(name, batch, heads, groups, seq, head_dim, dtype, device)
+        if seconds is not None:
+            timings[name] = seconds
+    if not timings:
+        return "auto", "attention: no kernel passed the probe; SDPA, kernel chosen by PyTorch"
+    best = min(timings, key=timings.get)
+    probed = ", ".join(f"{name} {ms * 1e3:.2f} ms" for name, ms in timings.items())
+    return best, f"attention: auto -> {best} (fwd+bwd probed on [{batch}, {heads}, {seq}, {head_dim}]: {probed})"
+
+
+def _time_backend(name, batch, heads, groups, seq, head_dim, dtype, device, repeats: int = 3):
+    """Seconds per forward+backward of `name` on that shape, or None if it cannot run it."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(attention_backend=name, attention_dropout=0.0)
+    attention = CoreAttention(config, None)
+    q = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(batch, groups, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    try:
+        attention(q, k, v).sum().backward()  # warm-up (and the check that it runs)
+        utils.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            attention(q, k, v).sum().backward()
+        utils.synchronize(device)
+    except RuntimeError as error:
+        logger.info("attention probe: %s cannot run this shape (%s)", name, str(error).splitlines()[0])
+        return None
+    return (time.perf_counter() - start) / repeats
 
 
 class SelfAttention(torch.nn.Module):
@@ -77,7 +206,8 @@ class SelfAttention(torch.nn.Module):
             Part("v", config.kv_projection_size, kv_shards, sum_replica_grads=True),
         )
         common = dict(tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank,
-                      sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype, device=device)
+                      sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype, device=device,
+                      gradient_accumulation_fusion=config.gradient_accumulation_fusion)
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, None, parts=parts,
                                                bias=config.add_bias_linear or config.add_qkv_bias, **common)
         if cp_group is None:

@@ -37,12 +37,22 @@ class TransformerConfig:
     init_method_std: float = 0.02
     params_dtype: torch.dtype = torch.float32
     sequence_parallel: bool = False
-    attention_backend: str = "sdpa"              # "sdpa" or "flash_attn"
+    attention_backend: str = "auto"              # see attention.ATTENTION_BACKENDS
     fuse_elementwise: bool = False               # torch.compile RMSNorm, RoPE and SwiGLU (fusions.py)
     recompute_granularity: Optional[str] = None  # None, "full" or "selective"
     recompute_method: Optional[str] = None       # "uniform" or "block" (with full)
     recompute_num_layers: Optional[int] = None
     cp_comm_type: str = "p2p"                    # context parallelism: "p2p", "all_gather" or "a2a"
+    gradient_accumulation_fusion: bool = True    # linears/embedding accumulate weight grads into main_grad
+    cross_entropy_loss_fusion: bool = True       # chunked fused cross entropy (tensor_parallel.cross_entropy)
+    fp8: Optional[str] = None                    # None, "e4m3" or "hybrid" (see transformer.fp8)
+    fp8_recipe: str = "delayed"                  # "delayed", "tensorwise" or "rowwise"
+    fp8_margin: int = 0
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"   # or "max"
+    first_last_layers_bf16: bool = False         # keep the first/last layers below out of FP8
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:

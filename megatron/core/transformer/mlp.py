@@ -23,7 +23,8 @@ class MLP(torch.nn.Module):
         ffn = config.ffn_hidden_size
         parts = (Part("gate", ffn, tp_size), Part("up", ffn, tp_size)) if self.gated else None
         common = dict(tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank, bias=config.add_bias_linear,
-                      sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype, device=device)
+                      sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype, device=device,
+                      gradient_accumulation_fusion=config.gradient_accumulation_fusion)
         self.linear_fc1 = ColumnParallelLinear(config.hidden_size, ffn, parts=parts, **common)
         self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, **common)
 

@@ -38,3 +38,5 @@ class DataConfig:
     """merges.txt of a GPT-2 BPE tokenizer."""
     vocab_size: Optional[int] = None
     """NullTokenizer vocabulary: ids 0..N-1, plus the end-of-document token N (as Megatron-LM)."""
+    create_attention_mask_in_dataloader: bool = True
+    """With --reset-attention-mask, samples carry each token's document index for document-aware attention (never an s x s mask); --no-create-attention-mask-in-dataloader drops it, so attention stays causal over the whole sequence (as Megatron-LM)."""

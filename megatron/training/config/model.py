@@ -59,3 +59,28 @@ class ModelConfig:
     """Layer implementation: local (plain PyTorch) or transformer_engine."""
     no_torch_compile: bool = False
     """Run RMSNorm, RoPE and SwiGLU eagerly. By default they are torch.compile'd into fused kernels on GPU (never on CPU)."""
+    attention_backend: Literal["auto", "flash", "fused", "unfused", "local", "cudnn", "efficient", "math",
+                               "flash_attn"] = "auto"
+    """Attention kernel. auto: probed once at start-up on GPU (the fastest that runs; the log names it). Megatron's flash / fused / unfused|local map to SDPA's flash / cuDNN (then memory-efficient) / math kernels; cudnn, efficient, math pick one SDPA kernel; flash_attn the flash-attn package (FA3 on Hopper when installed)."""
+    gradient_accumulation_fusion: bool = True
+    """Accumulate linear and embedding weight gradients straight into the fp32 main_grad buffers (no param.grad); off with --no-gradient-accumulation-fusion. Not with --use-torch-fsdp2 (no main_grad there)."""
+    cross_entropy_loss_fusion: bool = True
+    """Chunked fused cross entropy: no fp32 copy of the logits, gradient written in place; off with --no-cross-entropy-loss-fusion."""
+    cross_entropy_fusion_impl: Literal["native", "te"] = "native"
+    """Fused cross entropy implementation: native; te runs the native one too (with a note)."""
+    fp8: Optional[Literal["e4m3", "hybrid"]] = None
+    """Train the transformer layers' linears in FP8 (torch._scaled_mm): e4m3 everywhere, or hybrid (E5M2 gradients)."""
+    fp8_recipe: Literal["delayed", "tensorwise", "rowwise", "blockwise", "mxfp8", "custom"] = "delayed"
+    """FP8 scaling: delayed (amax history), tensorwise (current amax), rowwise (per-row scales, e4m3). blockwise, mxfp8 and custom need Transformer Engine and are errors here."""
+    fp8_margin: int = 0
+    """FP8 scales are divided by 2^margin."""
+    fp8_amax_history_len: int = 1
+    """Micro-batches of amax history kept by the delayed recipe."""
+    fp8_amax_compute_algo: Literal["most_recent", "max"] = "most_recent"
+    """How the delayed recipe reduces the amax history: most_recent or max."""
+    first_last_layers_bf16: bool = False
+    """With FP8: keep the first --num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 layers in bf16."""
+    num_layers_at_start_in_bf16: int = 1
+    """Layers at the start kept in bf16 with --first-last-layers-bf16."""
+    num_layers_at_end_in_bf16: int = 1
+    """Layers at the end kept in bf16 with --first-last-layers-bf16."""

@@ -230,11 +230,17 @@ def test_masks_and_position_resets(tmp_path):
         expected_positions.append(position)
         position = 0 if token == eod else position + 1
     assert item["position_ids"].tolist() == expected_positions
-    mask = item["attention_mask"]
-    assert mask.shape == (1, 8, 8) and mask.dtype == bool
+    assert "attention_mask" not in item  # no s x s mask in the data pipeline
     segment = np.cumsum([0] + [1 if t == eod else 0 for t in tokens[:-1]])
+    np.testing.assert_array_equal(item["document_ids"], segment)
+    # The model's mask from those ids is Megatron's reset attention mask.
+    import torch
+
+    from megatron.core.transformer.attention import document_attention_mask
+
+    mask = document_attention_mask(torch.from_numpy(item["document_ids"])[None])
     expected = np.array([[j <= i and segment[i] == segment[j] for j in range(8)] for i in range(8)])
-    np.testing.assert_array_equal(mask[0], expected)
+    np.testing.assert_array_equal(mask[0, 0].numpy(), expected)
 
 
 def test_mock_data():

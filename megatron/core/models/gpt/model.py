@@ -14,23 +14,24 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.parallel_state import ParallelGroups
-from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.cross_entropy import fused_vocab_parallel_cross_entropy, vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.layers import (
+    ALL_REDUCE_INPUT_GRAD,
+    GATHER_INPUT,
     TPLayout,
     VocabParallelEmbedding,
     initialize_param,
+    linear_with_grad_accumulation,
     replicated_layout,
     set_layout,
     split_layout,
 )
-from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_parallel_region,
-    gather_from_sequence_parallel_region,
-    scatter_to_sequence_parallel_region,
-)
+from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from megatron.core.tensor_parallel.random import RNGStatesTracker
+from megatron.core.transformer.attention import document_attention_mask
 from megatron.core.transformer.block import TransformerBlock
 from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.fp8 import attach_fp8
 from megatron.core.transformer.rope import RotaryEmbedding
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
@@ -58,6 +59,8 @@ class GPTModel(torch.nn.Module):
         self.decoder = TransformerBlock(config, layer_numbers=layer_numbers, post_process=post_process,
                                         tp_group=groups.tp, rng_tracker=rng_tracker, device=device,
                                         cp_group=groups.cp, **tp)
+        # FP8 layers' linears get their FP8 GEMMs; `fp8_scaling` holds the delayed recipe's amax history.
+        self.fp8_scaling = attach_fp8(self.decoder, config, device) if config.fp8 else None
         self.input_tensor = None  # set by the pipeline schedule on stages after the first
         if post_process and (not self.share_embeddings or not pre_process):
             # Untied output layer, or the last stage's copy of the tied embedding (kept equal to the
@@ -100,10 +103,17 @@ class GPTModel(torch.nn.Module):
     # ----------------------------------------------------------------------------------------
     def forward(self, tokens: Optional[torch.Tensor], position_ids: torch.Tensor,
                 labels: Optional[torch.Tensor] = None, hidden_states: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None):
+                attention_mask: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None):
         """tokens/position_ids/labels: [b, s]. Returns the per-token loss [b, s] when labels are
         given on the last stage, logits [s, b, V/tp] on the last stage otherwise, else the hidden
-        states [s, b, h] ([s/tp, b, h] with sequence parallelism) for the next stage."""
+        states [s, b, h] ([s/tp, b, h] with sequence parallelism) for the next stage.
+
+        `document_ids` [b, s] (packed documents, --reset-attention-mask): each token attends only
+        to earlier tokens of its own document; the mask is built once here for all layers."""
+        if document_ids is not None:
+            attention_mask = document_attention_mask(document_ids)
+        if self.fp8_scaling is not None:
+            self.fp8_scaling.roll()  # one amax-history entry per micro-batch
         if not self.pre_process:
             x = hidden_states if hidden_states is not None else self.input_tensor
         else:
@@ -116,15 +126,22 @@ class GPTModel(torch.nn.Module):
         if labels is None:
             return logits
         vocab_start = self.groups.tp_rank * logits.shape[-1]
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_start)  # [s, b]
+        if self.config.cross_entropy_loss_fusion:
+            loss = fused_vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_start,
+                                                      compiled=self.config.fuse_elementwise)  # [s, b]
+        else:
+            loss = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_start)
         return loss.t()
 
     def _logits(self, x):
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.groups.tp)
-        else:
-            x = copy_to_tensor_parallel_region(x, self.groups.tp)
-        return F.linear(x, self.output_weight())  # [s, b, V/tp]
+        # With tied embeddings on this stage the embedding's backward, which runs later, signals
+        # that the shared weight's gradient is complete.
+        tied_here = self.pre_process and self.share_embeddings
+        return linear_with_grad_accumulation(
+            x, self.output_weight(), group=self.groups.tp,
+            input_comm=GATHER_INPUT if self.sequence_parallel else ALL_REDUCE_INPUT_GRAD,
+            gradient_accumulation_fusion=self.config.gradient_accumulation_fusion,
+            notify=not tied_here)  # [s, b, V/tp]
 
 
 class _Embedding(torch.nn.Module):
@@ -137,7 +154,8 @@ class _Embedding(torch.nn.Module):
         self.word_embeddings = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp_group=groups.tp, tp_size=groups.tp_size,
             tp_rank=groups.tp_rank, sequence_parallel=config.sequence_parallel,
-            params_dtype=config.params_dtype, device=device)
+            params_dtype=config.params_dtype, device=device,
+            gradient_accumulation_fusion=config.gradient_accumulation_fusion)
         if config.position_embedding_type == "learned_absolute":
             self.position_embeddings = torch.nn.Embedding(config.max_position_embeddings, config.hidden_size,
                                                           dtype=config.params_dtype, device=device)

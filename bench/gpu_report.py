@@ -1,0 +1,79 @@
+"""Writes the Markdown report of bench/gpu_check.sh from its working directory (logs and JSONs)."""
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+from pathlib import Path
+
+
+def _versions() -> list:
+    import torch
+
+    lines = [f"- Python {platform.python_version()}, PyTorch {torch.__version__}, CUDA {torch.version.cuda}"]
+    try:
+        import triton
+
+        lines.append(f"- Triton {triton.__version__}")
+    except ImportError:
+        lines.append("- Triton not installed (fusions run eagerly)")
+    if torch.cuda.is_available():
+        lines.insert(0, f"- Device: {torch.cuda.get_device_name()} "
+                        f"({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB)")
+        try:
+            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                    capture_output=True, text=True, timeout=30).stdout.strip()
+            lines.append(f"- Driver {driver}")
+        except (OSError, subprocess.SubprocessError):
+            pass
+    else:
+        lines.insert(0, "- Device: CPU (dry run: no figure here is a GPU measurement)")
+    return lines
+
+
+def _lane(work: Path) -> list:
+    log = work / "lane.log"
+    text = log.read_text() if log.exists() else "(no output)"
+    summary = [line for line in text.splitlines() if line.startswith(("PASSED", "FAILED", "ERROR", "SKIPPED"))]
+    tail = text.strip().splitlines()[-1:] if text.strip() else ["(no output)"]
+    return ["```", *(summary or []), *tail, "```"]
+
+
+def _runs(work: Path) -> list:
+    rows = ["| run | preset | step (ms) | TFLOP/s/GPU | MFU (BF16 peak) | MFU (FP8 peak) | tokens/s/GPU | "
+            "peak memory (GB) | attention |", "|---|---|---|---|---|---|---|---|---|"]
+    failures = []
+    runs = (work / "runs.txt").read_text().splitlines() if (work / "runs.txt").exists() else []
+    for index, line in enumerate(runs, start=1):
+        name, preset, flags, status = line.split("|")
+        figures_file = work / f"run{index}.json"
+        if status != "0" or not figures_file.exists():
+            log = (work / f"run{index}.log").read_text().strip().splitlines()[-15:]
+            failures += [f"**{name} {preset}** (`{flags}`) exit status {status}:", "```", *log, "```"]
+            rows.append(f"| {name} | {preset} | failed | | | | | | |")
+            continue
+        f = json.loads(figures_file.read_text())
+        rows.append(f"| {name} | {preset} | {f['step_ms']:.1f} | {f['tflops_per_gpu']:.1f} | "
+                    f"{f['mfu_bf16_peak']:.1f}% | {f['mfu_fp8_peak']:.1f}% | {f['tokens_per_gpu']:.0f} | "
+                    f"{f['peak_memory_gb']:.2f} | {f['attention'].removeprefix('attention: ')} |")
+    return rows + ([""] + failures if failures else [])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--work", required=True)
+    parser.add_argument("--report", required=True)
+    parser.add_argument("--dry-run", default="0")
+    args = parser.parse_args()
+    work = Path(args.work)
+    title = "GPU check" + (" (CPU dry run)" if args.dry_run == "1" else "")
+    text = [f"# {title}, {datetime.date.today().isoformat()}", "", *_versions(), "",
+            "Protocol: bench/bench_pretrain.py, seq 4096, 8 micro-batches per step, median of 8 steps after 3 "
+            "warm-up steps; MFU against 989 (BF16) and 1979 (FP8) TFLOP/s dense.", "",
+            "## GPU test lane (`pytest -m gpu`)", "", *_lane(work), "", "## Benchmarks", "", *_runs(work), "",
+            "## Steps", "", "```", *(work / "steps.log").read_text().splitlines(), "```", ""]
+    Path(args.report).write_text("\n".join(text))
+
+
+if __name__ == "__main__":
+    main()

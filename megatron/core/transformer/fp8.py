@@ -1,0 +1,284 @@
+"""FP8 training without Transformer Engine: the transformer layers' linears run their three GEMMs
+(forward, input gradient, weight gradient) as `torch._scaled_mm` on float8 operands.
+
+Formats (`--fp8-format`): `e4m3` quantizes everything to E4M3 (max 448, 3 mantissa bits); `hybrid`
+keeps E4M3 for activations and weights and uses E5M2 (max 57344, 2 mantissa bits) for gradients.
+
+Recipes (`--fp8-recipe`), i.e. how the scale that maps a tensor into the format's range is chosen:
+
+- `tensorwise` (current scaling): one scale per tensor from that tensor's own amax.
+- `delayed`: one scale per tensor from the amax history of earlier micro-batches
+  (`--fp8-amax-history-len` entries, reduced by `--fp8-amax-compute-algo max|most_recent`). Each
+  quantization records its amax; the history rolls once per micro-batch, at the start of the
+  model's forward. Until the first roll (the first micro-batch) it scales like `tensorwise`.
+- `rowwise`: one scale per row of each GEMM operand along the contracted dimension (per token for
+  activations and gradients, per channel for weights), so a tensor is quantized once per GEMM it
+  feeds, along that GEMM's axis. E4M3 only.
+
+Every recipe divides the scale by 2^`--fp8-margin`. Weights are quantized once per optimizer step
+(the cast and its transpose are cached and reused by every micro-batch until the weight changes).
+Activations are saved for backward in bf16 as in the bf16 path and quantized again there.
+Megatron's `blockwise` and `mxfp8` recipes exist only as Transformer Engine kernels and are named
+errors here.
+"""
+import functools
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+FORMATS = {
+    "e4m3": (torch.float8_e4m3fn, torch.float8_e4m3fn),   # (activations and weights, gradients)
+    "hybrid": (torch.float8_e4m3fn, torch.float8_e5m2),
+}
+RECIPES = ("delayed", "tensorwise", "rowwise")
+NOT_BUILT = {
+    "blockwise": "block-scaled FP8 exists only as Transformer Engine kernels",
+    "mxfp8": "MXFP8 exists only as Transformer Engine kernels for Blackwell GPUs",
+}
+INPUT, WEIGHT, GRAD = 0, 1, 2  # the three scaled tensors of a linear
+
+
+@dataclass(frozen=True)
+class FP8Options:
+    format: str
+    recipe: str = "delayed"
+    margin: int = 0
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"
+
+    def __post_init__(self):
+        check_fp8_options(self.format, self.recipe, self.margin, self.amax_history_len, self.amax_compute_algo)
+
+
+def check_fp8_options(fp8_format: str, recipe: str, margin: int, amax_history_len: int, amax_compute_algo: str) -> None:
+    """Raises ValueError, naming the flag and value, for settings that cannot run."""
+    if fp8_format not in FORMATS:
+        raise ValueError(f"--fp8-format must be e4m3 or hybrid, got {fp8_format!r}")
+    if recipe in NOT_BUILT:
+        raise ValueError(f"--fp8-recipe {recipe} is not available without Transformer Engine ({NOT_BUILT[recipe]}); "
+                         f"use --fp8-recipe delayed, tensorwise or rowwise")
+    if recipe not in RECIPES:
+        raise ValueError(f"--fp8-recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
+    if recipe == "rowwise" and fp8_format != "e4m3":
+        raise ValueError(f"--fp8-recipe rowwise takes --fp8-format e4m3 (torch._scaled_mm's row-wise kernels "
+                         f"multiply E4M3 operands), got --fp8-format {fp8_format}")
+    if margin < 0:
+        raise ValueError(f"--fp8-margin must be >= 0, got {margin}")
+    if amax_history_len < 1:
+        raise ValueError(f"--fp8-amax-history-len must be >= 1, got {amax_history_len}")
+    if amax_compute_algo not in ("max", "most_recent"):
+        raise ValueError(f"--fp8-amax-compute-algo must be max or most_recent, got {amax_compute_algo!r}")
+
+
+# -- quantization ---------------------------------------------------------------------------------
+def fp8_max(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).max
+
+
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
+    """fp8_max / amax / 2^margin (fp32), 1 where amax is 0 or not finite."""
+    amax = amax.float()
+    usable = (amax > 0) & torch.isfinite(amax)
+    return torch.where(usable, fp8_max(dtype) / torch.where(usable, amax, 1.0), 1.0) * (2.0 ** -margin)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x * scale, saturated to the format's range, cast to `dtype` (scale broadcasts: 0-d or per row)."""
+    limit = fp8_max(dtype)
+    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_quantize():
+    """`quantize` as one fused kernel per cast (GPU). Shape-dynamic: one graph serves every linear's
+    operands, instead of one recompilation per shape."""
+    return torch.compile(quantize, dynamic=True)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    return (q.float() / scale).to(dtype)
+
+
+def amax_of(x: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """max |x| in fp32, over everything or along `dim` (kept)."""
+    if dim is None:
+        return torch.linalg.vector_norm(x, ord=math.inf, dtype=torch.float32)
+    return x.abs().amax(dim=dim, keepdim=True).float()
+
+
+def scaled_mm(a_q, b_q, a_scale, b_scale, out_dtype):
+    """a @ b from FP8 operands and the scales they were quantized with (a row-major, b column-major)."""
+    return torch._scaled_mm(a_q, b_q, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(),
+                            out_dtype=out_dtype)
+
+
+def _column_major(q: torch.Tensor) -> torch.Tensor:
+    """The same matrix stored column-major (what `_scaled_mm` wants for its second operand)."""
+    return q.t().contiguous().t()
+
+
+# -- scaling state ----------------------------------------------------------------------------------
+class DelayedScaling:
+    """The amax history and scales of every FP8 tensor of one model chunk, as single tensors so the
+    per-micro-batch update is a handful of kernels, not one per tensor."""
+
+    def __init__(self, options: FP8Options):
+        self.options = options
+        self.num_slots = 0
+        self.history = self.amax = self.scale = None
+        self.ready = False      # a scale from history exists (after the first roll)
+        self._recorded = False  # amaxes were recorded since the last roll
+
+    def new_slots(self, count: int) -> int:
+        first = self.num_slots
+        self.num_slots += count
+        return first
+
+    def allocate(self, device) -> None:
+        self.history = torch.zeros(self.options.amax_history_len, self.num_slots, device=device)
+        self.amax = torch.zeros(self.num_slots, device=device)
+        self.scale = torch.ones(self.num_slots, device=device)
+        self.limits = torch.full((self.num_slots,), fp8_max(torch.float8_e4m3fn), device=device)
+
+    def set_limit(self, slot: int, dtype: torch.dtype) -> None:
+        self.limits[slot] = fp8_max(dtype)
+
+    def record(self, slot: int, amax: torch.Tensor) -> None:
+        current = self.amax.narrow(0, slot, 1)
+        torch.maximum(current, amax.reshape(1), out=current)
+        self._recorded = True
+
+    def roll(self) -> None:
+        """Called once per micro-batch (model forward): the amaxes recorded since the last call
+        become the newest history entry, and the scales are recomputed from the history."""
+        if not self._recorded:
+            return
+        self.history = torch.roll(self.history, 1, dims=0)
+        self.history[0] = self.amax
+        self.amax.zero_()
+        if self.options.amax_compute_algo == "max":
+            amax = self.history.amax(dim=0)
+        else:
+            amax = self.history[0]
+        usable = (amax > 0) & torch.isfinite(amax)
+        new_scale = self.limits / torch.where(usable, amax, 1.0) * (2.0 ** -self.options.margin)
+        self.scale = torch.where(usable, new_scale, self.scale)
+        self.ready = True
+        self._recorded = False
+
+
+class FP8Linear:
+    """The GEMMs of one linear layer in FP8 (the `fp8` argument of `linear_with_grad_accumulation`)."""
+
+    def __init__(self, options: FP8Options, scaling: Optional[DelayedScaling], compiled: bool = False):
+        self.options = options
+        self._cast = compiled_quantize() if compiled else quantize
+        self.forward_dtype, self.grad_dtype = FORMATS[options.format]
+        self.rowwise = options.recipe == "rowwise"
+        self.scaling = scaling if options.recipe == "delayed" else None
+        if self.scaling is not None:
+            self.first_slot = self.scaling.new_slots(3)
+        self._weight_key = None
+        self._weight = None
+
+    def bind(self) -> None:
+        """After the scaling state is allocated: records each slot's format limit."""
+        if self.scaling is not None:
+            for role, dtype in ((INPUT, self.forward_dtype), (WEIGHT, self.forward_dtype), (GRAD, self.grad_dtype)):
+                self.scaling.set_limit(self.first_slot + role, dtype)
+
+    def _tensor_scale(self, x: torch.Tensor, role: int, dtype: torch.dtype) -> torch.Tensor:
+        """One scale for the whole tensor (tensorwise or delayed); records the amax for delayed."""
+        amax = amax_of(x)
+        if self.scaling is None:
+            return scale_from_amax(amax, dtype, self.options.margin)
+        slot = self.first_slot + role
+        self.scaling.record(slot, amax)
+        if self.scaling.ready:
+            return self.scaling.scale[slot]
+        return scale_from_amax(amax, dtype, self.options.margin)
+
+    def _quantize(self, x: torch.Tensor, role: int, dtype: torch.dtype, dim: Optional[int] = None):
+        """(fp8 tensor, scale): per tensor, or per slice along `dim` (rowwise recipe)."""
+        if self.rowwise:
+            scale = scale_from_amax(amax_of(x, dim), dtype, self.options.margin)
+        else:
+            scale = self._tensor_scale(x, role, dtype)
+        return self._cast(x, scale, dtype), scale
+
+    def _weights(self, weight: torch.Tensor) -> dict:
+        """The FP8 casts of `weight` for the forward and the input-gradient GEMM, made once per
+        weight update (keyed by the parameter's storage and version counter)."""
+        key = (weight.data_ptr(), weight._version)
+        if key != self._weight_key:
+            w = weight.detach()
+            if self.rowwise:
+                forward_q, forward_scale = self._quantize(w, WEIGHT, self.forward_dtype, dim=1)   # [N, 1]
+                dgrad_q, dgrad_scale = self._quantize(w, WEIGHT, self.forward_dtype, dim=0)     # [1, K]
+            else:
+                forward_q, forward_scale = self._quantize(w, WEIGHT, self.forward_dtype)
+                dgrad_q, dgrad_scale = forward_q, forward_scale
+            self._weight = {"forward": (forward_q.t(), forward_scale.t() if self.rowwise else forward_scale),
+                            "dgrad": (_column_major(dgrad_q), dgrad_scale)}
+            self._weight_key = key
+        return self._weight
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [..., K] @ weight[N, K]^T -> [..., N] in x's dtype."""
+        x2d = x.reshape(-1, x.shape[-1])
+        x_q, x_scale = self._quantize(x2d, INPUT, self.forward_dtype, dim=1)
+        w_q, w_scale = self._weights(weight)["forward"]
+        y = scaled_mm(x_q, w_q, x_scale, w_scale, x.dtype)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def dgrad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """grad [..., N] @ weight [N, K] -> [..., K]."""
+        grad2d = grad.reshape(-1, grad.shape[-1])
+        g_q, g_scale = self._quantize(grad2d, GRAD, self.grad_dtype, dim=1)
+        w_q, w_scale = self._weights(weight)["dgrad"]
+        out = scaled_mm(g_q, w_q, g_scale, w_scale, grad.dtype)
+        return out.view(*grad.shape[:-1], out.shape[-1])
+
+    def wgrad(self, grad2d: torch.Tensor, input2d: torch.Tensor) -> torch.Tensor:
+        """grad^T [N, T] @ input [T, K] -> [N, K] in the input's dtype."""
+        g_q, g_scale = self._quantize(grad2d, GRAD, self.grad_dtype, dim=0)       # rowwise: [1, N]
+        x_q, x_scale = self._quantize(input2d, INPUT, self.forward_dtype, dim=0)  # rowwise: [1, K]
+        g_t = g_q.t().contiguous()
+        return scaled_mm(g_t, _column_major(x_q), g_scale.t() if self.rowwise else g_scale, x_scale,
+                         input2d.dtype)
+
+
+def fp8_layer_numbers(config) -> set:
+    """Global numbers of the layers that run in FP8 (all, less --first-last-layers-bf16's)."""
+    layers = set(range(config.num_layers))
+    if config.first_last_layers_bf16:
+        start, end = config.num_layers_at_start_in_bf16, config.num_layers_at_end_in_bf16
+        layers = {n for n in layers if start <= n < config.num_layers - end}
+    return layers
+
+
+def attach_fp8(decoder, config, device) -> Optional[DelayedScaling]:
+    """Gives every column/row-parallel linear of the FP8 layers of `decoder` an `FP8Linear`;
+    returns the chunk's delayed-scaling state (None for the other recipes, or no FP8 layer)."""
+    options = FP8Options(config.fp8, config.fp8_recipe, config.fp8_margin, config.fp8_amax_history_len,
+                         config.fp8_amax_compute_algo)
+    scaling = DelayedScaling(options) if options.recipe == "delayed" else None
+    fp8_layers = fp8_layer_numbers(config)
+    linears = []
+    for number, layer in zip(decoder.layer_numbers, decoder.layers):
+        if number not in fp8_layers:
+            continue
+        for module in layer.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.fp8 = FP8Linear(options, scaling, compiled=config.fuse_elementwise)
+                linears.append(module.fp8)
+    if scaling is None or scaling.num_slots == 0:
+        return None
+    scaling.allocate(device)
+    for linear in linears:
+        linear.bind()
+    return scaling

@@ -1,0 +1,217 @@
+"""The GPU lane (`pytest -m gpu`, run by bench/gpu_check.sh): what only a GPU can show.
+
+Compiled fusions against eager on CUDA, the fused linear and loss against the reference, FP8 GEMMs
+against bf16, the attention backends and their start-up probe, document masks with compiled
+FlexAttention, the GPU-only bug fixes (device with gloo, CPU seeding, loss scale on the device),
+and bf16/fp16 training steps of pretrain_gpt.py with NCCL at world size 1. Skipped without a GPU.
+"""
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]
+CUDA = torch.device("cuda")
+
+
+def randn(*shape, seed, dtype=torch.float32, scale=1.0):
+    generator = torch.Generator(device=CUDA).manual_seed(seed)
+    return (torch.randn(*shape, generator=generator, device=CUDA) * scale).to(dtype)
+
+
+def test_compiled_fusions_match_eager_on_cuda():
+    from megatron.core.transformer import fusions
+    from tests.unit.test_fusions import _compare
+
+    x = randn(64, 2, 8, 128, seed=0, dtype=torch.bfloat16)
+    angles = randn(64, 2, 1, 64, seed=1)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    weight = randn(128, seed=2, dtype=torch.bfloat16)
+    _compare(lambda a, w: fusions.rms_norm(a, w, 1e-5), [x, weight], 2e-2)
+    _compare(fusions.swiglu, [x], 2e-2)
+    _compare(fusions.rotary, [x, cos, sin], 2e-2)
+
+
+def test_mixed_precision_wgrad_accumulates_in_one_gemm():
+    from megatron.core.tensor_parallel.layers import _mixed_dtype_addmm_works, accumulate_matmul_
+
+    assert _mixed_dtype_addmm_works(CUDA), "torch.addmm(out_dtype=fp32) is missing: the fusion falls back"
+    a, b = randn(256, 512, seed=1, dtype=torch.bfloat16), randn(512, 128, seed=2, dtype=torch.bfloat16)
+    out = randn(256, 128, seed=3)
+    want = out + a.float() @ b.float()
+    accumulate_matmul_(out, a, b)
+    torch.testing.assert_close(out, want, rtol=1e-3, atol=1e-3)
+
+
+def test_fused_linear_matches_plain_path_on_cuda():
+    from megatron.core.distributed.ddp import DistributedDataParallel
+    from megatron.core.parallel_state import single_process
+    from tests.unit.test_fused_linear_and_loss import TwoLinears, full_weights
+
+    model = TwoLinears(torch.bfloat16, fusion=True).to(CUDA)
+    ddp = DistributedDataParallel(model, single_process(CUDA))
+    ddp.zero_grad_buffer()
+    full = {k: v.to(CUDA).requires_grad_() for k, v in full_weights(torch.bfloat16).items()}
+    main = {k: torch.zeros(v.shape, device=CUDA) for k, v in full.items()}
+    for step in range(3):
+        x = randn(64, 4, 16, seed=10 + step, dtype=torch.bfloat16)
+        g = randn(64, 4, 16, seed=20 + step, dtype=torch.bfloat16)
+        ddp(x).backward(g)
+        F.linear(F.gelu(F.linear(x, full["w1"], full["b1"])), full["w2"]).backward(g)
+        for name, p in full.items():
+            main[name] += p.grad.float()
+            p.grad = None
+    # The fused path accumulates the bf16 GEMM in fp32 (more exact than bf16 product + add).
+    for name, param in (("w1", model.fc1.weight), ("b1", model.fc1.bias), ("w2", model.fc2.weight)):
+        torch.testing.assert_close(param.main_grad, main[name], rtol=2e-2, atol=2e-2)
+
+
+def test_fused_cross_entropy_matches_and_saves_memory_on_cuda():
+    from megatron.core.tensor_parallel.cross_entropy import (
+        fused_vocab_parallel_cross_entropy,
+        vocab_parallel_cross_entropy,
+    )
+
+    tokens, vocab = 4096, 128256
+    target = torch.randint(0, vocab, (tokens, 1), device=CUDA)
+    peaks, results = {}, {}
+    for name, function in (("plain", vocab_parallel_cross_entropy), ("fused", fused_vocab_parallel_cross_entropy)):
+        logits = randn(tokens, 1, vocab, seed=1, dtype=torch.bfloat16, scale=3.0).requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        kwargs = {"compiled": True} if name == "fused" else {}
+        loss = function(logits * 1, target, None, **kwargs)
+        loss.sum().backward()
+        torch.cuda.synchronize()
+        peaks[name] = torch.cuda.max_memory_allocated() - base
+        results[name] = (loss.detach(), logits.grad)
+    print(f"cross entropy peak above inputs, 4096 x 128256 bf16: plain {peaks['plain'] / 2**30:.2f} GiB, "
+          f"fused {peaks['fused'] / 2**30:.2f} GiB")
+    torch.testing.assert_close(results["fused"][0], results["plain"][0], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(results["fused"][1].float(), results["plain"][1].float(), rtol=2e-2, atol=1e-4)
+    assert peaks["fused"] < peaks["plain"] / 2
+
+
+@pytest.mark.parametrize("fp8_format, recipe", [("e4m3", "tensorwise"), ("hybrid", "tensorwise"),
+                                                ("hybrid", "delayed"), ("e4m3", "rowwise")])
+def test_fp8_gemms_match_bf16_on_cuda(fp8_format, recipe):
+    from megatron.core.transformer.fp8 import DelayedScaling, FP8Linear, FP8Options
+    from tests.unit.test_fp8 import UNIT_ROUNDOFF
+
+    options = FP8Options(fp8_format, recipe)
+    scaling = DelayedScaling(options) if recipe == "delayed" else None
+    linear = FP8Linear(options, scaling, compiled=True)
+    if scaling is not None:
+        scaling.allocate(CUDA)
+        linear.bind()
+    x = randn(4, 512, 1024, seed=1, dtype=torch.bfloat16)
+    weight = randn(2048, 1024, seed=2, dtype=torch.bfloat16, scale=0.02)
+    grad = randn(4, 512, 2048, seed=3, dtype=torch.bfloat16, scale=1e-3)
+    forward_u, grad_u = UNIT_ROUNDOFF[linear.forward_dtype], UNIT_ROUNDOFF[linear.grad_dtype]
+    for _ in range(2):
+        if scaling is not None:
+            scaling.roll()
+        for got, want, bound in (
+                (linear.forward(x, weight), x.float() @ weight.float().t(), math.hypot(forward_u, forward_u)),
+                (linear.dgrad(grad, weight), grad.float() @ weight.float(), math.hypot(grad_u, forward_u)),
+                (linear.wgrad(grad.reshape(-1, 2048), x.reshape(-1, 1024)),
+                 grad.reshape(-1, 2048).float().t() @ x.reshape(-1, 1024).float(), math.hypot(grad_u, forward_u))):
+            error = ((got.float() - want).norm() / want.norm()).item()
+            assert error <= bound, (fp8_format, recipe, error)
+
+
+def test_attention_backends_and_probe_on_cuda():
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.attention import CoreAttention, resolve_attention_backend
+
+    q = randn(2, 32, 1024, 128, seed=1, dtype=torch.bfloat16)
+    k, v = randn(2, 8, 1024, 128, seed=2, dtype=torch.bfloat16), randn(2, 8, 1024, 128, seed=3, dtype=torch.bfloat16)
+    reference = CoreAttention(SimpleNamespace(attention_backend="math", attention_dropout=0.0), None)(q, k, v)
+    for backend in ("flash", "fused", "cudnn", "efficient", "unfused", "auto"):
+        out = CoreAttention(SimpleNamespace(attention_backend=backend, attention_dropout=0.0), None)(q, k, v)
+        torch.testing.assert_close(out.float(), reference.float(), rtol=2e-2, atol=2e-2, msg=backend)
+    backend, line = resolve_attention_backend("auto", batch=1, heads=32, groups=8, seq=4096, head_dim=128,
+                                              dtype=torch.bfloat16, device=CUDA)
+    print(line)
+    assert backend in ("cudnn", "flash", "efficient", "flash_attn") and "probed" in line
+
+
+def test_document_mask_with_compiled_flex_attention_matches_dense():
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.attention import CoreAttention, document_attention_mask
+
+    s = 2048
+    lengths = torch.tensor([300, 700, 48, 1000])
+    document_ids = torch.repeat_interleave(torch.arange(4), lengths).to(CUDA).unsqueeze(0).expand(2, s)
+    allowed = (document_ids.unsqueeze(-1) == document_ids.unsqueeze(-2)) & torch.ones(
+        s, s, dtype=torch.bool, device=CUDA).tril()
+    attention = CoreAttention(SimpleNamespace(attention_backend="auto", attention_dropout=0.0), None)
+    q = randn(2, 16, s, 128, seed=1, dtype=torch.bfloat16)
+    k, v = randn(2, 4, s, 128, seed=2, dtype=torch.bfloat16), randn(2, 4, s, 128, seed=3, dtype=torch.bfloat16)
+    mask = document_attention_mask(document_ids)
+    assert type(mask).__name__ == "BlockMask"
+    torch.testing.assert_close(attention(q, k, v, mask).float(), attention(q, k, v, allowed.unsqueeze(1)).float(),
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_seeding_cuda_leaves_the_cpu_generator_alike_on_tensor_parallel_ranks():
+    from megatron.core.tensor_parallel.random import build_tracker
+
+    draws = []
+    for tp_rank in (0, 1):
+        build_tracker(1234, tp_rank, 0, CUDA)
+        draws.append(torch.rand(8))
+    assert torch.equal(draws[0], draws[1])
+
+
+def test_fp16_loss_scale_stays_on_the_device():
+    from megatron.core.distributed.ddp import DistributedDataParallel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.parallel_state import single_process
+    from tests.unit.test_fused_linear_and_loss import TwoLinears
+
+    groups = single_process(CUDA)
+    ddp = DistributedDataParallel(TwoLinears(torch.float16, fusion=True).to(CUDA), groups)
+    optimizer = get_megatron_optimizer(OptimizerConfig(fp16=True), [ddp], groups)
+    loss = torch.ones((), device=CUDA)
+    optimizer.scale_loss(loss)
+    assert optimizer.grad_scaler.scale.device.type == "cuda"
+    optimizer.grad_scaler.update(True)
+    assert optimizer.grad_scaler.scale.device.type == "cuda"
+
+
+def _pretrain(extra: list) -> subprocess.CompletedProcess:
+    flags = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "8", "--group-query-attention",
+             "--num-query-groups", "4", "--ffn-hidden-size", "512", "--seq-length", "256", "--micro-batch-size", "2",
+             "--global-batch-size", "4", "--train-iters", "4", "--lr", "1e-3", "--normalization", "RMSNorm",
+             "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope", "--hidden-dropout", "0",
+             "--attention-dropout", "0", "--mock-data", "--vocab-size", "1024", "--log-interval", "1",
+             "--eval-iters", "0", "--num-workers", "0"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *flags, *extra], capture_output=True,
+                          text=True, timeout=600, env=env)
+
+
+@pytest.mark.parametrize("precision", [["--bf16"], ["--fp16"], ["--bf16", "--fp8-format", "hybrid"]])
+def test_training_steps_with_nccl_at_world_size_one(precision):
+    result = _pretrain(["--distributed-backend", "nccl", *precision])
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [float(v) for v in re.findall(r"\| lm loss: ([0-9.E+-]+) \|", result.stdout)]
+    assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
+    assert "device: cuda" in result.stdout and "> attention:" in result.stdout
+
+
+def test_gloo_backend_on_a_gpu_machine_still_computes_on_the_gpu():
+    result = _pretrain(["--distributed-backend", "gloo", "--bf16", "--train-iters", "1"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "device: cuda" in result.stdout
