@@ -37,7 +37,7 @@ def test_slice_batch_and_chunk_permutations():
     assert torch.equal(to_sequence_order(rank_order, 1, 4), x)
     assert torch.equal(to_rank_order(x, 1, 4), rank_order)
     with pytest.raises(ValueError, match="--reset-attention-mask"):
-        slice_batch({**batch, "attention_mask": torch.ones(2, 1, 16, 16, dtype=torch.bool)}, 2, 0)
+        slice_batch({**batch, "document_ids": torch.zeros(2, 16, dtype=torch.int64)}, 2, 0)
     with pytest.raises(ValueError, match=r"--seq-length \(12\) must be divisible by 2 x --context-parallel-size \(4\)"):
         local_positions(12, 4, 0)
 
