@@ -168,18 +168,9 @@ SCENARIOS = {
 
 def _run_scenarios(rank, world_size):
     import importlib
-    import os
-    import sys
-    import traceback
 
-    try:
-        return {name: getattr(importlib.import_module(module), fn)(*args)
-                for name, module, fn, args in SCENARIOS[world_size]}
-    except BaseException:
-        # The other ranks may be waiting in a collective: exit so that they fail too (their
-        # connections close) instead of waiting for the collective timeout.
-        print(f"rank {rank}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        os._exit(1)
+    return {name: getattr(importlib.import_module(module), fn)(*args)
+            for name, module, fn, args in SCENARIOS[world_size]}
 
 
 @functools.lru_cache(maxsize=None)
