@@ -18,9 +18,23 @@ from megatron.training.config import Config
 from megatron.training.training import pretrain, print_rank_0
 
 
-def get_batch(data_iterator, device: torch.device) -> dict:
+def get_batch(data_iterator, device: torch.device, fields=None) -> dict:
+    """The next micro-batch, with `fields` (all when None) moved to `device`."""
     batch = next(data_iterator)
-    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()
+            if fields is None or key in fields}
+
+
+def stage_fields(model) -> set:
+    """The batch fields a model chunk reads: tokens on the first pipeline stage, labels and the loss
+    mask on the last, positions (rotary embeddings) and the attention mask on every stage."""
+    model = getattr(model, "module", model)
+    fields = {"position_ids", "attention_mask"}
+    if model.pre_process:
+        fields.add("tokens")
+    if model.post_process:
+        fields.update(("labels", "loss_mask"))
+    return fields
 
 
 def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
@@ -33,12 +47,13 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 
 def forward_step(data_iterator, model):
     device = next(model.parameters()).device
-    batch = get_batch(data_iterator, device)
+    batch = get_batch(data_iterator, device, stage_fields(model))
     attention_mask = batch.get("attention_mask")
     if attention_mask is not None:
         attention_mask = attention_mask.unsqueeze(1) if attention_mask.dim() == 3 else attention_mask
-    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], attention_mask=attention_mask)
-    return output, partial(loss_func, batch["loss_mask"])
+    output = model(batch.get("tokens"), batch["position_ids"], labels=batch.get("labels"),
+                   attention_mask=attention_mask)
+    return output, partial(loss_func, batch.get("loss_mask"))
 
 
 def build_tokenizer(config: Config):

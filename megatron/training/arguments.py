@@ -14,9 +14,20 @@ from typing import Optional
 
 from megatron.training.config import SECTIONS, Config
 
-# field name -> (flag, argparse action): flags that invert or rename a field.
+# field name -> (flag, argparse action): flags that invert or rename a field (action None: the
+# field's usual handling under another name).
 IRREGULAR_FLAGS = {
     "add_bias_linear": ("--disable-bias-linear", "store_false"),
+    "overlap_p2p_comm": ("--no-overlap-p2p-communication", "store_false"),
+    "overlap_p2p_comm_warmup_flush": ("--overlap-p2p-communication-warmup-flush", "store_true"),
+    "microbatch_group_size_per_vp_stage": ("--microbatch-group-size-per-virtual-pipeline-stage", None),
+}
+
+# Switches kept for older Megatron-LM scripts: flag -> (field, help). They set a field to True that
+# is already True by default.
+ACCEPTED_SWITCHES = {
+    "--overlap-p2p-communication": ("overlap_p2p_comm", "Accepted for older scripts: p2p overlap is on by "
+                                                        "default (see --no-overlap-p2p-communication)."),
 }
 
 _MISSING = dataclasses.MISSING
@@ -48,11 +59,10 @@ def _add_field(group, field: dataclasses.Field, annotation, help_text: str) -> N
     has_default = field.default is not _MISSING or field.default_factory is not _MISSING
     default = field.default if field.default is not _MISSING else (
         field.default_factory() if field.default_factory is not _MISSING else None)
-    if name in IRREGULAR_FLAGS:
-        flag, action = IRREGULAR_FLAGS[name]
+    flag, action = IRREGULAR_FLAGS.get(name, ("--" + name.replace("_", "-"), None))
+    if action is not None:
         group.add_argument(flag, dest=name, action=action, help=help_text)
         return
-    flag = "--" + name.replace("_", "-")
     kind = _unwrap_optional(annotation)
     kwargs = dict(dest=name, help=help_text)
     if kind is bool:
@@ -83,6 +93,8 @@ def build_parser(extra_sections: Optional[dict] = None) -> argparse.ArgumentPars
         hints = typing.get_type_hints(cls)
         for field in dataclasses.fields(cls):
             _add_field(group, field, hints[field.name], docs.get(field.name, ""))
+    for flag, (name, help_text) in ACCEPTED_SWITCHES.items():
+        parser.add_argument(flag, dest=name, action="store_true", default=argparse.SUPPRESS, help=help_text)
     return parser
 
 

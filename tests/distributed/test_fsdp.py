@@ -47,8 +47,6 @@ def test_fsdp2_dp2_tp2_matches_single_process():
         assert_matches_reference(result, reference_run(4, TP2_OVERRIDES))
 
 
-def test_fsdp2_refuses_pipeline_parallelism_and_distributed_optimizer():
-    with pytest.raises(ValueError, match="--use-torch-fsdp2.*--pipeline-model-parallel-size 2"):
-        validate_data_parallel(use_torch_fsdp2=True, pipeline_model_parallel_size=2)
+def test_fsdp2_refuses_the_distributed_optimizer():
     with pytest.raises(ValueError, match="--use-torch-fsdp2 and --use-distributed-optimizer"):
         validate_data_parallel(use_torch_fsdp2=True, use_distributed_optimizer=True)

@@ -31,9 +31,21 @@ class ParallelConfig:
     """Elements per gradient-reduction bucket; default 40M (one bucket without overlap)."""
     grad_reduce_in_bf16: bool = False
     """Reduce gradients in bf16 instead of fp32."""
-    average_in_collective: bool = False
+    ddp_average_in_collective: bool = False
     """Average gradients inside the collective instead of pre-scaling by 1/DP."""
     distributed_backend: Optional[Literal["nccl", "gloo"]] = None
     """Communication backend; default nccl when a GPU is present, else gloo."""
     distributed_timeout_minutes: int = 10
     """Timeout of collective operations, in minutes."""
+    overlap_param_gather_with_optimizer_step: bool = False
+    """Start the first model chunk's parameter all-gathers while the other chunks' optimizer step runs (needs --overlap-param-gather and interleaved pipeline parallelism)."""
+    overlap_p2p_comm: bool = True
+    """Overlap pipeline point-to-point communication with computation: each receive is waited for just before its tensor is used (turned off with --no-overlap-p2p-communication)."""
+    overlap_p2p_comm_warmup_flush: bool = False
+    """With the interleaved schedule, also post the warm-up's and cool-down's receives ahead of use."""
+    microbatch_group_size_per_vp_stage: Optional[int] = None
+    """Interleaved schedule: micro-batches run on one virtual stage before moving to the next; default --pipeline-model-parallel-size."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """Count the embedding as one layer when splitting the decoder over pipeline stages (the first stage builds one layer fewer)."""
+    account_for_loss_in_pipeline_split: bool = False
+    """Count the output layer and loss as one layer when splitting the decoder over pipeline stages (the last stage builds one layer fewer)."""
