@@ -243,15 +243,15 @@ class DistributedDataParallel(torch.nn.Module):
             owned = [p for p in submodule.parameters(recurse=False) if p in self._param_to_bucket]
             if not owned:
                 continue
-            wait = self._make_gather_wait(list(dict.fromkeys(self._param_to_bucket[p] for p in owned)))
+            buckets = list(dict.fromkeys(self._param_to_bucket[p] for p in owned))
             children = [c for c in submodule.children() if any(p.requires_grad for p in c.parameters())]
             if children:
-                children[-1].register_forward_hook(lambda _module, _inputs, _output: wait())
+                children[-1].register_forward_hook(self._make_gather_wait(buckets))
             else:
-                submodule.register_forward_pre_hook(lambda _module, _inputs: wait())
+                submodule.register_forward_pre_hook(self._make_gather_wait(buckets))
 
     def _make_gather_wait(self, buckets: list):
-        def wait():
+        def wait(*_hook_arguments):
             for bucket in buckets:
                 self.gather_chain.wait(bucket)
         return wait
