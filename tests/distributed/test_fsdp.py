@@ -21,6 +21,8 @@ from tests.distributed.test_data_parallel import (
     TP2_OVERRIDES,
     assert_matches_reference,
     full_params,
+    global_batches,
+    micro_batch_loss,
     model_config,
     optimizer_config,
     parallel_run,
@@ -36,6 +38,13 @@ def _fsdp_run(tp, per_rank, model_overrides, reduce_dtype=torch.float32):
     model = GPTModel(model_config(**dict(model_overrides)), groups, rng_tracker=None, device=torch.device("meta"))
     chunk = FullyShardedDataParallel(model, groups, init_seed=SEED, reduce_dtype=reduce_dtype)
     initial = full_params(model, groups)
+    # Inside no_sync a micro-batch's gradient is already reduce-scattered into the shards: nothing
+    # unsharded is carried to the next micro-batch.
+    with chunk.no_sync():
+        micro_batch_loss(chunk, global_batches(1)[0, 0]).backward()
+    sharded_after_no_sync = all(p.grad is not None and p.grad.to_local().shape == p.to_local().shape
+                                for p in chunk.params)
+    chunk.zero_grad_buffer()
     bf16 = dict(model_overrides).get("params_dtype") == torch.bfloat16
     optimizer = get_megatron_optimizer(optimizer_config(bf16=bf16), [chunk], groups)
     assert isinstance(optimizer, FSDPOptimizer)
@@ -52,6 +61,7 @@ def _fsdp_run(tp, per_rank, model_overrides, reduce_dtype=torch.float32):
         dist.reduce_scatter_single = reduce_scatter
     result["sharded"] = all(p.to_local().numel() < p.numel() for p in chunk.params if p.shape[0] >= groups.dp_size)
     result["initial"] = initial
+    result["sharded_after_no_sync"] = sharded_after_no_sync
     result["reduced_dtypes"] = reduced_dtypes
     result["shard_dtypes"] = {p.to_local().dtype for p in chunk.params}
     return result
@@ -98,7 +108,7 @@ def _assert_starts_from(result, expected) -> None:
 
 def test_fsdp2_dp2_matches_single_process():
     for result in scenario(2, "fsdp"):
-        assert result["sharded"]
+        assert result["sharded"] and result["sharded_after_no_sync"]
         assert result["reduced_dtypes"] == {torch.float32}
         _assert_starts_from(result, _initial_weights())
         assert_matches_reference(result, reference_run(4))
