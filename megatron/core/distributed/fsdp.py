@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from megatron.core.distributed import comm
 from megatron.core.parallel_state import ParallelGroups
-from megatron.core.tensor_parallel.layers import initialize_param
+from megatron.core.tensor_parallel.layers import initial_values
 from megatron.core.transformer.rope import RotaryEmbedding, inverse_frequencies
 
 _PARAM_ATTRIBUTES = ("tp_layout", "shared_embedding", "init")
@@ -89,20 +89,19 @@ class FullyShardedDataParallel(torch.nn.Module):
 
     @torch.no_grad()
     def _initialize_shards(self, seed: int, model_dtype: torch.dtype) -> None:
-        """Each fp32 shard gets its rows of the parameter's initial value (drawn in the model's dtype,
-        as an unsharded model would be); buffers (rotary frequencies) are recomputed."""
+        """Each fp32 shard gets its rows of the parameter's initial value, rounded to the model's dtype
+        as an unsharded model's would be. One parameter at a time, the only full-size temporary is the
+        generated fp32 value of that parameter. Buffers (rotary frequencies) are recomputed."""
         model = self.module
         for submodule in model.modules():
             if isinstance(submodule, RotaryEmbedding):
                 submodule.inv_freq = inverse_frequencies(model.config).to(self.groups.device)
         for name, param in model.named_parameters():
-            value = torch.empty(param.shape, dtype=model_dtype, device=self.groups.device)  # TP-local, unsharded
-            value.tp_layout, value.init = param.tp_layout, param.init
-            initialize_param(value, model.global_param_name(name), seed, model.config.init_method_std,
-                             model.config.num_layers)
+            full = initial_values(param, model.global_param_name(name), seed, model.config.init_method_std,
+                                  model.config.num_layers, self.groups.device)
             local = param.to_local()
-            start = shard_row_start(param, self.groups)
-            local.copy_(value[start:start + local.shape[0]])
+            rows = _local_rows(full, param.tp_layout, shard_row_start(param, self.groups), local.shape[0])
+            local.copy_(rows.to(model_dtype))
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -134,6 +133,25 @@ class FullyShardedDataParallel(torch.nn.Module):
 
     def finish_param_sync(self) -> None:
         """Parameters are gathered by FSDP itself before each forward."""
+
+
+def _local_rows(full: dict, layout, start: int, count: int) -> torch.Tensor:
+    """Rows [start, start + count) of this tensor-parallel rank's slice of the full logical tensors
+    (`TPLayout.full_to_local` restricted to those rows, without building the whole slice)."""
+    if layout.dim != 0:
+        pieces = [full[part.name].narrow(layout.dim, *layout.local_range(part)) for part in layout.parts]
+        local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=layout.dim)
+        return local[start:start + count]
+    pieces = []
+    for part, offset, length in layout.local_offsets():
+        lo, hi = max(offset, start), min(offset + length, start + count)
+        if lo < hi:
+            part_start, _ = layout.local_range(part)
+            pieces.append(full[part.name].narrow(0, part_start + lo - offset, hi - lo))
+    if not pieces:
+        first = full[layout.parts[0].name]
+        return first.new_empty((0, *first.shape[1:]))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def shard_row_start(param, groups: ParallelGroups) -> int:
