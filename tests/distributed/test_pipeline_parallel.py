@@ -425,12 +425,12 @@ def test_pipeline_parity_four_ranks():
     assert all(rank_outcomes == outcomes[0] for rank_outcomes in outcomes)
     # Freeing sent outputs saves, at the peak (the end of the warm-up), every output then in flight:
     # the warm-up's P - r - 1 micro-batches in 1F1B, 2(P - r - 1) + (V - 1)P chunk-micro-batches
-    # interleaved; each freed output keeps one element. Gradients are unchanged.
-    freed_bytes = SEQ * MICRO_BATCH * HIDDEN * 4 - 4
+    # interleaved, less the one element each freed output keeps. Gradients are unchanged.
+    output_bytes = SEQ * MICRO_BATCH * HIDDEN * 4
     for rank, measured in enumerate(extras["memory"]):
-        assert measured["pp4"]["kept"] - measured["pp4"]["freed"] == (4 - rank - 1) * freed_bytes, measured
-        assert (measured["pp4 x vpp2"]["kept"] - measured["pp4 x vpp2"]["freed"]
-                == (2 * (4 - rank - 1) + 4) * freed_bytes), measured
+        for name, in_flight in (("pp4", 4 - rank - 1), ("pp4 x vpp2", 2 * (4 - rank - 1) + 4)):
+            saved = measured[name]["kept"] - measured[name]["freed"]
+            assert abs(saved - in_flight * output_bytes) <= 4 * (in_flight + 1), (rank, name, measured)
         assert all(m["same_grads"] for m in measured.values())
 
 
