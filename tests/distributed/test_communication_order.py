@@ -20,7 +20,7 @@ from megatron.core.distributed.ddp import DistributedDataParallel, DistributedDa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.parallel_state import initialize_model_parallel
-from tests.distributed.test_data_parallel import MICRO_BATCH, SEED, SEQ, global_batches, model_config, optimizer_config
+from tests.distributed.test_data_parallel import SEED, SEQ, global_batches, model_config, optimizer_config
 from tests.distributed.test_data_parallel import scenario as spawned_scenario
 
 
