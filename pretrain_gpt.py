@@ -20,12 +20,27 @@ from megatron.training.config import Config
 from megatron.training.training import pretrain, print_rank_0
 
 
-def get_batch(data_iterator, groups) -> dict:
-    """The next micro-batch on this rank's device; with context parallelism, this rank's two chunks
-    of the sequence (chunks r and 2C-1-r of 2C, position ids kept global)."""
+def get_batch(data_iterator, groups, fields=None) -> dict:
+    """The next micro-batch with `fields` (all when None) moved to this rank's device; with context
+    parallelism, this rank's two chunks of the sequence (chunks r and 2C-1-r of 2C, position ids
+    kept global)."""
     batch = next(data_iterator)
-    batch = {key: value.to(groups.device, non_blocking=True) for key, value in batch.items()}
+    batch = {key: value.to(groups.device, non_blocking=True) for key, value in batch.items()
+             if fields is None or key in fields}
     return slice_batch(batch, groups.cp_size, groups.cp_rank)
+
+
+def stage_fields(model) -> set:
+    """The batch fields a model chunk reads: tokens on the first pipeline stage, labels and the loss
+    mask on the last, positions (rotary embeddings) and document ids (packed-document attention)
+    on every stage."""
+    model = getattr(model, "module", model)
+    fields = {"position_ids", "document_ids"}
+    if model.pre_process:
+        fields.add("tokens")
+    if model.post_process:
+        fields.update(("labels", "loss_mask"))
+    return fields
 
 
 def loss_func(loss_mask: torch.Tensor, cp_group, per_token_loss: torch.Tensor):
@@ -46,10 +61,10 @@ def loss_func(loss_mask: torch.Tensor, cp_group, per_token_loss: torch.Tensor):
 
 def forward_step(data_iterator, model):
     groups = model.groups  # the model chunk's (and its data-parallel wrapper's) parallel layout
-    batch = get_batch(data_iterator, groups)
-    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
+    batch = get_batch(data_iterator, groups, stage_fields(model))
+    output = model(batch.get("tokens"), batch["position_ids"], labels=batch.get("labels"),
                    document_ids=batch.get("document_ids"))
-    return output, partial(loss_func, batch["loss_mask"], groups.cp)
+    return output, partial(loss_func, batch.get("loss_mask"), groups.cp)
 
 
 def build_tokenizer(config: Config):

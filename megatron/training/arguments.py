@@ -24,6 +24,16 @@ IRREGULAR_FLAGS = {
     "gradient_accumulation_fusion": ("--gradient-accumulation-fusion", argparse.BooleanOptionalAction),
     "cross_entropy_loss_fusion": ("--cross-entropy-loss-fusion", argparse.BooleanOptionalAction),
     "create_attention_mask_in_dataloader": ("--no-create-attention-mask-in-dataloader", "store_false"),
+    "overlap_p2p_comm": ("--no-overlap-p2p-communication", "store_false"),
+    "overlap_p2p_comm_warmup_flush": ("--overlap-p2p-communication-warmup-flush", "store_true"),
+    "microbatch_group_size_per_vp_stage": ("--microbatch-group-size-per-virtual-pipeline-stage", None),
+}
+
+# Switches kept for older Megatron-LM scripts: flag -> (field, help). They set a field to True that
+# is already True by default.
+ACCEPTED_SWITCHES = {
+    "--overlap-p2p-communication": ("overlap_p2p_comm", "Accepted for older scripts: p2p overlap is on by "
+                                                        "default (see --no-overlap-p2p-communication)."),
 }
 
 _MISSING = dataclasses.MISSING
@@ -91,6 +101,8 @@ def build_parser(extra_sections: Optional[dict] = None) -> argparse.ArgumentPars
         hints = typing.get_type_hints(cls)
         for field in dataclasses.fields(cls):
             _add_field(group, field, hints[field.name], docs.get(field.name, ""))
+    for flag, (name, help_text) in ACCEPTED_SWITCHES.items():
+        parser.add_argument(flag, dest=name, action="store_true", default=argparse.SUPPRESS, help=help_text)
     return parser
 
 

@@ -97,31 +97,44 @@ def resolve_attention(model_config: TransformerConfig, config: Config,
     return dataclasses.replace(model_config, attention_backend=backend), report
 
 
+def pipeline_split(config: Config) -> dict:
+    """The keyword arguments of `layout` that describe how the decoder is split over stages."""
+    p = config.parallel
+    return dict(first_stage_layers=p.decoder_first_pipeline_num_layers,
+                last_stage_layers=p.decoder_last_pipeline_num_layers,
+                account_for_embedding=p.account_for_embedding_in_pipeline_split,
+                account_for_loss=p.account_for_loss_in_pipeline_split)
+
+
+def virtual_pipeline_size(config: Config) -> int:
+    p = config.parallel
+    return layout.virtual_pipeline_size(
+        config.model.num_layers, p.pipeline_model_parallel_size,
+        num_layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage,
+        num_virtual_stages_per_rank=p.num_virtual_stages_per_pipeline_rank, **pipeline_split(config))
+
+
 def stage_layer_numbers(config: Config, groups: ParallelGroups) -> list:
     """Global layer indices of each model chunk on this rank (one chunk without interleaving)."""
-    p = config.parallel
-    uneven = dict(first_stage_layers=p.decoder_first_pipeline_num_layers,
-                  last_stage_layers=p.decoder_last_pipeline_num_layers)
-    virtual_size = layout.virtual_pipeline_size(
-        config.model.num_layers, groups.pp_size,
-        num_layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage,
-        num_virtual_stages_per_rank=p.num_virtual_stages_per_pipeline_rank, **uneven)
     return layout.stage_layer_numbers(config.model.num_layers, groups.pp_size, groups.pp_rank,
-                                      virtual_size=virtual_size, **uneven)
+                                      virtual_size=virtual_pipeline_size(config), **pipeline_split(config))
 
 
 def build_model_chunks(config: Config, groups: ParallelGroups, model_config: TransformerConfig,
                        rng_tracker) -> list:
     """This rank's model chunks: the embedding goes to chunk 0 of the first pipeline rank, the final
-    norm, output layer and loss to the last chunk of the last rank."""
+    norm, output layer and loss to the last chunk of the last rank. With FSDP2 they are built on the
+    meta device (no memory) and initialized shard by shard when wrapped (`wrap_data_parallel`)."""
     chunks = []
     layer_lists = stage_layer_numbers(config, groups)
+    device = torch.device("meta") if config.parallel.use_torch_fsdp2 else groups.device
     for index, layers in enumerate(layer_lists):
         first = groups.is_first_stage and index == 0
         last = groups.is_last_stage and index == len(layer_lists) - 1
         model = GPTModel(model_config, groups, rng_tracker=rng_tracker, pre_process=first,
-                         post_process=last, layer_numbers=layers, device=groups.device)
-        model.initialize_parameters(config.training.seed)
+                         post_process=last, layer_numbers=layers, device=device)
+        if not config.parallel.use_torch_fsdp2:
+            model.initialize_parameters(config.training.seed)
         chunks.append(model)
     return chunks
 
@@ -133,11 +146,14 @@ def wrap_data_parallel(chunks: list, config: Config, groups: ParallelGroups) -> 
     if p.use_torch_fsdp2:
         from megatron.core.distributed.fsdp import FullyShardedDataParallel
 
-        return [FullyShardedDataParallel(chunk, groups) for chunk in chunks]
+        reduce_dtype = torch.bfloat16 if p.grad_reduce_in_bf16 else torch.float32
+        return [FullyShardedDataParallel(chunk, groups, reduce_dtype=reduce_dtype, init_seed=config.training.seed)
+                for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_bf16=p.grad_reduce_in_bf16, overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather, use_distributed_optimizer=p.use_distributed_optimizer,
-        bucket_size=p.ddp_bucket_size, average_in_collective=p.average_in_collective)
+        bucket_size=p.ddp_bucket_size, average_in_collective=p.ddp_average_in_collective,
+        overlap_param_gather_with_optimizer_step=p.overlap_param_gather_with_optimizer_step)
     return [DistributedDataParallel(chunk, groups, ddp_config=ddp_config) for chunk in chunks]
 
 
@@ -172,4 +188,5 @@ def validate_data_parallel_config(config: Config) -> None:
     p = config.parallel
     validate_data_parallel(ddp_bucket_size=p.ddp_bucket_size, use_distributed_optimizer=p.use_distributed_optimizer,
                            overlap_param_gather=p.overlap_param_gather, use_torch_fsdp2=p.use_torch_fsdp2,
-                           pipeline_model_parallel_size=p.pipeline_model_parallel_size)
+                           overlap_param_gather_with_optimizer_step=p.overlap_param_gather_with_optimizer_step,
+                           virtual_pipeline_size=virtual_pipeline_size(config))

@@ -14,9 +14,14 @@ With context parallelism (CP ranks hold the same parameters and average their gr
 ranks) the distributed optimizer and FSDP2 shard over DP x CP ranks, so those shares are 1/(DP x CP);
 the figures are read from this rank's tensors, so they show it. Activations, not counted here, are
 about 1/CP of the CP=1 figure per rank (docs/parallelism.md).
-"""
-import torch
 
+`LiveTensorBytes` measures what a piece of code really holds (tests and benchmarks use it on CPU).
+"""
+import weakref
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _MOMENTS = {"adam": 2, "sgd": 1}
 _GIB = 1024 ** 3
@@ -73,3 +78,52 @@ def memory_report(config, chunks: list, optimizer, groups) -> str:
         text += f" | + one gathered layer {_gib(figures['fsdp_gathered_layer'])} while it runs"
     return text
 
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """While active, counts the bytes of the tensor storages created since it began that are still
+    alive, and the peak of that count: the memory a piece of code holds, on any device (the CPU's
+    allocator keeps no statistics). Views, in-place results and meta tensors add nothing; a DTensor
+    counts as its local shard.
+
+        with LiveTensorBytes() as counter:
+            ...
+        counter.peak, counter.live
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._tracked = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        existing = {id(storage) for storage in _storages(pytree.tree_leaves((args, kwargs)))}
+        for storage in _storages(pytree.tree_leaves(out)):
+            if id(storage) not in existing and id(storage) not in self._tracked:
+                self._track(storage)
+        return out
+
+    def _track(self, storage) -> None:
+        size = storage.nbytes()
+        key = id(storage)
+        self._tracked.add(key)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._release, key, size)
+
+    def _release(self, key: int, size: int) -> None:
+        self._tracked.discard(key)
+        self.live -= size
+
+
+def _storages(leaves: list) -> list:
+    found = []
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        local = getattr(leaf, "_local_tensor", leaf)  # a DTensor's shard
+        if not local.is_meta:
+            found.append(local.untyped_storage())
+    return found

@@ -123,55 +123,66 @@ def _activation_shape(run: Run) -> tuple:
     return (seq, t.micro_batch_size, run.model_config.hidden_size)
 
 
-def _forward_backward(run: Run, data_iterators: list, forward_only: bool) -> list:
+def _forward_backward(run: Run, data_iterator, forward_only: bool) -> list:
+    p = run.config.parallel
     schedule = get_forward_backward_func(run.groups.pp_size, len(run.chunks))
-    return schedule(forward_step_func=run.forward_step_func, data_iterator=data_iterators,
+    return schedule(forward_step_func=run.forward_step_func, data_iterator=data_iterator,
                     model_chunks=run.chunks, num_microbatches=run.num_microbatches, groups=run.groups,
                     forward_only=forward_only, scale_loss=run.optimizer.scale_loss,
-                    tensor_shape=_activation_shape(run), dtype=run.model_config.params_dtype)
+                    tensor_shape=_activation_shape(run), dtype=run.model_config.params_dtype,
+                    overlap_p2p_comm=p.overlap_p2p_comm, overlap_p2p_comm_warmup_flush=p.overlap_p2p_comm_warmup_flush,
+                    microbatch_group_size=p.microbatch_group_size_per_vp_stage)
 
 
-def reduce_reported(run: Run, reported: list) -> dict:
-    """{name: value} averaged over micro-batches and data-parallel ranks. Each reported value is a
-    tensor [sum, count]; the result is sum/count. Only the last pipeline stage has values; the
-    result is then sent to every rank of the pipeline (so any rank can log it)."""
+def local_sums(reported: list) -> dict:
+    """{name: [sum, count]} of one step's reported values, summed over its micro-batches, left on
+    the device (no communication)."""
     names = sorted(reported[0]) if reported else []
-    totals = {}
-    for name in names:
-        pair = torch.stack([r[name].detach().float() for r in reported]).sum(dim=0)
-        comm.all_reduce(pair, run.groups.dp_cp)
-        totals[name] = (pair[0] / pair[1]).item()
-    return totals
+    return {name: torch.stack([r[name].detach().float() for r in reported]).sum(dim=0) for name in names}
 
 
-def train_step(run: Run, data_iterators: list) -> tuple[dict, bool, Optional[float]]:
+def reduce_reported(run: Run, steps: list) -> dict:
+    """{name: value}: each step's sum/count over micro-batches and data-parallel ranks, averaged over
+    the steps. `steps` holds `local_sums` of each step; one all-reduce for all of them. Only the last
+    pipeline stage has values (the logging rank is one of them)."""
+    names = sorted(steps[0]) if steps else []
+    if not names:
+        return {}
+    pairs = torch.stack([torch.stack([step[name] for name in names]) for step in steps])  # [steps, names, 2]
+    comm.all_reduce(pairs, run.groups.dp_cp)
+    means = (pairs[..., 0] / pairs[..., 1]).mean(dim=0).tolist()
+    return dict(zip(names, means))
+
+
+def train_step(run: Run, data_iterator) -> tuple[dict, bool, Optional[float]]:
+    """One optimizer step. Returns the step's `local_sums` (on the device: reduced only when
+    logged), whether the update was applied, and the gradient norm."""
     for chunk in run.chunks:
         chunk.zero_grad_buffer()
-    reported = _forward_backward(run, data_iterators, forward_only=False)
+    reported = _forward_backward(run, data_iterator, forward_only=False)
     finalize_model_grads(run.chunks, run.groups)
     applied, grad_norm = run.optimizer.step()
     if applied:
         run.scheduler.step()
-    return reduce_reported(run, reported), applied, grad_norm
+    return local_sums(reported), applied, grad_norm
 
 
-def evaluate(run: Run, data_iterators: list, eval_iters: int) -> dict:
+def evaluate(run: Run, data_iterator, eval_iters: int) -> dict:
     for chunk in run.chunks:
         chunk.module.eval()
-    sums = {}
     with torch.no_grad():
-        for _ in range(eval_iters):
-            for name, value in reduce_reported(run, _forward_backward(run, data_iterators, True)).items():
-                sums[name] = sums.get(name, 0.0) + value / eval_iters
+        steps = [local_sums(_forward_backward(run, data_iterator, True)) for _ in range(eval_iters)]
     for chunk in run.chunks:
         chunk.module.train()
-    return sums
+    return reduce_reported(run, steps)
 
 
-def _loaders(run: Run, dataset, consumed: int) -> Optional[list]:
-    loaders = [build_loader(dataset, consumed, run.config.training.micro_batch_size, run.groups,
-                            run.config.data.num_workers) for _ in run.chunks]
-    return None if loaders[0] is None else [iter(loader) for loader in loaders]
+def _loader(run: Run, dataset, consumed: int):
+    """One data iterator for this rank (the schedules hand each micro-batch to every model chunk
+    that runs it); None without data."""
+    loader = build_loader(dataset, consumed, run.config.training.micro_batch_size, run.groups,
+                          run.config.data.num_workers)
+    return None if loader is None else iter(loader)
 
 
 def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = None,
@@ -183,24 +194,22 @@ def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = 
     state = state or TrainState()
     if state.iteration >= t.train_iters:
         return state
-    train_iterators = _loaders(run, train_dataset, state.consumed_train_samples)
+    train_iterator = _loader(run, train_dataset, state.consumed_train_samples)
     if run.checkpointer is not None:
         run.checkpointer.restore_rng()
     tensorboard = TensorBoardWriter(log.tensorboard_dir if groups.is_logging_rank else None)
     flops = flops_per_iteration(run.model_config, run.global_batch_size, t.seq_length)
     tokens = run.global_batch_size * t.seq_length
-    window = {"time": 0.0, "iters": 0, "losses": {}}
     profiler = StepProfiler(log, groups.global_rank, groups.device)
     for chunk in run.chunks:
         chunk.module.train()
+    window = _Window(groups.device)
     while state.iteration < t.train_iters:
+        # No device synchronize and no host read of the loss inside a step: steps queue back to back
+        # (a parameter gather left in flight overlaps the next forward); the window is timed and its
+        # losses reduced at log intervals.
         profiler.before_step(state.iteration)
-        utils.reset_peak_memory(groups.device)
-        utils.synchronize(groups.device)
-        start = time.perf_counter()
-        losses, applied, grad_norm = train_step(run, train_iterators)
-        utils.synchronize(groups.device)
-        elapsed = time.perf_counter() - start
+        losses, applied, grad_norm = train_step(run, train_iterator)
         state.iteration += 1
         profiler.after_step(state.iteration)
         state.consumed_train_samples += run.global_batch_size
@@ -208,16 +217,17 @@ def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = 
             state.skipped_iterations += 1
             if grad_norm is not None:
                 state.nan_iterations += 1
-        window["time"] += elapsed
-        window["iters"] += 1
-        for name, value in losses.items():
-            window["losses"][name] = window["losses"].get(name, 0.0) + value
+        window.steps.append(losses)
         if state.iteration % log.log_interval == 0 or state.iteration == t.train_iters:
             _log_iteration(run, state, window, flops, tokens, grad_norm, tensorboard)
-            window = {"time": 0.0, "iters": 0, "losses": {}}
+            window = _Window(groups.device)
         if valid_dataset is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
             _log_evaluation(run, valid_dataset, state, "iteration " + str(state.iteration), tensorboard)
+            window.restart()
+        saved = run.checkpointer.last_saved_iteration if run.checkpointer is not None else None
         state.exit_reason = _save_and_check_exit(run, state, exits)
+        if run.checkpointer is not None and run.checkpointer.last_saved_iteration != saved:
+            window.restart()  # the save's time is not a training step's
         if state.exit_reason is not None:
             run.printer(f"> exiting after iteration {state.iteration}: {state.exit_reason}")
             break
@@ -236,15 +246,36 @@ def _save_and_check_exit(run: Run, state: TrainState, exits: Optional[ExitCondit
     return reason
 
 
-def _log_iteration(run: Run, state: TrainState, window: dict, flops: float, tokens: int,
+class _Window:
+    """The steps between two log lines: their local loss sums, and the time since the window began
+    (the device synchronized at both ends). The peak memory shown is the window's."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.steps = []
+        self.restart()
+
+    def restart(self) -> None:
+        """Starts (or restarts, after an evaluation) the clock and the peak-memory counter; the time
+        of steps before a restart is lost, so the average covers the steps since."""
+        utils.synchronize(self.device)
+        utils.reset_peak_memory(self.device)
+        self.timed_from = len(self.steps)
+        self.start = time.perf_counter()
+
+    def seconds_per_step(self) -> float:
+        utils.synchronize(self.device)
+        return (time.perf_counter() - self.start) / max(1, len(self.steps) - self.timed_from)
+
+
+def _log_iteration(run: Run, state: TrainState, window: _Window, flops: float, tokens: int,
                    grad_norm: Optional[float], tensorboard: TensorBoardWriter) -> None:
     groups = run.groups
-    iters = window["iters"]
-    seconds = window["time"] / iters
+    seconds = window.seconds_per_step()
     tflops = flops / (seconds * 1e12 * groups.world_size)
     tokens_per_gpu = tokens / seconds / groups.world_size
     peak_gb = utils.peak_memory_bytes(groups.device) / 1e9
-    losses = {name: value / iters for name, value in window["losses"].items()}
+    losses = reduce_reported(run, window.steps)
     lr = run.scheduler.get_lr()
     if groups.is_logging_rank:
         print(iteration_line(iteration=state.iteration, train_iters=run.config.training.train_iters,
@@ -261,10 +292,10 @@ def _log_iteration(run: Run, state: TrainState, window: dict, flops: float, toke
 
 
 def _log_evaluation(run: Run, dataset, state: TrainState, label: str, tensorboard: TensorBoardWriter) -> dict:
-    iterators = _loaders(run, dataset, 0)
-    if iterators is None:
+    iterator = _loader(run, dataset, 0)
+    if iterator is None:
         return {}
-    values = evaluate(run, iterators, run.config.training.eval_iters)
+    values = evaluate(run, iterator, run.config.training.eval_iters)
     if run.groups.is_logging_rank:
         text = " | ".join(f"{name} value: {value:.6E} | {name} PPL: {_ppl(value):.6E}" for name, value in values.items())
         bar = "-" * (len(text) + 40)

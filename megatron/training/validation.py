@@ -61,20 +61,20 @@ def validate(config: Config, world_size: int) -> list:
              f"({t.micro_batch_size}) x data-parallel size ({dp}) = {t.micro_batch_size * dp}")
 
     try:
-        validate_pipeline(
+        virtual_size = validate_pipeline(
             m.num_layers, pp,
             num_layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage,
             num_virtual_stages_per_rank=p.num_virtual_stages_per_pipeline_rank,
             first_stage_layers=p.decoder_first_pipeline_num_layers,
             last_stage_layers=p.decoder_last_pipeline_num_layers,
-            num_microbatches=global_batch // (t.micro_batch_size * dp))
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-
-    try:
+            num_microbatches=global_batch // (t.micro_batch_size * dp),
+            account_for_embedding=p.account_for_embedding_in_pipeline_split,
+            account_for_loss=p.account_for_loss_in_pipeline_split,
+            microbatch_group_size=p.microbatch_group_size_per_vp_stage)
         validate_data_parallel(ddp_bucket_size=p.ddp_bucket_size, use_distributed_optimizer=p.use_distributed_optimizer,
                                overlap_param_gather=p.overlap_param_gather, use_torch_fsdp2=p.use_torch_fsdp2,
-                               pipeline_model_parallel_size=pp)
+                               overlap_param_gather_with_optimizer_step=p.overlap_param_gather_with_optimizer_step,
+                               virtual_pipeline_size=virtual_size)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 

@@ -151,35 +151,32 @@ TP2_OVERRIDES = (("sequence_parallel", True), ("num_query_groups", 1), ("normali
 _DP = "tests.distributed.test_data_parallel"
 _DO = "tests.distributed.test_distributed_optimizer"
 _FS = "tests.distributed.test_fsdp"
+_CO = "tests.distributed.test_communication_order"
 SCENARIOS = {
-    2: [("ddp overlap", _DP, "_overlapped_ddp", (2, False)),
+    2: [("communication order", _CO, "_ordering_trace", ()),
+        ("ddp overlap", _DP, "_overlapped_ddp", (2, False)),
         ("distopt", _DO, "_dist_opt_run", (1, 2, False, ())),
         ("distopt overlap", _DO, "_dist_opt_run", (1, 2, True, ())),
         ("fp16 inf distopt", _DO, "_fp16_inf_run", (True,)),
         ("fp16 inf ddp", _DO, "_fp16_inf_run", (False,)),
-        ("fsdp", _FS, "_fsdp_run", (1, 2, ()))],
+        ("fsdp", _FS, "_fsdp_run", (1, 2, ())),
+        ("fsdp bf16", _FS, "_fsdp_run", (1, 2, (("params_dtype", torch.bfloat16),))),
+        ("fsdp bf16 reduce in bf16", _FS, "_fsdp_run", (1, 2, (("params_dtype", torch.bfloat16),),
+                                                           torch.bfloat16))],
     4: [("ddp overlap average_in_collective", _DP, "_overlapped_ddp", (1, True)),
         ("distopt", _DO, "_dist_opt_run", (1, 1, False, ())),
         ("distopt overlap", _DO, "_dist_opt_run", (1, 1, True, ())),
         ("distopt tp2", _DO, "_dist_opt_run", (2, 2, True, TP2_OVERRIDES)),
-        ("fsdp tp2", _FS, "_fsdp_run", (2, 2, TP2_OVERRIDES))],
+        ("fsdp tp2", _FS, "_fsdp_run", (2, 2, TP2_OVERRIDES)),
+        ("fsdp start-up", _FS, "_fsdp_startup_peak", (8,))],
 }
 
 
 def _run_scenarios(rank, world_size):
     import importlib
-    import os
-    import sys
-    import traceback
 
-    try:
-        return {name: getattr(importlib.import_module(module), fn)(*args)
-                for name, module, fn, args in SCENARIOS[world_size]}
-    except BaseException:
-        # The other ranks may be waiting in a collective: exit so that they fail too (their
-        # connections close) instead of waiting for the collective timeout.
-        print(f"rank {rank}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        os._exit(1)
+    return {name: getattr(importlib.import_module(module), fn)(*args)
+            for name, module, fn, args in SCENARIOS[world_size]}
 
 
 @functools.lru_cache(maxsize=None)

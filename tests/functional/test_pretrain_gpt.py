@@ -120,7 +120,8 @@ def test_example_script_prints_the_run_summary(tmp_path):
     ["--tensor-model-parallel-size", "2", "--sequence-parallel"],                     # TP2 x DP2
     ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"],
     ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--sequence-parallel"],
-], ids=["tp2-dp2", "pp2-tp2", "cp2-tp2"])
+    ["--pipeline-model-parallel-size", "2", "--use-torch-fsdp2"],                     # FSDP2 x PP2 (x DP2)
+], ids=["tp2-dp2", "pp2-tp2", "cp2-tp2", "fsdp2-pp2"])
 def test_torchrun_layout_matches_single_process(single_process_run, layout):
     """Training and validation loss curves agree with one process to a relative 1e-5 (fp32)."""
     result = run_pretrain(layout, nproc=4)

@@ -46,3 +46,13 @@ def test_gpu_check_dry_run_writes_the_report(tmp_path):
     text = report.read_text()
     assert "# GPU check (CPU dry run)" in text and "needs a CUDA GPU" in text
     assert "| bf16 | tiny |" in text and "attention" in text
+
+
+def test_memory_benchmark_runs_under_torchrun():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", "0",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "bench/bench_scale_memory.py",
+               "--seq-length", "16", "--hidden-size", "32", "--vocab-size", "128", "--fsdp-layers", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("PP4 x VPP2 rank") == 4 and "FSDP2 DP4 start-up, rank 0" in result.stdout

@@ -41,6 +41,10 @@ def test_buckets_close_at_size_pad_and_isolate_shared_params():
     assert buckets[0].shard_range(1, 4) == (5, 10)
     one, total = plan_buckets([a, b, c, d], bucket_size=None)
     assert len(one) == 1 and total == 25
+    # The distributed optimizer's layout: every parameter starts at a multiple of 64 elements.
+    aligned, total = plan_buckets([a, b, c, d], bucket_size=None, pad_multiple=128, param_alignment=64)
+    assert [aligned[0].param_ranges[p] for p in (a, b, c, d)] == [(0, 10), (64, 71), (128, 133), (192, 195)]
+    assert total == 256
 
 
 @pytest.mark.parametrize("size", [0, -5])
@@ -52,11 +56,16 @@ def test_bucket_size_must_be_positive(size):
 def test_flag_combinations_are_refused_with_the_flags_named():
     with pytest.raises(ValueError, match="--overlap-param-gather needs --use-distributed-optimizer"):
         validate_data_parallel(overlap_param_gather=True)
-    with pytest.raises(ValueError, match="--use-torch-fsdp2 does not support pipeline"):
-        validate_data_parallel(use_torch_fsdp2=True, pipeline_model_parallel_size=4)
     with pytest.raises(ValueError, match="--use-torch-fsdp2 and --use-distributed-optimizer"):
         validate_data_parallel(use_torch_fsdp2=True, use_distributed_optimizer=True)
+    with pytest.raises(ValueError, match="--overlap-param-gather-with-optimizer-step needs --overlap-param-gather"):
+        validate_data_parallel(use_distributed_optimizer=True, overlap_param_gather_with_optimizer_step=True)
+    with pytest.raises(ValueError, match="--overlap-param-gather-with-optimizer-step needs interleaved pipeline"):
+        validate_data_parallel(use_distributed_optimizer=True, overlap_param_gather=True,
+                               overlap_param_gather_with_optimizer_step=True)
     validate_data_parallel(ddp_bucket_size=1, use_distributed_optimizer=True, overlap_param_gather=True)
+    validate_data_parallel(use_distributed_optimizer=True, overlap_param_gather=True,
+                           overlap_param_gather_with_optimizer_step=True, virtual_pipeline_size=2)
 
 
 def _model(dtype=torch.float32):

@@ -7,7 +7,7 @@ from megatron.core.pipeline_parallel.schedules import (
     forward_backward_pipelining_with_interleaving,
     forward_backward_pipelining_without_interleaving,
     get_forward_backward_func,
-    model_chunk_id,
+    schedule_table,
 )
 
 
@@ -86,6 +86,7 @@ def test_schedule_choice():
 
 
 def test_interleaved_chunk_order():
-    # P=2, V=2: forwards visit chunks 0,0,1,1 per group of P micro-batches; backwards the reverse.
-    assert [model_chunk_id(k, 2, 2, forward=True) for k in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
-    assert [model_chunk_id(k, 2, 2, forward=False) for k in range(8)] == [1, 1, 0, 0, 1, 1, 0, 0]
+    # P=2, V=2: forwards visit chunks 0,0,1,1 per group of P micro-batches (backwards the reverse chunks).
+    assert schedule_table(4, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
+    # Groups of 3 with 5 micro-batches: the last group takes the remaining 2 (Megatron's table).
+    assert schedule_table(5, 2, 3) == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (4, 0), (3, 1), (4, 1)]

@@ -6,13 +6,45 @@ no-op (or a copy) for it. This lets a model built for a single process run witho
 
 Gloo lacks some collectives on some PyTorch versions; each such case has a fallback built from
 collectives gloo does have, chosen by backend, so every parallel feature runs on CPU.
+
+`record_collectives(events)` appends an event when each data-parallel collective is issued and when
+it has completed, so tests can check the order of communication against the computation.
 """
+import contextlib
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 Group = Optional[dist.ProcessGroup]
+
+_events: Optional[list] = None  # set by record_collectives
+
+
+@contextlib.contextmanager
+def record_collectives(events: list):
+    """While active, appends ("start", name, tensor) to `events` when `all_reduce`, `all_reduce_mean`,
+    `all_gather_into_tensor`, `reduce_scatter_tensor` or `reduce_scatter_mean` is issued on a real
+    group, and ("done", name, tensor) once it has completed (returned, or its handle's `wait()`
+    returned). `tensor` is the buffer the collective fills (the input for a reduce-scatter)."""
+    global _events
+    previous, _events = _events, events
+    try:
+        yield events
+    finally:
+        _events = previous
+
+
+def _traced(name: str, tensor: torch.Tensor, work):
+    """`work` (a handle, or None for a completed call) with the trace events of `record_collectives`."""
+    if _events is None:
+        return work
+    events = _events
+    events.append(("start", name, tensor))
+    if work is None:
+        events.append(("done", name, tensor))
+        return None
+    return PendingWork(work, lambda: events.append(("done", name, tensor)))
 
 
 def size(group: Group) -> int:
@@ -37,8 +69,8 @@ def all_reduce(tensor: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_o
         if work is not None:
             work.wait()
         tensor.div_(size(group))
-        return None
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        return _traced("all_reduce", tensor, None)
+    return _traced("all_reduce", tensor, dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
 
 
 def all_reduce_max(tensor: torch.Tensor, group: Group) -> None:
@@ -50,7 +82,8 @@ def all_gather_into_tensor(output: torch.Tensor, input_: torch.Tensor, group: Gr
     if group is None:
         output.copy_(input_)
         return None
-    return dist.all_gather_into_tensor(output, input_.contiguous(), group=group, async_op=async_op)
+    work = dist.all_gather_into_tensor(output, input_.contiguous(), group=group, async_op=async_op)
+    return _traced("all_gather_into_tensor", output, work)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input_: torch.Tensor, group: Group, async_op: bool = False):
@@ -58,6 +91,10 @@ def reduce_scatter_tensor(output: torch.Tensor, input_: torch.Tensor, group: Gro
     if group is None:
         output.copy_(input_)
         return None
+    return _traced("reduce_scatter_tensor", input_, _reduce_scatter_sum(output, input_, group, async_op))
+
+
+def _reduce_scatter_sum(output: torch.Tensor, input_: torch.Tensor, group: dist.ProcessGroup, async_op: bool):
     if _is_gloo(group):
         # Gloo: all-reduce the whole tensor and keep this rank's chunk. More traffic, same result.
         reduced = input_.contiguous().clone()
@@ -100,8 +137,9 @@ def all_reduce_mean(tensor: torch.Tensor, group: Group, async_op: bool = False):
         return None
     if _is_gloo(group):
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-        return _finish_later(work, lambda: tensor.div_(size(group)))
-    return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
+        return _traced("all_reduce_mean", tensor, _finish_later(work, lambda: tensor.div_(size(group))))
+    return _traced("all_reduce_mean", tensor,
+                   dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group, async_op=async_op))
 
 
 def reduce_scatter_mean(output: torch.Tensor, input_: torch.Tensor, group: Group, async_op: bool = False):
@@ -111,10 +149,10 @@ def reduce_scatter_mean(output: torch.Tensor, input_: torch.Tensor, group: Group
         output.copy_(input_)
         return None
     if _is_gloo(group):
-        work = reduce_scatter_tensor(output, input_, group, async_op=async_op)
-        return _finish_later(work, lambda: output.div_(size(group)))
-    return dist.reduce_scatter_tensor(output, input_.contiguous(), op=dist.ReduceOp.AVG, group=group,
-                                      async_op=async_op)
+        work = _reduce_scatter_sum(output, input_, group, async_op)
+        return _traced("reduce_scatter_mean", input_, _finish_later(work, lambda: output.div_(size(group))))
+    return _traced("reduce_scatter_mean", input_, dist.reduce_scatter_tensor(
+        output, input_.contiguous(), op=dist.ReduceOp.AVG, group=group, async_op=async_op))
 
 
 

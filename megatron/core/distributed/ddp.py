@@ -8,6 +8,10 @@ into the buffer whatever the parameter dtype. Layers that fuse the accumulation
 themselves and produce no `param.grad`) call the same hook, as `param.main_grad_hook`, once their
 contribution is in, so bucket readiness is recorded for every parameter either way.
 
+The buffers hold parameters in the reverse of the order the forward pass uses them
+(`params_in_forward_order`), which is the order backward produces their gradients: on the last
+stage the output layer's gradient, ready first, sits in the first bucket.
+
 The reduction averages over the data-parallel x context-parallel group, by bucket:
 - without `--overlap-grad-reduce`, every bucket is reduced in `finish_grad_sync`, after backward;
 - with it, the same hook marks the parameter ready during the backward of the last micro-batch
@@ -15,8 +19,10 @@ The reduction averages over the data-parallel x context-parallel group, by bucke
   is in; `finish_grad_sync` then starts what is left and waits only for what is in flight.
 With `--use-distributed-optimizer` the reduction is a reduce-scatter (each rank keeps the reduced
 shard it updates) and parameters live in a buffer too, re-assembled by an all-gather after the
-step; with `--overlap-param-gather` each module waits for its own parameters' gather in a forward
-pre-hook, so the gather overlaps the next forward.
+step. With `--overlap-param-gather` the gathers are dispatched one bucket at a time in forward
+order (`ParamGatherChain`, Megatron's scheme): the forward hook of the first module using a bucket
+waits for that bucket's gather and dispatches the next one, so each gather overlaps the forward of
+the layers before it; the chain runs across the model chunks of interleaved pipelining.
 """
 import contextlib
 from dataclasses import dataclass
@@ -37,30 +43,110 @@ class DistributedDataParallelConfig:
     overlap_param_gather: bool = False
     use_distributed_optimizer: bool = False
     bucket_size: Optional[int] = None      # elements; None: 40M with overlap, else one bucket
-    average_in_collective: bool = False
+    average_in_collective: bool = False    # --ddp-average-in-collective
+    # The first chunk's gathers start during the rest of the optimizer step (read by the
+    # distributed optimizer; needs overlap_param_gather and model chunks, as in Megatron).
+    overlap_param_gather_with_optimizer_step: bool = False
 
     def __post_init__(self):
         validate_data_parallel(ddp_bucket_size=self.bucket_size,
                                use_distributed_optimizer=self.use_distributed_optimizer,
                                overlap_param_gather=self.overlap_param_gather)
+        if self.overlap_param_gather_with_optimizer_step and not self.overlap_param_gather:
+            raise ValueError("--overlap-param-gather-with-optimizer-step needs --overlap-param-gather")
 
 
 def validate_data_parallel(*, ddp_bucket_size: Optional[int] = None, use_distributed_optimizer: bool = False,
                            overlap_param_gather: bool = False, use_torch_fsdp2: bool = False,
-                           pipeline_model_parallel_size: int = 1) -> None:
+                           overlap_param_gather_with_optimizer_step: bool = False,
+                           virtual_pipeline_size: int = 1) -> None:
     """Raises ValueError, naming the flags, for data-parallel settings that cannot work together."""
     if ddp_bucket_size is not None and ddp_bucket_size <= 0:
         raise ValueError(f"--ddp-bucket-size must be a positive number of elements, got {ddp_bucket_size}")
     if overlap_param_gather and not use_distributed_optimizer:
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (only the distributed "
                          "optimizer gathers parameters); add it or drop --overlap-param-gather")
-    if use_torch_fsdp2 and pipeline_model_parallel_size > 1:
-        raise ValueError(f"--use-torch-fsdp2 does not support pipeline parallelism "
-                         f"(--pipeline-model-parallel-size {pipeline_model_parallel_size}); use "
-                         "--pipeline-model-parallel-size 1 or drop --use-torch-fsdp2")
+    if overlap_param_gather_with_optimizer_step and not overlap_param_gather:
+        raise ValueError("--overlap-param-gather-with-optimizer-step needs --overlap-param-gather (and "
+                         "--use-distributed-optimizer); add them or drop it")
+    if overlap_param_gather_with_optimizer_step and virtual_pipeline_size == 1:
+        raise ValueError("--overlap-param-gather-with-optimizer-step needs interleaved pipeline parallelism "
+                         "(--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank), "
+                         "as in Megatron: it overlaps the first model chunk's gather with the others' step")
     if use_torch_fsdp2 and use_distributed_optimizer:
         raise ValueError("--use-torch-fsdp2 and --use-distributed-optimizer cannot be used together: FSDP2 "
                          "already shards the optimizer state; drop one of them")
+
+
+def params_in_forward_order(module: torch.nn.Module) -> list:
+    """Trainable parameters in the order the forward pass first uses them: submodules in registration
+    order, and a module's own parameters after those of its submodules (a head applied to what its
+    submodules computed, such as GPTModel's output layer after the decoder)."""
+    order = {}
+
+    def visit(submodule):
+        for child in submodule.children():
+            visit(child)
+        for param in submodule.parameters(recurse=False):
+            if param.requires_grad:
+                order.setdefault(param, None)
+
+    visit(module)
+    return list(order)
+
+
+class ParamGatherChain:
+    """The buckets of one or more model chunks in forward order, and the state of their parameter
+    gathers after an optimizer step. Gathers are dispatched in this order on every rank (so the
+    data-parallel peers issue the same collectives in the same order): waiting for a bucket first
+    dispatches any owed bucket before it, and after the wait the next bucket's gather is dispatched,
+    to run while the layers using this bucket compute."""
+
+    def __init__(self, buckets: list):
+        self.buckets = buckets
+        self.position = {bucket: index for index, bucket in enumerate(buckets)}
+        self.cursor = len(buckets)  # every bucket before the cursor has been dispatched
+
+    def owe(self, buckets: list) -> None:
+        """After an optimizer step: these buckets' parameters changed and must be gathered."""
+        for bucket in buckets:
+            bucket.param_gather = "owed"
+            self.cursor = min(self.cursor, self.position[bucket])
+
+    def dispatch_through(self, bucket) -> None:
+        """Dispatches every owed gather up to and including `bucket`'s, in chain order."""
+        last = self.position[bucket]
+        while self.cursor <= last:
+            earlier = self.buckets[self.cursor]
+            if earlier.param_gather == "owed":
+                earlier.buffer.start_param_gather(earlier)
+            self.cursor += 1
+
+    def wait(self, bucket) -> None:
+        """Before the forward uses `bucket`'s parameters: waits for its gather, then starts the next."""
+        if bucket.param_gather == "done":
+            return
+        self.dispatch_through(bucket)
+        bucket.buffer.wait_param_gather(bucket)
+        following = self.position[bucket] + 1
+        if following < len(self.buckets) and self.buckets[following].param_gather == "owed":
+            self.dispatch_through(self.buckets[following])
+
+    def finish(self) -> None:
+        """Dispatches what is owed and waits for every gather."""
+        if self.buckets:
+            self.dispatch_through(self.buckets[-1])
+        for bucket in self.buckets:
+            bucket.buffer.wait_param_gather(bucket)
+
+
+def chain_param_gathers(chunks: list) -> ParamGatherChain:
+    """One gather chain through the model chunks of this rank, in the order their forwards start
+    (chunk 0 first): the last bucket of chunk i hands over to the first of chunk i + 1."""
+    chain = ParamGatherChain([bucket for chunk in chunks for bucket in chunk.gather_order])
+    for chunk in chunks:
+        chunk.gather_chain = chain
+    return chain
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -77,16 +163,19 @@ class DistributedDataParallel(torch.nn.Module):
         if bucket_size is None and cfg.overlap_grad_reduce:
             bucket_size = max(DEFAULT_BUCKET_SIZE, 1_000_000 * groups.dp_cp_size)
         self.params = [p for p in module.parameters() if p.requires_grad]
-        # Reverse order: roughly the order in which backward produces the gradients.
+        backward_order = params_in_forward_order(module)[::-1]  # the order gradients become ready
         own_bucket = frozenset(shared_embedding_params(module)) if cfg.use_distributed_optimizer else frozenset()
         self.buffers = []
         for dtype in dict.fromkeys(p.dtype for p in self.params):
-            params = [p for p in reversed(self.params) if p.dtype == dtype]
+            params = [p for p in backward_order if p.dtype == dtype]
             self.buffers.append(ParamAndGradBuffer(
                 params, grad_dtype=grad_dtype, bucket_size=bucket_size, dp_group=groups.dp_cp,
                 shard_over_dp=cfg.use_distributed_optimizer, average_in_collective=cfg.average_in_collective,
                 own_bucket=own_bucket))
         self._param_to_buffer = {p: buffer for buffer in self.buffers for p in buffer.params}
+        self._param_to_bucket = {p: buffer.param_to_bucket[p] for buffer in self.buffers for p in buffer.params}
+        self.gather_order = [bucket for buffer in self.buffers for bucket in reversed(buffer.buckets)]
+        self.gather_chain = ParamGatherChain(self.gather_order)  # shared across chunks by chain_param_gathers
         self._sync_enabled = True
         for param in self.params:
             param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -126,19 +215,23 @@ class DistributedDataParallel(torch.nn.Module):
             buffer.finish_grad_sync()
 
     def start_param_sync(self, *, overlap: bool) -> None:
-        """After a distributed-optimizer step: all-gathers the updated parameter shards. With
-        `overlap` the gather is left in flight and each module waits for its own parameters in a
-        forward pre-hook; otherwise this waits for it."""
-        for buffer in self.buffers:
-            buffer.start_param_sync()
+        """After a distributed-optimizer step: this chunk's parameters must be all-gathered. With
+        `overlap` the gathers are left to the forward hooks (one bucket at a time, in forward order);
+        otherwise they are dispatched and waited for now."""
+        self.gather_chain.owe(self.gather_order)
         if not overlap:
             self.finish_param_sync()
 
+    def dispatch_param_gathers(self) -> None:
+        """Dispatches this chunk's owed gathers now, without waiting (to overlap them with the rest of
+        the optimizer step: --overlap-param-gather-with-optimizer-step)."""
+        if self.gather_order:
+            self.gather_chain.dispatch_through(self.gather_order[-1])
+
     def finish_param_sync(self) -> None:
-        """Waits for every parameter gather still in flight (before reading parameters outside a
-        forward: evaluation with hooks removed, checkpointing)."""
-        for buffer in self.buffers:
-            buffer.finish_param_sync()
+        """Waits for every parameter gather still owed or in flight (before reading parameters outside
+        a forward: evaluation with hooks removed, checkpointing)."""
+        self.gather_chain.finish()
 
     # -- internals ---------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
@@ -149,17 +242,25 @@ class DistributedDataParallel(torch.nn.Module):
             self._param_to_buffer[param].mark_ready(param)
 
     def _register_param_gather_hooks(self) -> None:
+        """Each module waits for the buckets of its own parameters before it uses them: in a forward
+        pre-hook, or, for a module that also has submodules with parameters (whose own parameters
+        are applied after them: GPTModel's output layer), when its last such submodule returns."""
         for submodule in self.module.modules():
-            owned = [p for p in submodule.parameters(recurse=False) if p in self._param_to_buffer]
-            if owned:
-                submodule.register_forward_pre_hook(self._make_gather_wait_hook(owned))
+            owned = [p for p in submodule.parameters(recurse=False) if p in self._param_to_bucket]
+            if not owned:
+                continue
+            buckets = list(dict.fromkeys(self._param_to_bucket[p] for p in owned))
+            children = [c for c in submodule.children() if any(p.requires_grad for p in c.parameters())]
+            if children:
+                children[-1].register_forward_hook(self._make_gather_wait(buckets))
+            else:
+                submodule.register_forward_pre_hook(self._make_gather_wait(buckets))
 
-    def _make_gather_wait_hook(self, params: list):
-        def wait_for_params(_module, _inputs):
-            for param in params:
-                buffer = self._param_to_buffer[param]
-                buffer.wait_param_sync(buffer.param_to_bucket[param])
-        return wait_for_params
+    def _make_gather_wait(self, buckets: list):
+        def wait(*_hook_arguments):
+            for bucket in buckets:
+                self.gather_chain.wait(bucket)
+        return wait
 
 
 def finalize_model_grads(model_chunks: list, groups: ParallelGroups) -> None:
@@ -182,11 +283,14 @@ def finalize_model_grads(model_chunks: list, groups: ParallelGroups) -> None:
 
 
 def _sync_tied_embeddings(model_chunks: list, groups: ParallelGroups) -> None:
+    """Sums the tied embedding's gradient over its two copies: the DDP buffer view, or, under FSDP2,
+    this rank's gradient shard (both stages shard the [V/tp, h] matrix alike over data ranks)."""
     if groups.embedding is None:
         return
     for chunk in model_chunks:
         for param in shared_embedding_params(chunk.module):
-            comm.all_reduce(param.main_grad, groups.embedding)
+            grad = param.main_grad if hasattr(param, "main_grad") else param.grad.to_local()
+            comm.all_reduce(grad, groups.embedding)
 
 
 def shared_embedding_params(module: torch.nn.Module) -> list:

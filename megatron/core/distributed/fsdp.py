@@ -3,11 +3,21 @@ by PyTorch's `fully_shard`.
 
 Each transformer layer is its own FSDP unit (gathered just before its forward and backward, freed
 after), and the root unit holds the rest (embeddings, final norm, output layer). Parameters are
-kept sharded in fp32; with --bf16/--fp16 they are gathered in that dtype for compute and gradients
-are reduced in fp32 (`MixedPrecisionPolicy`). Sharding is over the data-parallel (x context-parallel)
-group only: tensor parallelism stays inside the model, so with TP the layout is a 2-D mesh of
-which FSDP uses the data-parallel dimension. Not combined with pipeline parallelism or the
-distributed optimizer (see `ddp.validate_data_parallel`).
+kept sharded in fp32 (the masters the optimizer steps in place); with --bf16/--fp16 they are
+gathered in that dtype for compute, and gradients are reduce-scattered in fp32, or in bf16 with
+`--grad-reduce-in-bf16` (`MixedPrecisionPolicy`). Sharding is over the data-parallel
+(x context-parallel) group only: tensor parallelism stays inside the model, so with TP the layout
+is a 2-D mesh of which FSDP uses the data-parallel dimension. Each pipeline model chunk is wrapped
+on its own. Not combined with the distributed optimizer (see `ddp.validate_data_parallel`).
+
+Start-up never holds the whole model on one device: a model built on the meta device is sharded,
+each rank allocates only its fp32 shards, and fills them with its rows of the same
+layout-independent initial values as the unsharded model (generated one parameter at a time, in
+the model's dtype, as `GPTModel.initialize_parameters` does), so any layout starts from the
+single-process weights. A model already on a real device is sharded as it is.
+
+Gradient accumulation: every micro-batch's backward reduce-scatters into the fp32 gradient shards
+(`no_sync` does not suspend it), so no unsharded gradient is held between micro-batches.
 
 The wrapper offers the interface of `DistributedDataParallel` (zero_grad_buffer, no_sync,
 finish_grad_sync, set_input_tensor, module). Gradients are the parameters' sharded `.grad`
@@ -22,8 +32,10 @@ import torch.distributed as dist
 
 from megatron.core.distributed import comm
 from megatron.core.parallel_state import ParallelGroups
+from megatron.core.tensor_parallel.layers import initial_values
+from megatron.core.transformer.rope import RotaryEmbedding, inverse_frequencies
 
-_PARAM_ATTRIBUTES = ("tp_layout", "shared_embedding")
+_PARAM_ATTRIBUTES = ("tp_layout", "shared_embedding", "init")
 
 
 def _data_parallel_mesh(groups: ParallelGroups):
@@ -42,29 +54,54 @@ def _data_parallel_mesh(groups: ParallelGroups):
 
 class FullyShardedDataParallel(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, groups: ParallelGroups, *, compute_dtype: Optional[torch.dtype] = None,
-                 reduce_dtype: torch.dtype = torch.float32):
+                 reduce_dtype: torch.dtype = torch.float32, init_seed: Optional[int] = None):
+        """`module`: a GPTModel, on the meta device (then `init_seed` gives its initial values) or
+        already initialized. `reduce_dtype`: the dtype of the gradient reduce-scatter."""
         super().__init__()
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if not dist.is_initialized():
             raise ValueError("--use-torch-fsdp2 needs torch.distributed: launch with torchrun")
+        on_meta = any(p.is_meta for p in module.parameters())
+        if on_meta and init_seed is None:
+            raise ValueError("a model built on the meta device needs init_seed to be initialized")
         self.module = module
         self.groups = groups
         compute_dtype = compute_dtype or next(module.parameters()).dtype
         self.compute_dtype = compute_dtype
         attributes = {name: {a: getattr(p, a) for a in _PARAM_ATTRIBUTES if hasattr(p, a)}
                       for name, p in module.named_parameters()}
-        module.to(torch.float32)  # sharded masters in fp32; compute in `compute_dtype`
+        module.to(torch.float32)  # sharded masters in fp32 (no memory yet on the meta device)
         policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
                                       reduce_dtype=reduce_dtype)
         mesh = _data_parallel_mesh(groups)
         for layer in module.decoder.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(module, mesh=mesh, mp_policy=policy)
-        for name, param in module.named_parameters():
+        if on_meta:
+            module.to_empty(device=groups.device)
+        for name, param in module.named_parameters():  # sharding (and to_empty) made new parameters
             for attribute, value in attributes[name].items():
                 setattr(param, attribute, value)
+        if on_meta:
+            self._initialize_shards(init_seed, compute_dtype)
         self.params = [p for p in module.parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def _initialize_shards(self, seed: int, model_dtype: torch.dtype) -> None:
+        """Each fp32 shard gets its rows of the parameter's initial value, rounded to the model's dtype
+        as an unsharded model's would be. One parameter at a time, the only full-size temporary is the
+        generated fp32 value of that parameter. Buffers (rotary frequencies) are recomputed."""
+        model = self.module
+        for submodule in model.modules():
+            if isinstance(submodule, RotaryEmbedding):
+                submodule.inv_freq = inverse_frequencies(model.config).to(self.groups.device)
+        for name, param in model.named_parameters():
+            full = initial_values(param, model.global_param_name(name), seed, model.config.init_method_std,
+                                  model.config.num_layers, self.groups.device)
+            local = param.to_local()
+            rows = _local_rows(full, param.tp_layout, shard_row_start(param, self.groups), local.shape[0])
+            local.copy_(rows.to(model_dtype))
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -74,12 +111,9 @@ class FullyShardedDataParallel(torch.nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Micro-batches inside this block accumulate unsharded gradients without reduce-scatter."""
-        self.module.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.module.set_requires_gradient_sync(True)
+        """Gradient reduction is not suspended: each micro-batch's backward reduce-scatters into the
+        fp32 gradient shards, so no unsharded gradient is held from one micro-batch to the next."""
+        yield
 
     def zero_grad_buffer(self) -> None:
         for param in self.params:
@@ -99,6 +133,25 @@ class FullyShardedDataParallel(torch.nn.Module):
 
     def finish_param_sync(self) -> None:
         """Parameters are gathered by FSDP itself before each forward."""
+
+
+def _local_rows(full: dict, layout, start: int, count: int) -> torch.Tensor:
+    """Rows [start, start + count) of this tensor-parallel rank's slice of the full logical tensors
+    (`TPLayout.full_to_local` restricted to those rows, without building the whole slice)."""
+    if layout.dim != 0:
+        pieces = [full[part.name].narrow(layout.dim, *layout.local_range(part)) for part in layout.parts]
+        local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=layout.dim)
+        return local[start:start + count]
+    pieces = []
+    for part, offset, length in layout.local_offsets():
+        lo, hi = max(offset, start), min(offset + length, start + count)
+        if lo < hi:
+            part_start, _ = layout.local_range(part)
+            pieces.append(full[part.name].narrow(0, part_start + lo - offset, hi - lo))
+    if not pieces:
+        first = full[layout.parts[0].name]
+        return first.new_empty((0, *first.shape[1:]))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def shard_row_start(param, groups: ParallelGroups) -> int:

@@ -1,17 +1,23 @@
 """Contiguous gradient (and, for the distributed optimizer, parameter) buffers cut into buckets.
 
-Parameters are laid out in reverse registration order, which is roughly the order in which
-backward produces their gradients, so the first bucket fills first and its reduction can start
-while backward still runs through earlier layers:
+Parameters are laid out in the reverse of the order the forward pass uses them (see
+`ddp.params_in_forward_order`), which is the order backward produces their gradients, so the first
+bucket fills first (on the last stage: the output layer, whose gradient is ready first) and its
+reduction starts while backward still runs through earlier layers:
 
     buffer: | bucket 0: params N-1 .. k | pad | bucket 1: params k-1 .. j | pad | ... |
 
-With the distributed optimizer each bucket is padded to a multiple of `pad_multiple` (a multiple of
-the data-parallel size) and split into equal contiguous shards, one per data-parallel rank:
-the gradient reduction is a reduce-scatter into this rank's shard, and the parameter update an
-all-gather of every rank's shard. Sharding is relative to the bucket, so two buffers holding the same
-parameter alone in a bucket (the tied embedding on the first and last pipeline stage) shard it the
-same way.
+With the distributed optimizer every parameter starts at a multiple of `PARAM_ALIGNMENT` elements
+(aligned addresses for the kernels that read it), and each bucket is padded to a multiple of
+`pad_multiple` (a multiple of the data-parallel size) and split into equal contiguous shards, one
+per data-parallel rank: the gradient reduction is a reduce-scatter into this rank's shard, and the
+parameter update an all-gather of every rank's shard. Sharding is relative to the bucket, so two
+buffers holding the same parameter alone in a bucket (the tied embedding on the first and last
+pipeline stage) shard it the same way.
+
+Parameter gathers run bucket by bucket in forward order (the reverse of the buffer order), each
+bucket's gather `owed` after an optimizer step until it is dispatched (`in_flight`) and waited for
+(`done`); `ddp.DistributedDataParallel` decides when.
 """
 import math
 from typing import Optional
@@ -22,6 +28,7 @@ from megatron.core.distributed import comm
 
 DEFAULT_BUCKET_SIZE = 40_000_000
 SHARD_ALIGNMENT = 128  # elements; keeps every shard start aligned for fast collectives
+PARAM_ALIGNMENT = 64   # elements; with the distributed optimizer every parameter starts at a multiple
 
 
 class Bucket:
@@ -39,6 +46,9 @@ class Bucket:
         self.grad_handle = None
         self.grad_sync_started = False
         self.param_handle = None
+        self.param_gather = "done"     # "owed" after an optimizer step, then "in_flight", then "done"
+        self.buffer = None             # the ParamAndGradBuffer that holds this bucket
+        self.next_gather = None        # the bucket whose gather follows this one's (forward order)
 
     @property
     def numel(self) -> int:
@@ -56,10 +66,11 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def plan_buckets(params: list, bucket_size: Optional[int], pad_multiple: int = 1,
-                 own_bucket: frozenset = frozenset()) -> tuple[list, int]:
+                 own_bucket: frozenset = frozenset(), param_alignment: int = 1) -> tuple[list, int]:
     """Assigns `params` (in the given order) to buckets of at least `bucket_size` elements
-    (None: one bucket). Parameters in `own_bucket` get a bucket of their own. Every bucket's size is
-    padded to a multiple of `pad_multiple`. Returns (buckets, total buffer size)."""
+    (None: one bucket). Parameters in `own_bucket` get a bucket of their own. Every parameter starts
+    at a multiple of `param_alignment` and every bucket's size is padded to a multiple of
+    `pad_multiple`. Returns (buckets, total buffer size)."""
     if bucket_size is not None and bucket_size <= 0:
         raise ValueError(f"--ddp-bucket-size must be > 0, got {bucket_size}")
     buckets, current, ranges = [], [], {}
@@ -77,6 +88,7 @@ def plan_buckets(params: list, bucket_size: Optional[int], pad_multiple: int = 1
     for param in params:
         if param in own_bucket:
             close()
+        offset = _round_up(offset, param_alignment)
         ranges[param] = (offset, offset + param.numel())
         current.append(param)
         offset += param.numel()
@@ -100,7 +112,8 @@ class ParamAndGradBuffer:
         self.shard_over_dp = shard_over_dp
         self.average_in_collective = average_in_collective
         pad = math.lcm(self.dp_size, SHARD_ALIGNMENT) if shard_over_dp else 1
-        self.buckets, total = plan_buckets(params, bucket_size, pad, own_bucket)
+        self.buckets, total = plan_buckets(params, bucket_size, pad, own_bucket,
+                                           param_alignment=PARAM_ALIGNMENT if shard_over_dp else 1)
         device = params[0].device
         self.grad_data = torch.zeros(total, dtype=grad_dtype, device=device)
         self.param_data = None
@@ -108,6 +121,7 @@ class ParamAndGradBuffer:
             self.param_data = torch.zeros(total, dtype=params[0].dtype, device=device)
         self.param_to_bucket = {}
         for bucket in self.buckets:
+            bucket.buffer = self
             bucket.grad_data = self.grad_data[bucket.start:bucket.end]
             if self.param_data is not None:
                 bucket.param_data = self.param_data[bucket.start:bucket.end]
@@ -166,19 +180,15 @@ class ParamAndGradBuffer:
         start, end = bucket.shard_range(self.dp_rank, self.dp_size)
         return data[start:end]
 
-    def start_param_sync(self) -> None:
-        """All-gathers every rank's updated shard of the parameter buffer (asynchronously)."""
-        for bucket in self.buckets:
-            if self.dp_group is None:
-                continue
+    def start_param_gather(self, bucket: Bucket) -> None:
+        """Dispatches the (asynchronous) all-gather of every rank's updated shard of one bucket."""
+        bucket.param_gather = "in_flight"
+        if self.dp_group is not None:
             bucket.param_handle = comm.all_gather_into_tensor(
                 bucket.param_data, self.shard(bucket, self.param_data), self.dp_group, async_op=True)
 
-    def wait_param_sync(self, bucket: Bucket) -> None:
+    def wait_param_gather(self, bucket: Bucket) -> None:
         if bucket.param_handle is not None:
             bucket.param_handle.wait()
             bucket.param_handle = None
-
-    def finish_param_sync(self) -> None:
-        for bucket in self.buckets:
-            self.wait_param_sync(bucket)
+        bucket.param_gather = "done"

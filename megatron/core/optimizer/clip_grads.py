@@ -1,8 +1,11 @@
 """Global gradient norm across tensor/pipeline (and optionally data) ranks, and clipping.
 
 Each rank sums the squares of the gradients it owns, weighting replicated slices by 1/replicas
-(`TPLayout.unique_square_norm`) and skipping the last stage's copy of tied embeddings, so that the
-sum over the model-parallel group counts every logical parameter exactly once.
+(see `TPLayout`) and skipping the last stage's copy of tied embeddings, so that the sum over the
+model-parallel group counts every logical parameter exactly once. The gradients are cut into runs
+of one weight (views, no copies: a whole gradient unless a fused parameter mixes parts replicated
+differently, such as QKV with replicated key/value heads) and normed with one multi-tensor kernel
+per weight.
 """
 import math
 
@@ -11,36 +14,60 @@ import torch
 from megatron.core.distributed import comm
 
 
-def local_square_norm(params: list, grads: list) -> torch.Tensor:
-    """This rank's share of the squared global norm (fp32 scalar tensor on the gradients' device).
+def weighted_runs(param, start: int, numel: int) -> list:
+    """[(lo, hi, weight)]: elements [start, start + numel) of `param`'s flattened (tensor-parallel
+    local) tensor cut into runs of one replication weight 1/replicas; lo and hi count from start."""
+    layout = param.tp_layout
+    parts = [(offset, length, 1.0 / layout.replicas(part)) for part, offset, length in layout.local_offsets()]
+    if len({weight for _, _, weight in parts}) == 1:
+        return [(0, numel, parts[0][2])]
+    stride = math.prod(param.shape[layout.dim + 1:])
+    block = param.shape[layout.dim] * stride  # the parts repeat every block elements
+    end = start + numel
+    runs = []
+    for base in range(start // block * block, end, block):
+        for offset, length, weight in parts:
+            lo, hi = max(base + offset * stride, start), min(base + (offset + length) * stride, end)
+            if lo < hi:
+                runs.append((lo - start, hi - start, weight))
+    return runs
 
-    Gradients whose parts are all replicated alike (every parameter at TP=1, and all but fused
-    QKV with replicated key/value heads otherwise) are grouped by weight and normed with one
-    multi-tensor kernel per group; the rest go part by part."""
-    by_weight, total = {}, None
-    for param, grad in zip(params, grads):
+
+def weighted_grads(params: list, grads: list, starts: list = None) -> list:
+    """[(gradient view, weight)] to count in the global norm. `grads[i]` is `params[i]`'s gradient,
+    or with `starts` the flat piece of it beginning at element `starts[i]`. The last stage's
+    tied-embedding copy is left out (the first stage counts it)."""
+    entries = []
+    for index, (param, grad) in enumerate(zip(params, grads)):
         if getattr(param, "shared_embedding", False):
             continue
-        layout = param.tp_layout
-        replicas = {layout.replicas(part) for part in layout.parts}
-        if len(replicas) == 1:
-            by_weight.setdefault(1.0 / replicas.pop(), []).append(grad)
-        else:
-            square = layout.unique_square_norm(grad)
-            total = square if total is None else total + square
+        flat = grad.view(-1)
+        start = 0 if starts is None else starts[index]
+        entries.extend((flat[lo:hi], weight) for lo, hi, weight in weighted_runs(param, start, flat.numel()))
+    return entries
+
+
+def square_norm(entries: list, device: torch.device) -> torch.Tensor:
+    """sum of weight x squared norm over [(tensor, weight)]: an fp32 scalar on `device` (zero when
+    this rank holds no gradients, still on the device the collectives need)."""
+    by_weight = {}
+    for tensor, weight in entries:
+        by_weight.setdefault(weight, []).append(tensor)
+    total = torch.zeros((), dtype=torch.float32, device=device)
     for weight, tensors in by_weight.items():
         norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
-        square = torch.stack(norms).pow(2).sum() * weight
-        total = square if total is None else total + square
-    if total is None:
-        device = grads[0].device if grads else torch.device("cpu")
-        return torch.zeros((), dtype=torch.float32, device=device)
+        total = total + torch.stack(norms).pow(2).sum().to(device) * weight
     return total
 
 
-def global_grad_norm(params: list, grads: list, groups_to_sum: list) -> float:
+def local_square_norm(params: list, grads: list, device: torch.device) -> torch.Tensor:
+    """This rank's share of the squared global norm (fp32 scalar tensor on `device`)."""
+    return square_norm(weighted_grads(params, grads), device)
+
+
+def global_grad_norm(params: list, grads: list, groups_to_sum: list, device: torch.device) -> float:
     """sqrt of the squared norm summed over `groups_to_sum` (each a process group or None)."""
-    square = local_square_norm(params, grads).reshape(1)
+    square = local_square_norm(params, grads, device).reshape(1)
     for group in groups_to_sum:
         comm.all_reduce(square, group)
     return math.sqrt(square.item())

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from megatron.core.distributed import comm
+from megatron.core.distributed.ddp import chain_param_gathers
+from megatron.core.optimizer.clip_grads import square_norm, weighted_grads
 from megatron.core.optimizer.optimizer import (
     MixedPrecisionOptimizer,
     OptimizerConfig,
@@ -64,24 +66,6 @@ def shard_pieces(buffer) -> list:
     return pieces
 
 
-def piece_square_norm(param, grad: torch.Tensor, start: int) -> torch.Tensor:
-    """Squared norm of a flat piece of `param`'s gradient starting at flat index `start`, with each
-    element weighted 1/replicas of its tensor-parallel slice (as `TPLayout.unique_square_norm`)."""
-    layout = param.tp_layout
-    weights = [(offset, length, 1.0 / layout.replicas(part)) for part, offset, length in layout.local_offsets()]
-    square = grad.float().pow(2)
-    if len({w for _, _, w in weights}) == 1:
-        return square.sum() * weights[0][2]
-    stride = 1
-    for size in param.shape[layout.dim + 1:]:
-        stride *= size
-    along = torch.empty(param.shape[layout.dim], dtype=torch.float32, device=grad.device)
-    for offset, length, weight in weights:
-        along[offset:offset + length] = weight
-    index = torch.arange(start, start + grad.numel(), device=grad.device) // stride % param.shape[layout.dim]
-    return (square * along[index]).sum()
-
-
 class ShardedOptimizer(MixedPrecisionOptimizer):
     """Shared step logic for optimizers whose state covers a shard of every parameter: the subclass
     provides `self.pieces` (with `.param`, `.start`, `.master`, `.grad`) and the groups to agree over."""
@@ -123,10 +107,8 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         return [self.groups.mp, self.groups.dp_cp]
 
     def _grad_norm(self, grads: list) -> float:
-        square = torch.zeros(1, dtype=torch.float32, device=self.groups.device)
-        for piece, grad in zip(self.pieces, grads):
-            if not getattr(piece.param, "shared_embedding", False):
-                square += piece_square_norm(piece.param, grad, piece.start).to(square.device)
+        entries = weighted_grads([p.param for p in self.pieces], grads, [p.start for p in self.pieces])
+        square = square_norm(entries, self.groups.device).reshape(1)
         for group in self.norm_groups():
             comm.all_reduce(square, group)
         return square.sqrt().item()
@@ -145,15 +127,44 @@ class DistributedOptimizer(ShardedOptimizer):
     def __init__(self, config: OptimizerConfig, model_chunks: list, groups: ParallelGroups):
         self.model_chunks = model_chunks
         self.overlap_param_gather = any(c.ddp_config.overlap_param_gather for c in model_chunks)
+        self.overlap_with_step = any(c.ddp_config.overlap_param_gather_with_optimizer_step for c in model_chunks)
+        self.gather_chain = chain_param_gathers(model_chunks)
         pieces = [piece for chunk in model_chunks for buffer in chunk.buffers for piece in shard_pieces(buffer)]
         model_params = [p for chunk in model_chunks for p in chunk.params]
         self._build(config, groups, pieces, model_params)
 
-    def _copy_masters_to_model(self) -> None:
-        pairs = [(p.model_shard, p.master) for p in self.pieces if p.master is not p.model_shard]
+    def _apply_update(self, grads: list) -> None:
+        """With --overlap-param-gather-with-optimizer-step (as Megatron's chained optimizer): the
+        first model chunk's shards are stepped and their gathers dispatched first, so they run
+        while the other chunks' shards are stepped. One inner optimizer does both passes: a pass
+        steps only the masters that have a gradient."""
+        if not self.overlap_with_step:
+            super()._apply_update(grads)
+            return
+        first = self.model_chunks[0]
+        for in_first_chunk in (True, False):
+            for piece, grad in zip(self.pieces, grads):
+                if (piece.buffer in first.buffers) == in_first_chunk:
+                    piece.master.grad = grad if grad.dtype == piece.master.dtype else grad.to(piece.master.dtype)
+            self.optimizer.step()
+            for piece in self.pieces:
+                piece.master.grad = None
+            self._copy_masters_to_model(first_chunk_only=in_first_chunk)
+            if in_first_chunk:
+                first.dispatch_param_gathers()
+
+    def _copy_masters_to_model(self, first_chunk_only: bool = None) -> None:
+        """Masters into the parameter buffer shards (all, or with `first_chunk_only` True/False the
+        first chunk's or the others'), then those chunks' gathers: left owed to the forward hooks
+        with --overlap-param-gather, else run now."""
+        chunks = self.model_chunks if first_chunk_only is None else (
+            self.model_chunks[:1] if first_chunk_only else self.model_chunks[1:])
+        buffers = {id(buffer) for chunk in chunks for buffer in chunk.buffers}
+        pairs = [(p.model_shard, p.master) for p in self.pieces
+                 if p.master is not p.model_shard and id(p.buffer) in buffers]
         if pairs:
             torch._foreach_copy_([m for m, _ in pairs], [s for _, s in pairs])
-        for chunk in self.model_chunks:
+        for chunk in chunks:
             chunk.start_param_sync(overlap=self.overlap_param_gather)
 
     # -- layout-independent state -------------------------------------------------------------

@@ -121,17 +121,22 @@ class MixedPrecisionOptimizer:
         if not torch.isfinite(torch.tensor(grad_norm)):
             return False, grad_norm
         clip_grads(grads, grad_norm, self.config.clip_grad)
+        self._apply_update(grads)
+        self.num_applied_steps += 1
+        return True, grad_norm
+
+    def _apply_update(self, grads: list) -> None:
+        """The inner optimizer's step on the masters with these (clipped) gradients, then the
+        masters copied into the model."""
         for master, grad in zip(self.master_params, grads):
             master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
         self.optimizer.step()
         for master in self.master_params:
             master.grad = None
         self._copy_masters_to_model()
-        self.num_applied_steps += 1
-        return True, grad_norm
 
     def _grad_norm(self, grads: list) -> float:
-        return global_grad_norm(self.model_params, grads, self.norm_groups())
+        return global_grad_norm(self.model_params, grads, self.norm_groups(), self.groups.device)
 
     def _found_inf(self, grads: list) -> bool:
         device = grads[0].device if grads else self.groups.device

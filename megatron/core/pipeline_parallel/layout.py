@@ -9,6 +9,12 @@ the same number everywhere (`num_layers / P`), or, with an uneven split, the fir
 hold the numbers given by `--decoder-first-pipeline-num-layers` / `--decoder-last-pipeline-num-layers`
 and the other ranks share the rest evenly. Each rank's layers are divided evenly among its V chunks,
 as Megatron-Core does.
+
+With `--account-for-embedding-in-pipeline-split` (`--account-for-loss-in-pipeline-split`) the
+embedding (the output layer and loss) counts as one more layer: the split is made as if the model
+had that many more layers, and the first piece (the last piece) builds one decoder layer fewer,
+possibly none. So with 30 layers, P = 4 and both flags, the 32 "layers" split 8 per stage and the
+stages build 7, 8, 8 and 7 decoder layers.
 """
 from typing import Optional
 
@@ -17,22 +23,43 @@ LAST_FLAG = "--decoder-last-pipeline-num-layers"
 PP_FLAG = "--pipeline-model-parallel-size"
 LAYERS_PER_VS_FLAG = "--num-layers-per-virtual-pipeline-stage"
 VS_PER_RANK_FLAG = "--num-virtual-stages-per-pipeline-rank"
+EMBEDDING_FLAG = "--account-for-embedding-in-pipeline-split"
+LOSS_FLAG = "--account-for-loss-in-pipeline-split"
+GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
+
+
+def _split_units(num_layers: int, first_stage_layers, last_stage_layers, account_for_embedding: bool,
+                 account_for_loss: bool) -> tuple:
+    """(number of units the split divides: decoder layers plus the embedding/loss when counted, and
+    a phrase naming them for messages). Raises if the counted embedding/loss meet an uneven split."""
+    extra = [flag for flag, on in ((EMBEDDING_FLAG, account_for_embedding), (LOSS_FLAG, account_for_loss)) if on]
+    if extra and (first_stage_layers is not None or last_stage_layers is not None):
+        raise ValueError(f"{' and '.join(extra)} cannot be combined with {FIRST_FLAG} / {LAST_FLAG}; "
+                         "use one way of balancing the stages")
+    if not extra:
+        return num_layers, f"--num-layers ({num_layers})"
+    units = num_layers + len(extra)
+    return units, f"--num-layers ({num_layers}) + {len(extra)} ({' and '.join(extra)}) = {units}"
 
 
 def layers_per_rank(num_layers: int, pp_size: int, *, first_stage_layers: Optional[int] = None,
-                    last_stage_layers: Optional[int] = None) -> list:
-    """Number of decoder layers on each pipeline rank; raises ValueError naming the flags."""
+                    last_stage_layers: Optional[int] = None, account_for_embedding: bool = False,
+                    account_for_loss: bool = False) -> list:
+    """Number of layers on each pipeline rank (counting the embedding and loss as layers when they
+    are accounted for in the split); raises ValueError naming the flags."""
     if pp_size < 1:
         raise ValueError(f"{PP_FLAG} must be >= 1, got {pp_size}")
+    units, described = _split_units(num_layers, first_stage_layers, last_stage_layers, account_for_embedding,
+                                    account_for_loss)
     uneven = first_stage_layers is not None or last_stage_layers is not None
     if uneven and pp_size == 1:
         raise ValueError(f"{FIRST_FLAG}/{LAST_FLAG} need {PP_FLAG} > 1 (got {pp_size})")
     if not uneven:
-        if num_layers % pp_size != 0:
+        if units % pp_size != 0:
             raise ValueError(
-                f"--num-layers ({num_layers}) is not divisible by {PP_FLAG} ({pp_size}); change one of "
+                f"{described} is not divisible by {PP_FLAG} ({pp_size}); change one of "
                 f"them, or set {FIRST_FLAG} / {LAST_FLAG} for an uneven split")
-        return [num_layers // pp_size] * pp_size
+        return [units // pp_size] * pp_size
     for flag, value in ((FIRST_FLAG, first_stage_layers), (LAST_FLAG, last_stage_layers)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
@@ -61,10 +88,12 @@ def layers_per_rank(num_layers: int, pp_size: int, *, first_stage_layers: Option
 
 def virtual_pipeline_size(num_layers: int, pp_size: int, *, num_layers_per_virtual_stage: Optional[int] = None,
                           num_virtual_stages_per_rank: Optional[int] = None, first_stage_layers: Optional[int] = None,
-                          last_stage_layers: Optional[int] = None) -> int:
+                          last_stage_layers: Optional[int] = None, account_for_embedding: bool = False,
+                          account_for_loss: bool = False) -> int:
     """V, the number of model chunks per pipeline rank (1 without interleaving)."""
     counts = layers_per_rank(num_layers, pp_size, first_stage_layers=first_stage_layers,
-                             last_stage_layers=last_stage_layers)
+                             last_stage_layers=last_stage_layers, account_for_embedding=account_for_embedding,
+                             account_for_loss=account_for_loss)
     if num_layers_per_virtual_stage is not None and num_virtual_stages_per_rank is not None:
         raise ValueError(f"{LAYERS_PER_VS_FLAG} ({num_layers_per_virtual_stage}) and {VS_PER_RANK_FLAG} "
                          f"({num_virtual_stages_per_rank}) are mutually exclusive; pass one of them")
@@ -94,29 +123,50 @@ def virtual_pipeline_size(num_layers: int, pp_size: int, *, num_layers_per_virtu
 
 def validate_pipeline(num_layers: int, pp_size: int, *, num_layers_per_virtual_stage: Optional[int] = None,
                       num_virtual_stages_per_rank: Optional[int] = None, first_stage_layers: Optional[int] = None,
-                      last_stage_layers: Optional[int] = None, num_microbatches: Optional[int] = None) -> int:
+                      last_stage_layers: Optional[int] = None, num_microbatches: Optional[int] = None,
+                      account_for_embedding: bool = False, account_for_loss: bool = False,
+                      microbatch_group_size: Optional[int] = None) -> int:
     """Checks the pipeline flags against each other (and the micro-batch count, when given);
     returns the virtual pipeline size V. Raises ValueError naming the flags and numbers."""
     virtual_size = virtual_pipeline_size(
         num_layers, pp_size, num_layers_per_virtual_stage=num_layers_per_virtual_stage,
         num_virtual_stages_per_rank=num_virtual_stages_per_rank, first_stage_layers=first_stage_layers,
-        last_stage_layers=last_stage_layers)
+        last_stage_layers=last_stage_layers, account_for_embedding=account_for_embedding,
+        account_for_loss=account_for_loss)
     if num_microbatches is not None:
         if num_microbatches < 1:
             raise ValueError(f"number of micro-batches ({num_microbatches}) must be >= 1")
-        if virtual_size > 1 and num_microbatches % pp_size != 0:
-            raise ValueError(
-                f"the interleaved schedule ({virtual_size} virtual stages per rank) needs the number of "
-                f"micro-batches ({num_microbatches} = --global-batch-size / (--micro-batch-size x data-parallel "
-                f"size)) to be a multiple of {PP_FLAG} ({pp_size})")
+        if virtual_size > 1:
+            check_microbatch_groups(num_microbatches, pp_size, microbatch_group_size)
     return virtual_size
 
 
+def check_microbatch_groups(num_microbatches: int, pp_size: int, group_size: Optional[int]) -> int:
+    """The interleaved schedule's micro-batch group size G (default P), checked as Megatron does:
+    P <= G <= N, and the last group (N mod G) empty or at least P micro-batches."""
+    described = (f"the number of micro-batches ({num_microbatches} = --global-batch-size / (--micro-batch-size x "
+                 f"data-parallel size))")
+    if group_size is None:
+        if num_microbatches % pp_size != 0:
+            raise ValueError(f"the interleaved schedule needs {described} to be a multiple of {PP_FLAG} ({pp_size}) "
+                             f"(or a larger {GROUP_FLAG})")
+        return pp_size
+    if not pp_size <= group_size <= num_microbatches:
+        raise ValueError(f"{GROUP_FLAG} ({group_size}) must be between {PP_FLAG} ({pp_size}) and {described}")
+    remainder = num_microbatches % group_size
+    if 0 < remainder < pp_size:
+        raise ValueError(f"{described} leaves a last group of {remainder} micro-batches with {GROUP_FLAG} "
+                         f"({group_size}); it must be 0 or at least {PP_FLAG} ({pp_size})")
+    return group_size
+
+
 def stage_layer_numbers(num_layers: int, pp_size: int, pp_rank: int, *, virtual_size: int = 1,
-                        first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None) -> list:
-    """Global layer indices of each model chunk of pipeline rank `pp_rank` (V lists)."""
+                        first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None,
+                        account_for_embedding: bool = False, account_for_loss: bool = False) -> list:
+    """Global decoder layer indices of each model chunk of pipeline rank `pp_rank` (V lists)."""
     counts = layers_per_rank(num_layers, pp_size, first_stage_layers=first_stage_layers,
-                             last_stage_layers=last_stage_layers)
+                             last_stage_layers=last_stage_layers, account_for_embedding=account_for_embedding,
+                             account_for_loss=account_for_loss)
     if not 0 <= pp_rank < pp_size:
         raise ValueError(f"pipeline rank {pp_rank} is outside {PP_FLAG} {pp_size}")
     for rank, count in enumerate(counts):
@@ -125,8 +175,11 @@ def stage_layer_numbers(num_layers: int, pp_size: int, pp_rank: int, *, virtual_
                              f"{virtual_size} virtual stages (layers per rank: {counts})")
     per_chunk = [count // virtual_size for count in counts]  # layers of each rank's chunks
     layers_per_round = sum(per_chunk)                        # one trip round the ring of ranks
+    # Unit numbers; with the embedding counted, unit 0 is the embedding and unit u is layer u - 1.
+    embedding = int(account_for_embedding)
     chunks = []
     for chunk in range(virtual_size):
         start = chunk * layers_per_round + sum(per_chunk[:pp_rank])
-        chunks.append(list(range(start, start + per_chunk[pp_rank])))
+        units = range(start, start + per_chunk[pp_rank])
+        chunks.append([unit - embedding for unit in units if embedding <= unit < num_layers + embedding])
     return chunks

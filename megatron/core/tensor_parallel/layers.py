@@ -180,8 +180,14 @@ def full_shape(param: torch.nn.Parameter, part: Part) -> list:
 @torch.no_grad()
 def initialize_param(param: torch.nn.Parameter, name: str, seed: int, std: float, num_layers: int) -> None:
     """Fills `param` with its slice of the full tensor generated for `name` (see module docstring)."""
+    param.copy_(param.tp_layout.full_to_local(initial_values(param, name, seed, std, num_layers, param.device)))
+
+
+@torch.no_grad()
+def initial_values(param: torch.nn.Parameter, name: str, seed: int, std: float, num_layers: int,
+                   device) -> dict:
+    """{part name: the full fp32 logical tensor} that `param`'s initial value is cut from."""
     layout: TPLayout = param.tp_layout
-    device = param.device
     full = {}
     for part in layout.parts:
         shape = full_shape(param, part)
@@ -194,7 +200,7 @@ def initialize_param(param: torch.nn.Parameter, name: str, seed: int, std: float
             key = f"{name}.{part.name}" if part.name else name
             generator = seeded_generator(seed, key, device)
             full[part.name] = torch.empty(shape, device=device).normal_(0.0, part_std, generator=generator)
-    param.copy_(layout.full_to_local(full))
+    return full
 
 
 # -- the one linear Function ---------------------------------------------------------------------

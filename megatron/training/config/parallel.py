@@ -31,7 +31,7 @@ class ParallelConfig:
     """Elements per gradient-reduction bucket; default 40M (one bucket without overlap)."""
     grad_reduce_in_bf16: bool = False
     """Reduce gradients in bf16 instead of fp32."""
-    average_in_collective: bool = False
+    ddp_average_in_collective: bool = False
     """Average gradients inside the collective instead of pre-scaling by 1/DP."""
     distributed_backend: Optional[Literal["nccl", "gloo"]] = None
     """Communication backend; default nccl when a GPU is present, else gloo."""
@@ -41,3 +41,15 @@ class ParallelConfig:
     """Context-parallel size: ranks that split each sequence (2 chunks per rank, load-balanced for causal attention)."""
     cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = "p2p"
     """Context-parallel attention: p2p (ring, overlapped), all_gather (K/V gathered) or a2a (heads split; heads and query groups per TP rank divisible by the CP size). a2a+p2p is not built."""
+    overlap_param_gather_with_optimizer_step: bool = False
+    """Start the first model chunk's parameter all-gathers while the other chunks' optimizer step runs (needs --overlap-param-gather and interleaved pipeline parallelism)."""
+    overlap_p2p_comm: bool = True
+    """Overlap pipeline point-to-point communication with computation: each receive is waited for just before its tensor is used (turned off with --no-overlap-p2p-communication)."""
+    overlap_p2p_comm_warmup_flush: bool = False
+    """With the interleaved schedule, also post the warm-up's and cool-down's receives ahead of use."""
+    microbatch_group_size_per_vp_stage: Optional[int] = None
+    """Interleaved schedule: micro-batches run on one virtual stage before moving to the next; default --pipeline-model-parallel-size."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """Count the embedding as one layer when splitting the decoder over pipeline stages (the first stage builds one layer fewer)."""
+    account_for_loss_in_pipeline_split: bool = False
+    """Count the output layer and loss as one layer when splitting the decoder over pipeline stages (the last stage builds one layer fewer)."""
