@@ -223,8 +223,9 @@ class Checkpointer:
             ckpt_state.add_optimizer(state, optimizer, run.chunks, masters=optimizer.separate_masters(),
                                      moments=optimizer.num_applied_steps > 0)
         if not options.no_save_rng:
-            ckpt_state.add_rng(state, self.groups.global_rank,
-                               ckpt_state.rng_tensors(self.rng_tracker, self.groups.device))
+            ckpt_state.add_per_rank(state, "rng", self.groups.global_rank,
+                                    ckpt_state.rng_tensors(self.rng_tracker, self.groups.device))
+        ckpt_state.add_per_rank(state, "fp8", self.groups.global_rank, ckpt_state.fp8_tensors(run.chunks))
         return state
 
     def common(self, run, train_state, vocab_size: int) -> dict:
@@ -238,6 +239,7 @@ class Checkpointer:
                             if name != "exit_reason"},
             "optimizer": optimizer,
             "rng_layout": None if self.options.no_save_rng else layout_of(self.groups, len(run.chunks)),
+            "fp8_layout": layout_of(self.groups, len(run.chunks)) if ckpt_state.fp8_tensors(run.chunks) else None,
             "model": architecture(run.model_config, vocab_size),
             "args": dataclasses.asdict(run.config),
         }
@@ -339,7 +341,10 @@ class Checkpointer:
         else:
             ckpt_state.add_model(state, run.chunks, self.groups)
         rng = self._rng_targets(state, run, directory, common)
+        fp8 = self._fp8_targets(state, run, directory, common)
         _storage().load_state(state, directory, process_group=self.group)
+        if fp8 is not None:
+            ckpt_state.restore_fp8(run.chunks, fp8)
         optimizer = run.optimizer
         if load_optimizer:
             optimizer.copy_masters_to_model()
@@ -395,7 +400,20 @@ class Checkpointer:
             return None
         targets = {name: tensor.clone() for name, tensor in
                    ckpt_state.rng_tensors(self.rng_tracker, self.groups.device).items()}
-        ckpt_state.add_rng(state, self.groups.global_rank, targets)
+        ckpt_state.add_per_rank(state, "rng", self.groups.global_rank, targets)
+        return targets
+
+    def _fp8_targets(self, state: ShardedState, run, directory: str, common: dict) -> Optional[dict]:
+        """The FP8 delayed-scaling amax histories, restored at the same layout; elsewhere the scales
+        warm up again over --fp8-amax-history-len steps (with a note)."""
+        current = ckpt_state.fp8_tensors(run.chunks)
+        if not current or self.options.finetune or common.get("fp8_layout") is None:
+            return None
+        if common["fp8_layout"] != layout_of(self.groups, len(run.chunks)):
+            self.print(f"NOTE: {directory} was saved at another layout: the FP8 amax histories start afresh")
+            return None
+        targets = {name: tensor.clone() for name, tensor in current.items()}
+        ckpt_state.add_per_rank(state, "fp8", self.groups.global_rank, targets)
         return targets
 
 

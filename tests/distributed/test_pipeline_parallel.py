@@ -368,7 +368,9 @@ def fp16_inf_skips_on_every_stage() -> list:
                 grad = grad.clone()
                 grad.view(-1)[0] = float("inf")
                 return grad
-            handle = chunks[0].params[0].register_hook(poison)
+            # A norm weight: its gradient comes through autograd (the linears and the embedding
+            # accumulate straight into main_grad with gradient-accumulation fusion).
+            handle = next(p for p in chunks[0].params if p.ndim == 1).register_hook(poison)
         for chunk in chunks:
             chunk.zero_grad_buffer()
         schedule(forward_step_func=_forward_step, data_iterator=_iterators(scenario, step, groups.dp_rank, 1),

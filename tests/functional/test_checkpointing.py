@@ -202,10 +202,13 @@ def test_sigterm_saves_exits_zero_and_resume_matches(tmp_path, uninterrupted):
         assert resumed[tag] == {i: uninterrupted[tag][i] for i in range(stopped + 1, 13)}, tag
 
 
-def test_bf16_resume_keeps_the_fp32_masters(tmp_path):
+@pytest.mark.parametrize("precision", [["--bf16"], ["--bf16", "--fp8-format", "hybrid", "--fp8-amax-history-len", "4"]],
+                         ids=["bf16", "fp8-delayed"])
+def test_bf16_resume_keeps_the_fp32_masters(tmp_path, precision):
     """bf16 weights with fp32 masters: the masters are saved apart, so the resumed run is exact
-    (resuming from the bf16 weights alone would round the masters and change the curve)."""
-    bf16 = ["--bf16", "--train-iters", "4"]
+    (resuming from the bf16 weights alone would round the masters and change the curve). With FP8
+    delayed scaling the amax histories are saved too."""
+    bf16 = precision + ["--train-iters", "4"]
     ok(run_pretrain(bf16 + ["--save", str(tmp_path / "ckpt"), "--save-interval", "2",
                             "--tensorboard-dir", str(tmp_path / "tb_full")], base=SINGLE))
     ok(run_pretrain(bf16 + ["--load", str(tmp_path / "ckpt"), "--ckpt-step", "2",

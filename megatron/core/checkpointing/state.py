@@ -7,7 +7,8 @@ Keys (see `sharded.tensor_key`):
   model's weights (bf16/fp16 training); otherwise the model's weights are the masters;
 - `optimizer/<moment>/<name>[/<part>]`: the optimizer's per-element state (Adam: exp_avg,
   exp_avg_sq; SGD: momentum_buffer);
-- `rng/<global rank>/<stream>`: this rank's generator states (only meaningful at the same layout).
+- `rng/<global rank>/<stream>`: this rank's generator states, and `fp8/<global rank>/...` its FP8
+  delayed-scaling amax history (both only meaningful at the same layout).
 
 Which elements a rank holds comes from the optimizer's `state_regions()` (full tensor-parallel
 slices, distributed-optimizer shards or FSDP2 row shards) and from the model chunks.
@@ -120,11 +121,29 @@ def restore_rng(tensors: dict, tracker, device: torch.device) -> None:
             tracker.set_states(states)
 
 
-def rng_key(global_rank: int, stream: str) -> str:
-    return f"rng/{global_rank}/{stream}"
+# ---------------------------------------------------------------------------------------------
+# FP8 delayed scaling (per rank: each rank's amax history covers its own shards)
+# ---------------------------------------------------------------------------------------------
+def fp8_tensors(chunks: list) -> dict:
+    """{"<chunk>/<name>": tensor} of every chunk with FP8 delayed scaling (its amax history)."""
+    out = {}
+    for index, chunk in enumerate(chunks):
+        scaling = getattr(unwrap(chunk), "fp8_scaling", None)
+        if scaling is not None and scaling.history is not None:
+            out.update({f"{index}/{name}": tensor for name, tensor in scaling.state_tensors().items()})
+    return out
 
 
-def add_rng(state: ShardedState, global_rank: int, tensors: dict) -> None:
-    for stream, tensor in tensors.items():
-        state.add_whole(rng_key(global_rank, stream), tensor)
+def restore_fp8(chunks: list, tensors: dict) -> None:
+    for index, chunk in enumerate(chunks):
+        scaling = getattr(unwrap(chunk), "fp8_scaling", None)
+        prefix = f"{index}/"
+        mine = {key[len(prefix):]: tensor for key, tensor in tensors.items() if key.startswith(prefix)}
+        if scaling is not None and mine:
+            scaling.load_state_tensors(mine)
 
+
+def add_per_rank(state: ShardedState, kind: str, global_rank: int, tensors: dict) -> None:
+    """Tensors only this rank holds (and only the same layout can use): `<kind>/<rank>/<name>`."""
+    for name, tensor in tensors.items():
+        state.add_whole(f"{kind}/{global_rank}/{name}", tensor)

@@ -144,6 +144,17 @@ class DelayedScaling:
         self.scale = torch.ones(self.num_slots, device=device)
         self.limits = torch.full((self.num_slots,), fp8_max(torch.float8_e4m3fn), device=device)
 
+    def state_tensors(self) -> dict:
+        """Everything a resumed run needs to scale exactly as this one would (checkpoints)."""
+        return {"history": self.history, "amax": self.amax, "scale": self.scale,
+                "flags": torch.tensor([self.ready, self._recorded])}
+
+    def load_state_tensors(self, tensors: dict) -> None:
+        self.history = tensors["history"].to(self.history.device)
+        self.amax = tensors["amax"].to(self.amax.device)
+        self.scale = tensors["scale"].to(self.scale.device)
+        self.ready, self._recorded = (bool(flag) for flag in tensors["flags"])
+
     def set_limit(self, slot: int, dtype: torch.dtype) -> None:
         self.limits[slot] = fp8_max(dtype)
 
