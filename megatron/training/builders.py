@@ -45,13 +45,22 @@ def fuse_elementwise(config: Config) -> bool:
             and importlib.util.find_spec("triton") is not None)
 
 
+def ffn_hidden_size(model_config) -> int:
+    """--ffn-hidden-size, or Megatron-LM's default: 4h, or with SwiGLU 8h/3 rounded down to a
+    multiple of 64 (two input projections of that size hold about as many weights as one of 4h)."""
+    m = model_config
+    if m.ffn_hidden_size is not None:
+        return m.ffn_hidden_size
+    return int(4 * m.hidden_size * 2 / 3 / 64) * 64 if m.swiglu else 4 * m.hidden_size
+
+
 def transformer_config(config: Config, vocab_size: int) -> TransformerConfig:
     m, t = config.model, config.training
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by,
                                      config.parallel.tensor_model_parallel_size),
-        ffn_hidden_size=m.ffn_hidden_size, kv_channels=m.kv_channels,
+        ffn_hidden_size=ffn_hidden_size(m), kv_channels=m.kv_channels,
         num_query_groups=m.num_query_groups if m.group_query_attention else None,
         max_position_embeddings=m.max_position_embeddings or t.seq_length,
         normalization=m.normalization, norm_epsilon=m.norm_epsilon,
@@ -67,6 +76,8 @@ def transformer_config(config: Config, vocab_size: int) -> TransformerConfig:
         attention_backend="flash_attn" if m.use_flash_attn else "sdpa", fuse_elementwise=fuse_elementwise(config),
         recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
         recompute_num_layers=t.recompute_num_layers, cp_comm_type=config.parallel.cp_comm_type,
+        qk_layernorm=m.qk_layernorm, layernorm_zero_centered_gamma=m.apply_layernorm_1p,
+        rotary_interleaved=m.rotary_interleaved,
     )
 
 

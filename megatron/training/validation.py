@@ -6,6 +6,7 @@ from megatron.core.context_parallel import check_context_parallel
 from megatron.core.distributed.ddp import validate_data_parallel
 from megatron.core.parallel_state import check_sizes
 from megatron.core.pipeline_parallel.layout import validate_pipeline
+from megatron.training.builders import ffn_hidden_size
 from megatron.training.config import Config
 
 
@@ -43,7 +44,7 @@ def validate(config: Config, world_size: int) -> list:
     _require(m.num_attention_heads % tp == 0,
              f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
              f"--tensor-model-parallel-size ({tp})")
-    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    ffn = ffn_hidden_size(m)
     _require(ffn % tp == 0, f"--ffn-hidden-size ({ffn}) must be divisible by --tensor-model-parallel-size ({tp})")
     if m.group_query_attention:
         groups = m.num_query_groups

@@ -43,6 +43,9 @@ class TransformerConfig:
     recompute_method: Optional[str] = None       # "uniform" or "block" (with full)
     recompute_num_layers: Optional[int] = None
     cp_comm_type: str = "p2p"                    # context parallelism: "p2p", "all_gather" or "a2a"
+    qk_layernorm: bool = False                   # normalize each query and key head (over kv_channels) before RoPE
+    layernorm_zero_centered_gamma: bool = False  # norms multiply by (1 + weight), weight initialized to 0
+    rotary_interleaved: bool = False             # RoPE rotates channel pairs (2i, 2i+1), not (i, i + d/2)
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
