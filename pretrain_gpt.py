@@ -28,30 +28,35 @@ def get_batch(data_iterator, groups) -> dict:
     return slice_batch(batch, groups.cp_size, groups.cp_rank)
 
 
-def loss_func(loss_mask: torch.Tensor, cp_group, per_token_loss: torch.Tensor):
+def loss_func(loss_mask: torch.Tensor, cp_group, calculate_per_token_loss: bool, token_losses: torch.Tensor):
     """Mean loss over the micro-batch's unmasked tokens; reports [sum, count] so averages weight
     tokens equally.
 
     With context parallelism a rank holds part of the sequence: its sum is divided by the count
     over all CP ranks, and multiplied by the CP size because gradients are averaged over the data x
-    context ranks, so the gradients equal those of the whole micro-batch's mean."""
+    context ranks, so the gradients equal those of the whole micro-batch's mean.
+
+    With --calculate-per-token-loss the loss is the sum itself: training divides the gradients by
+    the token count of the whole global batch."""
     loss_mask = loss_mask.float()
-    total = (per_token_loss.float() * loss_mask).sum()
+    total = (token_losses.float() * loss_mask).sum()
     count = loss_mask.sum()
+    if calculate_per_token_loss:
+        return total, {"lm loss": torch.stack([total.detach(), count])}
     micro_batch_count = count.clone()
     comm.all_reduce(micro_batch_count, cp_group)
     loss = total * comm.size(cp_group) / micro_batch_count.clamp(min=1.0)
     return loss, {"lm loss": torch.stack([total.detach(), count])}
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, calculate_per_token_loss: bool = False):
     groups = model.groups  # the model chunk's (and its data-parallel wrapper's) parallel layout
     batch = get_batch(data_iterator, groups)
     attention_mask = batch.get("attention_mask")
     if attention_mask is not None:
         attention_mask = attention_mask.unsqueeze(1) if attention_mask.dim() == 3 else attention_mask
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], attention_mask=attention_mask)
-    return output, partial(loss_func, batch["loss_mask"], groups.cp)
+    return output, partial(loss_func, batch["loss_mask"], groups.cp, calculate_per_token_loss)
 
 
 def build_tokenizer(config: Config):
@@ -86,7 +91,8 @@ def main(argv=None):
     if vocab_size is None:
         raise SystemExit("error: no vocabulary size: pass --tokenizer-type (with its files) or --vocab-size N")
     provider = partial(datasets_provider, tokenizer=tokenizer, vocab_size=vocab_size)
-    state = pretrain(config, forward_step_func=forward_step, datasets_provider=provider, vocab_size=vocab_size)
+    step = partial(forward_step, calculate_per_token_loss=config.training.calculate_per_token_loss)
+    state = pretrain(config, forward_step_func=step, datasets_provider=provider, vocab_size=vocab_size)
     reason = f" ({state.exit_reason})" if state.exit_reason else ""
     print_rank_0(f"> training finished after {state.iteration} iterations{reason}")
 

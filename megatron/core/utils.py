@@ -62,3 +62,20 @@ def manual_seed(device: torch.device, seed: int) -> None:
     if device.type == "cuda":
         torch.cuda.manual_seed(seed)
     torch.manual_seed(seed)
+
+
+def empty_cache(device: torch.device) -> None:
+    """Returns cached, unused device memory to the device (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def memory_stats(device: torch.device) -> dict:
+    """Megatron's memory scalars in bytes: allocated, reserved and peak allocated (on CPU the
+    process's peak resident set size stands for all three)."""
+    if device.type == "cuda":
+        return {"mem-allocated-bytes": torch.cuda.memory_allocated(device),
+                "mem-reserved-bytes": torch.cuda.memory_reserved(device),
+                "mem-max-allocated-bytes": torch.cuda.max_memory_allocated(device)}
+    peak = peak_memory_bytes(device)
+    return {"mem-allocated-bytes": peak, "mem-reserved-bytes": peak, "mem-max-allocated-bytes": peak}

@@ -18,6 +18,8 @@ from megatron.training.config import SECTIONS, Config
 # field name -> (flag, argparse action): flags that invert or rename a field.
 IRREGULAR_FLAGS = {
     "add_bias_linear": ("--disable-bias-linear", "store_false"),
+    "manual_gc_eval": ("--no-manual-gc-eval", "store_false"),
+    "log_loss_scale_to_tensorboard": ("--no-log-loss-scale-to-tensorboard", "store_false"),
 }
 
 _MISSING = dataclasses.MISSING

@@ -1,5 +1,7 @@
 """The training loop: pretrain -> train (train_step, evaluate) with Megatron's log line."""
 import dataclasses
+import gc
+import math
 import time
 from typing import Callable, Optional
 
@@ -11,6 +13,7 @@ from megatron.core.distributed.ddp import finalize_model_grads
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.training import builders
 from megatron.training.arguments import format_config
+from megatron.training.batch_schedule import BatchSchedule, batch_schedule
 from megatron.training.checkpointing import (
     Checkpointer,
     apply_checkpoint_args,
@@ -23,7 +26,7 @@ from megatron.training.config import Config
 from megatron.training.data import build_loader
 from megatron.training.exits import ExitConditions
 from megatron.training.initialize import initialize_distributed, world_size_from_env
-from megatron.training.logging import TensorBoardWriter, flops_per_iteration, iteration_line
+from megatron.training.logging import TensorBoardWriter, flops_per_iteration, iteration_line, tensorboard_scalars
 from megatron.training.memory import memory_report
 from megatron.training.profiling import StepProfiler
 from megatron.training.validation import validate
@@ -58,6 +61,8 @@ class Run:
     vocab_size: int
     checkpointer: Optional[Checkpointer]
     checkpoint_to_load: Optional[tuple]  # (directory, common.json) found by --load
+    batches: Optional[BatchSchedule] = None  # the global batch size of each iteration (--rampup-batch-size)
+    tensorboard: TensorBoardWriter = dataclasses.field(default_factory=lambda: TensorBoardWriter(None))
 
 
 def print_rank_0(message: str) -> None:
@@ -80,9 +85,9 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int) -> Run:
     chunks = builders.build_model_chunks(config, groups, model_config, rng_tracker)
     chunks = builders.wrap_data_parallel(chunks, config, groups)
     optimizer, scheduler = builders.build_optimizer(config, chunks, groups)
-    t = config.training
-    global_batch = t.global_batch_size or t.micro_batch_size * groups.dp_size
-    num_microbatches = global_batch // (t.micro_batch_size * groups.dp_size)
+    batches = batch_schedule(config.training, groups.dp_size)
+    global_batch = batches.global_batch_size
+    num_microbatches = batches.num_microbatches_at(math.inf)
     params = sum(p.numel() for c in chunks for p in c.module.parameters())
     print_rank_0(f"> parameters on (tensor, pipeline) rank ({groups.tp_rank}, {groups.pp_rank}): {params}")
     print_rank_0(f"> padded vocab size: {model_config.vocab_size}, micro-batches per step: {num_microbatches}, "
@@ -94,7 +99,7 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int) -> Run:
     checkpointer = (Checkpointer(config, groups, rng_tracker, print_rank_0)
                     if config.checkpoint.save or to_load is not None else None)
     return Run(config, groups, model_config, chunks, optimizer, scheduler, forward_step_func, global_batch,
-               num_microbatches, print_rank_0, vocab_size, checkpointer, to_load)
+               num_microbatches, print_rank_0, vocab_size, checkpointer, to_load, batches)
 
 
 def _find_checkpoint(config: Config) -> tuple[list, Optional[tuple]]:
@@ -120,49 +125,100 @@ def _activation_shape(run: Run) -> tuple:
     return (seq, t.micro_batch_size, run.model_config.hidden_size)
 
 
-def _forward_backward(run: Run, data_iterators: list, forward_only: bool) -> list:
+def _forward_backward(run: Run, data_iterators: list, forward_only: bool, num_microbatches: int) -> list:
+    per_token = run.config.training.calculate_per_token_loss
     schedule = get_forward_backward_func(run.groups.pp_size, len(run.chunks))
     return schedule(forward_step_func=run.forward_step_func, data_iterator=data_iterators,
-                    model_chunks=run.chunks, num_microbatches=run.num_microbatches, groups=run.groups,
+                    model_chunks=run.chunks, num_microbatches=num_microbatches, groups=run.groups,
                     forward_only=forward_only, scale_loss=run.optimizer.scale_loss,
-                    tensor_shape=_activation_shape(run), dtype=run.model_config.params_dtype)
+                    tensor_shape=_activation_shape(run), dtype=run.model_config.params_dtype,
+                    loss_divisor=1 if per_token else None)
 
 
-def reduce_reported(run: Run, reported: list) -> dict:
-    """{name: value} averaged over micro-batches and data-parallel ranks. Each reported value is a
-    tensor [sum, count]; the result is sum/count. Only the last pipeline stage has values; the
-    result is then sent to every rank of the pipeline (so any rank can log it)."""
+def reduced_pairs(run: Run, reported: list) -> dict:
+    """{name: tensor [sum, count]} summed over micro-batches and data-parallel ranks. Each reported
+    value is such a pair (count: the tokens it covers). Only the last pipeline stage has values."""
     names = sorted(reported[0]) if reported else []
     totals = {}
     for name in names:
         pair = torch.stack([r[name].detach().float() for r in reported]).sum(dim=0)
         comm.all_reduce(pair, run.groups.dp_cp)
-        totals[name] = (pair[0] / pair[1]).item()
+        totals[name] = pair
     return totals
 
 
-def train_step(run: Run, data_iterators: list) -> tuple[dict, bool, Optional[float]]:
+def reduce_reported(run: Run, reported: list) -> dict:
+    """{name: sum/count}: token-weighted averages over micro-batches and data-parallel ranks."""
+    return {name: (pair[0] / pair[1]).item() for name, pair in reduced_pairs(run, reported).items()}
+
+
+def _per_token_gradient_scale(run: Run, reported: list) -> float:
+    """--calculate-per-token-loss: backward ran on loss sums, and the data-parallel reduction
+    averaged them over the D data x context ranks; times D / (tokens in the global batch) this is
+    the gradient of the mean over every token of the global batch. The count comes from the last
+    stage's reported [sum, count] pairs and is sent to every stage."""
+    groups = run.groups
+    tokens = torch.zeros(1, dtype=torch.float64, device=groups.device)
+    if reported:
+        name = sorted(reported[0])[0]
+        tokens += sum(float(r[name][1]) for r in reported)
+    comm.all_reduce(tokens, groups.dp_cp)
+    comm.all_reduce(tokens, groups.pp)
+    return comm.size(groups.dp_cp) / max(tokens.item(), 1.0)
+
+
+def train_step(run: Run, data_iterators: list, num_microbatches: Optional[int] = None
+               ) -> tuple[dict, bool, Optional[float]]:
+    """One optimizer step over `num_microbatches` (default: the full global batch's)."""
+    num_microbatches = num_microbatches or run.num_microbatches
     for chunk in run.chunks:
         chunk.zero_grad_buffer()
-    reported = _forward_backward(run, data_iterators, forward_only=False)
+    reported = _forward_backward(run, data_iterators, forward_only=False, num_microbatches=num_microbatches)
     finalize_model_grads(run.chunks, run.groups)
+    if run.config.training.calculate_per_token_loss:
+        run.optimizer.scale_grads(_per_token_gradient_scale(run, reported))
+    _empty_unused_memory(run, level=1)
     applied, grad_norm = run.optimizer.step()
     if applied:
-        run.scheduler.step()
+        run.scheduler.step(num_microbatches * run.config.training.micro_batch_size * run.groups.dp_size)
+    _empty_unused_memory(run, level=2)
     return reduce_reported(run, reported), applied, grad_norm
 
 
+def _empty_unused_memory(run: Run, level: int) -> None:
+    """--empty-unused-memory-level: 1 after each forward-backward, 2 also after the optimizer step."""
+    if run.config.training.empty_unused_memory_level >= level:
+        utils.empty_cache(run.groups.device)
+
+
+def _manual_gc(run: Run, iteration: Optional[int] = None) -> None:
+    """--manual-gc: collect every --manual-gc-interval iterations (`iteration` given) or around an
+    evaluation (with --manual-gc-eval), on every rank at the same point."""
+    t = run.config.training
+    if not t.manual_gc:
+        return
+    if iteration is None and t.manual_gc_eval:
+        gc.collect()
+    elif iteration is not None and t.manual_gc_interval and iteration % t.manual_gc_interval == 0:
+        gc.collect()
+
+
 def evaluate(run: Run, data_iterators: list, eval_iters: int) -> dict:
+    """Mean of each reported value over every token of `eval_iters` global batches."""
+    _manual_gc(run)
     for chunk in run.chunks:
         chunk.module.eval()
-    sums = {}
+    totals = {}
     with torch.no_grad():
         for _ in range(eval_iters):
-            for name, value in reduce_reported(run, _forward_backward(run, data_iterators, True)).items():
-                sums[name] = sums.get(name, 0.0) + value / eval_iters
+            reported = _forward_backward(run, data_iterators, True, run.num_microbatches)
+            for name, pair in reduced_pairs(run, reported).items():
+                totals[name] = totals.get(name, 0.0) + pair
+            _empty_unused_memory(run, level=1)
     for chunk in run.chunks:
         chunk.module.train()
-    return sums
+    _manual_gc(run)
+    return {name: (pair[0] / pair[1]).item() for name, pair in totals.items()}
 
 
 def _loaders(run: Run, dataset, consumed: int) -> Optional[list]:
@@ -171,55 +227,99 @@ def _loaders(run: Run, dataset, consumed: int) -> Optional[list]:
     return None if loaders[0] is None else [iter(loader) for loader in loaders]
 
 
+@dataclasses.dataclass
+class _Window:
+    """What the log line averages over: the iterations since the last line."""
+    seconds: float = 0.0
+    iterations: int = 0
+    flops: float = 0.0
+    tokens: int = 0
+    losses: dict = dataclasses.field(default_factory=dict)
+
+    def add(self, seconds: float, flops: float, tokens: int, losses: dict) -> None:
+        self.seconds += seconds
+        self.iterations += 1
+        self.flops += flops
+        self.tokens += tokens
+        for name, value in losses.items():
+            self.losses[name] = self.losses.get(name, 0.0) + value
+
+
 def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = None,
           exits: Optional[ExitConditions] = None) -> TrainState:
     """Runs --train-iters optimizer steps (or until an exit condition); returns the final state.
-    Logs from the logging rank; saves checkpoints at --save-interval and before an early exit."""
+    Logs from the logging rank; evaluates every --eval-interval iterations, continuing through the
+    validation set; saves checkpoints at --save-interval and before an early exit."""
     config, groups = run.config, run.groups
     t, log = config.training, config.logging
     state = state or TrainState()
     if state.iteration >= t.train_iters:
         return state
     train_iterators = _loaders(run, train_dataset, state.consumed_train_samples)
+    valid_iterators = _valid_iterators(run, valid_dataset, state)
     if run.checkpointer is not None:
         run.checkpointer.restore_rng()
-    tensorboard = TensorBoardWriter(log.tensorboard_dir if groups.is_logging_rank else None)
-    flops = flops_per_iteration(run.model_config, run.global_batch_size, t.seq_length)
-    tokens = run.global_batch_size * t.seq_length
-    window = {"time": 0.0, "iters": 0, "losses": {}}
+    window = _Window()
     profiler = StepProfiler(log, groups.global_rank, groups.device)
     for chunk in run.chunks:
         chunk.module.train()
+    if t.manual_gc:
+        gc.disable()
+        gc.collect()
     while state.iteration < t.train_iters:
+        global_batch = run.batches.global_batch_size_at(state.consumed_train_samples)
         profiler.before_step(state.iteration)
         utils.reset_peak_memory(groups.device)
         utils.synchronize(groups.device)
         start = time.perf_counter()
-        losses, applied, grad_norm = train_step(run, train_iterators)
+        losses, applied, grad_norm = train_step(run, train_iterators, global_batch // run.batches.micro_batch_times_dp)
         utils.synchronize(groups.device)
         elapsed = time.perf_counter() - start
         state.iteration += 1
         profiler.after_step(state.iteration)
-        state.consumed_train_samples += run.global_batch_size
+        state.consumed_train_samples += global_batch
         if not applied:
             state.skipped_iterations += 1
             if grad_norm is not None:
                 state.nan_iterations += 1
-        window["time"] += elapsed
-        window["iters"] += 1
-        for name, value in losses.items():
-            window["losses"][name] = window["losses"].get(name, 0.0) + value
+        window.add(elapsed, flops_per_iteration(run.model_config, global_batch, t.seq_length),
+                   global_batch * t.seq_length, losses)
+        statistics = _step_statistics(run, global_batch, grad_norm)
+        if state.iteration % log.tensorboard_log_interval == 0:
+            _write_tensorboard(run, state, losses, statistics)
         if state.iteration % log.log_interval == 0 or state.iteration == t.train_iters:
-            _log_iteration(run, state, window, flops, tokens, grad_norm, tensorboard)
-            window = {"time": 0.0, "iters": 0, "losses": {}}
-        if valid_dataset is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
-            _log_evaluation(run, valid_dataset, state, "iteration " + str(state.iteration), tensorboard)
+            _log_iteration(run, state, window, statistics)
+            window = _Window()
+        _manual_gc(run, state.iteration)
+        if valid_iterators is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
+            _log_evaluation(run, valid_iterators, state, f"iteration {state.iteration}")
         state.exit_reason = _save_and_check_exit(run, state, exits)
         if state.exit_reason is not None:
             run.printer(f"> exiting after iteration {state.iteration}: {state.exit_reason}")
             break
-    tensorboard.close()
     return state
+
+
+def _valid_iterators(run: Run, valid_dataset, state: TrainState) -> Optional[list]:
+    """The validation loaders, built once: each evaluation continues where the previous one (or
+    the checkpoint's consumed validation samples) stopped, as in Megatron-LM."""
+    if valid_dataset is None or run.config.training.eval_iters == 0:
+        return None
+    if state.consumed_valid_samples >= len(valid_dataset):
+        run.printer(f"NOTE: the validation set ({len(valid_dataset)} samples) was used up by earlier evaluations "
+                    f"({state.consumed_valid_samples} samples): no further validation")
+        return None
+    return _loaders(run, valid_dataset, state.consumed_valid_samples)
+
+
+def _step_statistics(run: Run, global_batch: int, grad_norm: Optional[float]) -> dict:
+    """Values of the iteration just run that the log line and TensorBoard show."""
+    log = run.config.logging
+    values = {"learning-rate": run.scheduler.get_lr(), "decoupled-learning-rate": run.scheduler.get_decoupled_lr(),
+              "batch-size": global_batch, "grad-norm": grad_norm, "loss-scale": run.optimizer.loss_scale(),
+              "params-norm": run.optimizer.params_norm() if log.log_params_norm else None,
+              "num-zeros": run.optimizer.count_zeros() if log.log_num_zeros_in_grad else None}
+    return values
 
 
 def _save_and_check_exit(run: Run, state: TrainState, exits: Optional[ExitConditions]) -> Optional[str]:
@@ -233,76 +333,117 @@ def _save_and_check_exit(run: Run, state: TrainState, exits: Optional[ExitCondit
     return reason
 
 
-def _log_iteration(run: Run, state: TrainState, window: dict, flops: float, tokens: int,
-                   grad_norm: Optional[float], tensorboard: TensorBoardWriter) -> None:
-    groups = run.groups
-    iters = window["iters"]
-    seconds = window["time"] / iters
-    tflops = flops / (seconds * 1e12 * groups.world_size)
-    tokens_per_gpu = tokens / seconds / groups.world_size
+def _throughput(run: Run, window: _Window) -> tuple[float, float]:
+    """(TFLOP/s per GPU, tokens/s per GPU) over the window."""
+    world = run.groups.world_size
+    return window.flops / (window.seconds * 1e12 * world), window.tokens / window.seconds / world
+
+
+def _log_iteration(run: Run, state: TrainState, window: _Window, statistics: dict) -> None:
+    groups, log = run.groups, run.config.logging
+    if not groups.is_logging_rank:
+        return
+    seconds = window.seconds / window.iterations
+    tflops, tokens_per_gpu = _throughput(run, window)
+    losses = {name: value / window.iterations for name, value in window.losses.items()}
     peak_gb = utils.peak_memory_bytes(groups.device) / 1e9
-    losses = {name: value / iters for name, value in window["losses"].items()}
-    lr = run.scheduler.get_lr()
-    if groups.is_logging_rank:
-        print(iteration_line(iteration=state.iteration, train_iters=run.config.training.train_iters,
-                             consumed_samples=state.consumed_train_samples, elapsed_ms=seconds * 1000.0,
-                             tflops_per_gpu=tflops, tokens_per_gpu=tokens_per_gpu, learning_rate=lr,
-                             global_batch_size=run.global_batch_size, losses=losses,
-                             loss_scale=run.optimizer.loss_scale(), grad_norm=grad_norm,
-                             skipped=state.skipped_iterations, nan=state.nan_iterations,
-                             peak_memory_gb=peak_gb), flush=True)
-        tensorboard.scalars(state.iteration, {
-            **{name: value for name, value in losses.items()}, "learning-rate": lr, "grad-norm": grad_norm,
-            "loss-scale": run.optimizer.loss_scale(), "throughput-tflops-per-gpu": tflops,
-            "tokens-per-second-per-gpu": tokens_per_gpu, "peak-memory-gb": peak_gb})
+    print(iteration_line(iteration=state.iteration, train_iters=run.config.training.train_iters,
+                         consumed_samples=state.consumed_train_samples, elapsed_ms=seconds * 1000.0,
+                         throughput=(tflops, tokens_per_gpu) if log.log_throughput else None,
+                         learning_rate=statistics["learning-rate"],
+                         decoupled_learning_rate=statistics["decoupled-learning-rate"],
+                         global_batch_size=statistics["batch-size"], losses=losses,
+                         loss_scale=statistics["loss-scale"], grad_norm=statistics["grad-norm"],
+                         params_norm=statistics["params-norm"], num_zeros=statistics["num-zeros"],
+                         skipped=state.skipped_iterations, nan=state.nan_iterations, peak_memory_gb=peak_gb), flush=True)
+    values = {"peak-memory-gb": peak_gb}
+    if log.log_throughput:
+        values.update({"throughput-tflops-per-gpu": tflops, "tokens-per-second-per-gpu": tokens_per_gpu})
+    if log.log_timers_to_tensorboard:
+        values["iteration-time"] = seconds
+    run.tensorboard.scalars(state.iteration, values)
 
 
-def _log_evaluation(run: Run, dataset, state: TrainState, label: str, tensorboard: TensorBoardWriter) -> dict:
-    iterators = _loaders(run, dataset, 0)
-    if iterators is None:
-        return {}
-    values = evaluate(run, iterators, run.config.training.eval_iters)
+def _write_tensorboard(run: Run, state: TrainState, losses: dict, statistics: dict) -> None:
+    """Megatron's scalars of one iteration, every --tensorboard-log-interval iterations."""
+    if run.groups.is_logging_rank:
+        run.tensorboard.scalars(state.iteration, tensorboard_scalars(
+            run.config.logging, losses, statistics, run.groups.world_size, utils.memory_stats(run.groups.device)))
+
+
+def _log_evaluation(run: Run, iterators: list, state: TrainState, label: str, split: str = "validation") -> dict:
+    """Evaluates --eval-iters global batches of `iterators`; prints Megatron's validation line and
+    writes TensorBoard. Validation advances `consumed_valid_samples` (saved in checkpoints)."""
+    t = run.config.training
+    values = evaluate(run, iterators, t.eval_iters)
+    if split == "validation":
+        state.consumed_valid_samples += t.eval_iters * run.global_batch_size
     if run.groups.is_logging_rank:
         text = " | ".join(f"{name} value: {value:.6E} | {name} PPL: {_ppl(value):.6E}" for name, value in values.items())
         bar = "-" * (len(text) + 40)
-        print(f"{bar}\n validation loss at {label} | {text}\n{bar}", flush=True)
-        tensorboard.scalars(state.iteration, {f"validation/{name}": value for name, value in values.items()})
+        print(f"{bar}\n validation loss at {label} | {text} |\n{bar}", flush=True)
+        scalars = {}
+        for name, value in values.items():
+            scalars[f"{name} {split}"] = value
+            if run.config.logging.log_validation_ppl_to_tensorboard:
+                scalars[f"{name} {split} ppl"] = _ppl(value)
+        run.tensorboard.scalars(state.iteration, scalars)
+        run.tensorboard.scalars(state.consumed_train_samples, {f"{name} vs samples": value
+                                                               for name, value in scalars.items()})
     return values
 
 
 def _ppl(loss: float) -> float:
-    import math
-
     return math.exp(min(20.0, loss))
+
+
+def _final_evaluations(run: Run, state: TrainState, valid_iterators: Optional[list], test_dataset) -> None:
+    """After training (not after an early exit): the validation set, continued, then the test set,
+    as Megatron-LM does."""
+    if state.exit_reason is not None or run.config.training.eval_iters == 0:
+        return
+    if valid_iterators is not None:
+        _log_evaluation(run, valid_iterators, state, f"iteration {state.iteration} on validation set")
+    test_iterators = _loaders(run, test_dataset, 0) if test_dataset is not None else None
+    if test_iterators is not None:
+        _log_evaluation(run, test_iterators, state, f"iteration {state.iteration} on test set", split="test")
+
+
+def dataset_sizes(config: Config, batches: BatchSchedule) -> tuple:
+    """Samples the train, validation and test datasets must provide (Megatron-LM's counts): the
+    training samples, --eval-iters global batches for each evaluation during training plus the
+    final one, and one evaluation's worth of test samples."""
+    t = config.training
+    evaluations = t.train_iters // t.eval_interval + 1
+    train_samples = t.train_samples if t.train_samples is not None else t.train_iters * batches.global_batch_size
+    return (train_samples, evaluations * t.eval_iters * batches.global_batch_size,
+            t.eval_iters * batches.global_batch_size)
 
 
 def pretrain(config: Config, *, forward_step_func: Callable, datasets_provider: Callable,
              vocab_size: int) -> TrainState:
-    """Validate, initialize, build, load a checkpoint, load data, train, save, and evaluate at the
-    end (as Megatron does)."""
+    """Validate, initialize, build, load a checkpoint, load data, train, save, and evaluate the
+    validation and test sets at the end (as Megatron does)."""
     run = setup(config, forward_step_func, vocab_size)
     state = TrainState()
     if run.checkpoint_to_load is not None:
         state = run.checkpointer.load(run, *run.checkpoint_to_load, TrainState)
     t = config.training
-    evaluations = t.train_iters // t.eval_interval + 1
-    num_samples = (t.train_iters * run.global_batch_size,
-                   evaluations * t.eval_iters * run.global_batch_size,
-                   t.eval_iters * run.global_batch_size)
-    train_ds, valid_ds, test_ds = datasets_provider(config, run.groups, num_samples)
+    train_ds, valid_ds, test_ds = datasets_provider(config, run.groups, dataset_sizes(config, run.batches))
     exits = ExitConditions(t, run.groups, _JOB_START_TIME)
+    run.tensorboard = TensorBoardWriter(config.logging.tensorboard_dir if run.groups.is_logging_rank else None)
     try:
         state = train(run, train_ds, valid_ds, state, exits)
+        options = config.checkpoint
+        if options.save and state.iteration > 0 and run.checkpointer.last_saved_iteration != state.iteration:
+            run.checkpointer.save(run, state, vocab_size)
+        if run.checkpointer is not None:
+            run.checkpointer.wait()
+        _final_evaluations(run, state, _valid_iterators(run, valid_ds, state), test_ds)
     finally:
         exits.restore()
-    options = config.checkpoint
-    if options.save and state.iteration > 0 and run.checkpointer.last_saved_iteration != state.iteration:
-        run.checkpointer.save(run, state, vocab_size)
-    if run.checkpointer is not None:
-        run.checkpointer.wait()
-    if (state.exit_reason is None and valid_ds is not None and t.eval_iters > 0
-            and state.iteration % t.eval_interval != 0):
-        _log_evaluation(run, valid_ds, state, "the end of training", TensorBoardWriter(None))
+        run.tensorboard.close()
+        gc.enable()
     if torch.distributed.is_initialized():
         comm.barrier()
     return state

@@ -52,7 +52,12 @@ def losses(output: str) -> list:
 
 
 def validation_losses(output: str) -> list:
+    """Every evaluation's loss, in order: during training, then the validation and test sets at the end."""
     return [float(v) for v in re.findall(r"lm loss value: ([0-9.E+-]+)", output)]
+
+
+def evaluation_labels(output: str) -> list:
+    return re.findall(r" validation loss at (.*?) \| lm loss value", output)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +67,7 @@ def tensorboard_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single_process_run(tensorboard_dir):
-    result = run_pretrain(["--tensorboard-dir", str(tensorboard_dir)])
+    result = run_pretrain(["--tensorboard-dir", str(tensorboard_dir), "--log-throughput"])
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -72,7 +77,12 @@ def test_single_process_trains_and_logs(single_process_run):
     assert len(curve) == 5
     assert "throughput per GPU (TFLOP/s/GPU)" in single_process_run
     assert "tokens per GPU (tokens/s/GPU)" in single_process_run
-    assert len(validation_losses(single_process_run)) == 1
+    # Megatron's evaluations: every --eval-interval, then the validation set (continued, so on other
+    # samples) and the test set after training.
+    assert evaluation_labels(single_process_run) == ["iteration 5", "iteration 5 on validation set",
+                                                     "iteration 5 on test set"]
+    in_training, final, test = validation_losses(single_process_run)
+    assert in_training != final
     assert "------------------------ arguments ------------------------" in single_process_run
 
 
@@ -83,7 +93,7 @@ def test_tensorboard_has_the_logged_scalars(single_process_run, tensorboard_dir)
     events.Reload()
     tags = set(events.Tags()["scalars"])
     for tag in ("lm loss", "learning-rate", "grad-norm", "loss-scale", "throughput-tflops-per-gpu",
-                "tokens-per-second-per-gpu", "peak-memory-gb", "validation/lm loss"):
+                "tokens-per-second-per-gpu", "peak-memory-gb", "lm loss validation", "lm loss test", "batch-size"):
         assert tag in tags
     logged = [event.value for event in events.Scalars("lm loss")]
     assert logged == pytest.approx(losses(single_process_run), rel=1e-6)

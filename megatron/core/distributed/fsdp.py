@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron.core.distributed import comm
 from megatron.core.parallel_state import ParallelGroups
 
-_PARAM_ATTRIBUTES = ("tp_layout", "shared_embedding")
+_PARAM_ATTRIBUTES = ("tp_layout", "shared_embedding", "is_embedding_or_output_parameter")
 
 
 def _data_parallel_mesh(groups: ParallelGroups):

@@ -3,7 +3,8 @@
 A schedule calls `forward_step_func(data_iterator, model) -> (output, loss_func)` for each
 micro-batch; on the last pipeline stage `loss_func(output) -> (loss, reported)` gives the scalar
 to differentiate and a dict of values to log. Backward runs on `scale_loss(loss / num_microbatches)`
-(the loss-scaler for fp16). Returns the list of `reported` dicts (empty off the last stage).
+(the loss-scaler for fp16), or on `loss / loss_divisor` when given (1 for losses that are sums the
+caller normalizes afterwards). Returns the list of `reported` dicts (empty off the last stage).
 
 Three schedules (pictures and the bubble arithmetic in docs/parallelism.md):
 
@@ -32,7 +33,8 @@ def _identity(loss: torch.Tensor) -> torch.Tensor:
 
 def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator, model_chunks: list,
                                    num_microbatches: int, groups, forward_only: bool = False,
-                                   scale_loss: Callable = _identity, **_unused) -> list:
+                                   scale_loss: Callable = _identity, loss_divisor: Optional[int] = None,
+                                   **_unused) -> list:
     """Gradient accumulation on one stage: forward and backward each micro-batch in turn; only the
     last micro-batch's backward may trigger the data-parallel reduction."""
     if len(model_chunks) != 1:
@@ -48,7 +50,7 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
             output, loss_func = forward_step_func(iterator, model)
             loss, values = loss_func(output)
             if not forward_only:
-                scale_loss(loss / num_microbatches).backward()
+                scale_loss(loss / (loss_divisor or num_microbatches)).backward()
         reported.append(values)
     return reported
 
@@ -58,7 +60,8 @@ class _Stage:
     its backwards (the last one may start the data-parallel reduction)."""
 
     def __init__(self, model, iterator, *, is_first: bool, is_last: bool, forward_step_func: Callable,
-                 num_microbatches: int, scale_loss: Callable, forward_only: bool, reported: list):
+                 num_microbatches: int, scale_loss: Callable, forward_only: bool, reported: list,
+                 loss_divisor: Optional[int] = None):
         self.model = model
         self.iterator = iterator
         self.is_first = is_first   # holds the embedding: no activation to receive
@@ -68,6 +71,7 @@ class _Stage:
         self.scale_loss = scale_loss
         self.forward_only = forward_only
         self.reported = reported
+        self.loss_divisor = loss_divisor or num_microbatches
         self.backwards_done = 0
 
     def forward(self, input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
@@ -78,7 +82,7 @@ class _Stage:
             return output
         loss, values = loss_func(output)
         self.reported.append(values)
-        return loss if self.forward_only else self.scale_loss(loss / self.num_microbatches)
+        return loss if self.forward_only else self.scale_loss(loss / self.loss_divisor)
 
     def backward(self, input_tensor: Optional[torch.Tensor], output: torch.Tensor,
                  output_grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -103,7 +107,8 @@ def _check_common(model_chunks: list, data_iterator, num_microbatches: int) -> l
 
 def forward_backward_pipelining_without_interleaving(
         *, forward_step_func: Callable, data_iterator, model_chunks: list, num_microbatches: int, groups,
-        forward_only: bool = False, scale_loss: Callable = _identity, tensor_shape, dtype, **_unused) -> list:
+        forward_only: bool = False, scale_loss: Callable = _identity, tensor_shape, dtype,
+        loss_divisor: Optional[int] = None, **_unused) -> list:
     """1F1B: warm-up forwards, steady one-forward-one-backward, cool-down backwards.
 
     Rank r keeps at most P-r micro-batches' activations alive (P for the first stage), whatever N."""
@@ -113,7 +118,7 @@ def forward_backward_pipelining_without_interleaving(
     reported = []
     stage = _Stage(model_chunks[0], iterators[0], is_first=groups.is_first_stage, is_last=groups.is_last_stage,
                    forward_step_func=forward_step_func, num_microbatches=num_microbatches, scale_loss=scale_loss,
-                   forward_only=forward_only, reported=reported)
+                   forward_only=forward_only, reported=reported, loss_divisor=loss_divisor)
     shape = dict(tensor_shape=tensor_shape, dtype=dtype)
 
     def receive_forward():
@@ -177,7 +182,8 @@ def model_chunk_id(step: int, pp_size: int, virtual_size: int, *, forward: bool)
 
 def forward_backward_pipelining_with_interleaving(
         *, forward_step_func: Callable, data_iterator, model_chunks: list, num_microbatches: int, groups,
-        forward_only: bool = False, scale_loss: Callable = _identity, tensor_shape, dtype, **_unused) -> list:
+        forward_only: bool = False, scale_loss: Callable = _identity, tensor_shape, dtype,
+        loss_divisor: Optional[int] = None, **_unused) -> list:
     """Interleaved 1F1B over V model chunks per rank (N*V chunk-micro-batches per rank)."""
     iterators = _check_common(model_chunks, data_iterator, num_microbatches)
     pp, rank, virtual = groups.pp_size, groups.pp_rank, len(model_chunks)
@@ -188,7 +194,7 @@ def forward_backward_pipelining_with_interleaving(
     stages = [_Stage(chunk, iterator, is_first=groups.is_first_stage and index == 0,
                      is_last=groups.is_last_stage and index == virtual - 1, forward_step_func=forward_step_func,
                      num_microbatches=num_microbatches, scale_loss=scale_loss, forward_only=forward_only,
-                     reported=reported)
+                     reported=reported, loss_divisor=loss_divisor)
               for index, (chunk, iterator) in enumerate(zip(model_chunks, iterators))]
     shape = dict(tensor_shape=tensor_shape, dtype=dtype)
     first_rank, last_rank = groups.is_first_stage, groups.is_last_stage
