@@ -1,6 +1,7 @@
 """The training loop: pretrain -> train (train_step, evaluate) with Megatron's log line."""
 import dataclasses
 import gc
+import logging
 import math
 import time
 from typing import Callable, Optional
@@ -29,6 +30,7 @@ from megatron.training.initialize import initialize_distributed, world_size_from
 from megatron.training.logging import TensorBoardWriter, flops_per_iteration, iteration_line, tensorboard_scalars
 from megatron.training.memory import memory_report
 from megatron.training.profiling import StepProfiler
+from megatron.training.progress import ProgressLog
 from megatron.training.validation import validate
 
 _JOB_START_TIME = time.time()  # --exit-duration-in-mins counts from here (module import ~ job start)
@@ -41,6 +43,7 @@ class TrainState:
     consumed_valid_samples: int = 0
     skipped_iterations: int = 0
     nan_iterations: int = 0
+    floating_point_operations: float = 0.0  # of all iterations so far, every job of the run (--log-progress)
     exit_reason: Optional[str] = None  # why training stopped before --train-iters (not saved)
 
 
@@ -63,6 +66,7 @@ class Run:
     checkpoint_to_load: Optional[tuple]  # (directory, common.json) found by --load
     batches: Optional[BatchSchedule] = None  # the global batch size of each iteration (--rampup-batch-size)
     tensorboard: TensorBoardWriter = dataclasses.field(default_factory=lambda: TensorBoardWriter(None))
+    progress: Optional[ProgressLog] = None
 
 
 def print_rank_0(message: str) -> None:
@@ -75,6 +79,9 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int) -> Run:
     builds model, DDP and optimizer."""
     notes, to_load = _find_checkpoint(config)
     notes += validate(config, world_size_from_env())
+    if config.logging.logging_level is not None:
+        logging.basicConfig(level=config.logging.logging_level)
+        logging.getLogger().setLevel(config.logging.logging_level)
     groups, rng_tracker = initialize_distributed(config)
     print_rank_0(format_config(config))
     model_config = builders.transformer_config(config, vocab_size)
@@ -282,8 +289,9 @@ def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = 
             state.skipped_iterations += 1
             if grad_norm is not None:
                 state.nan_iterations += 1
-        window.add(elapsed, flops_per_iteration(run.model_config, global_batch, t.seq_length),
-                   global_batch * t.seq_length, losses)
+        flops = flops_per_iteration(run.model_config, global_batch, t.seq_length)
+        state.floating_point_operations += flops
+        window.add(elapsed, flops, global_batch * t.seq_length, losses)
         statistics = _step_statistics(run, global_batch, grad_norm)
         if state.iteration % log.tensorboard_log_interval == 0:
             _write_tensorboard(run, state, losses, statistics)
@@ -326,11 +334,17 @@ def _save_and_check_exit(run: Run, state: TrainState, exits: Optional[ExitCondit
     """Saves at --save-interval; returns why to stop now (saving first when --save is given)."""
     options = run.config.checkpoint
     if options.save and options.save_interval and state.iteration % options.save_interval == 0:
-        run.checkpointer.save(run, state, run.vocab_size)
+        _save(run, state)
     reason = exits.check(state.iteration) if exits is not None else None
     if reason is not None and options.save and run.checkpointer.last_saved_iteration != state.iteration:
-        run.checkpointer.save(run, state, run.vocab_size)
+        _save(run, state)
     return reason
+
+
+def _save(run: Run, state: TrainState) -> None:
+    run.checkpointer.save(run, state, run.vocab_size)
+    if run.progress is not None:
+        run.progress.saved(state)
 
 
 def _throughput(run: Run, window: _Window) -> tuple[float, float]:
@@ -432,13 +446,16 @@ def pretrain(config: Config, *, forward_step_func: Callable, datasets_provider: 
     train_ds, valid_ds, test_ds = datasets_provider(config, run.groups, dataset_sizes(config, run.batches))
     exits = ExitConditions(t, run.groups, _JOB_START_TIME)
     run.tensorboard = TensorBoardWriter(config.logging.tensorboard_dir if run.groups.is_logging_rank else None)
+    run.progress = ProgressLog(config, run.groups, _JOB_START_TIME)
+    run.progress.start(state)
     try:
         state = train(run, train_ds, valid_ds, state, exits)
         options = config.checkpoint
         if options.save and state.iteration > 0 and run.checkpointer.last_saved_iteration != state.iteration:
-            run.checkpointer.save(run, state, vocab_size)
+            _save(run, state)
         if run.checkpointer is not None:
             run.checkpointer.wait()
+        run.progress.finished(state)
         _final_evaluations(run, state, _valid_iterators(run, valid_ds, state), test_ds)
     finally:
         exits.restore()

@@ -153,7 +153,8 @@ def _validate_rampup(t, dp: int) -> None:
     start, increment, samples = (int(v) for v in values)
     final = t.global_batch_size or t.micro_batch_size * dp
     step = t.micro_batch_size * dp
-    _require(start > 0 and increment > 0, f"--rampup-batch-size START ({start}) and INCREMENT ({increment}) must be positive")
+    _require(start > 0 and increment > 0 and samples > 0,
+             f"--rampup-batch-size START ({start}), INCREMENT ({increment}) and SAMPLES ({samples}) must be positive")
     _require(start < final, f"--rampup-batch-size START ({start}) must be below --global-batch-size ({final})")
     _require((final - start) % increment == 0,
              f"--global-batch-size ({final}) - START ({start}) must be a multiple of INCREMENT ({increment}) "

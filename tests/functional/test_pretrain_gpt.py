@@ -130,7 +130,10 @@ def test_example_script_prints_the_run_summary(tmp_path):
     ["--tensor-model-parallel-size", "2", "--sequence-parallel"],                     # TP2 x DP2
     ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"],
     ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--sequence-parallel"],
-], ids=["tp2-dp2", "pp2-tp2", "cp2-tp2"])
+    # Every micro-batch of mock data has the same number of loss tokens, so the token mean over the
+    # global batch equals the mean of micro-batch means: the single-process curve is the reference.
+    ["--pipeline-model-parallel-size", "2", "--calculate-per-token-loss"],
+], ids=["tp2-dp2", "pp2-tp2", "cp2-tp2", "pp2-dp2-per-token"])
 def test_torchrun_layout_matches_single_process(single_process_run, layout):
     """Training and validation loss curves agree with one process to a relative 1e-5 (fp32)."""
     result = run_pretrain(layout, nproc=4)

@@ -43,11 +43,12 @@ def param_groups(config: OptimizerConfig, pairs: list, keep_empty: bool = False)
     (parameters marked `is_embedding_or_output_parameter`) form groups of their own whose
     "max_lr"/"min_lr" the LR scheduler follows. `keep_empty`: every group exists even when this
     rank has no parameter in it (sharded optimizers: all ranks then have the same groups)."""
+    separate = config.decoupled_lr is not None
     groups = []
-    for decoupled in ((False, True) if config.decoupled_lr is not None else (False,)):
+    for decoupled in ((False, True) if separate else (False,)):
         for decay in (True, False):
-            masters = [m for p, m in pairs
-                       if (p.ndim > 1) == decay and getattr(p, "is_embedding_or_output_parameter", False) == decoupled]
+            masters = [m for p, m in pairs if (p.ndim > 1) == decay
+                       and (separate and getattr(p, "is_embedding_or_output_parameter", False)) == decoupled]
             if not masters and not keep_empty:
                 continue
             group = {"params": masters, "weight_decay": config.weight_decay if decay else 0.0}
