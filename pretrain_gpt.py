@@ -69,19 +69,32 @@ def build_tokenizer(config: Config):
                  tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size)
 
 
-def datasets_provider(config: Config, groups, num_samples: tuple, tokenizer=None, vocab_size: int = 0):
-    from megatron.core.datasets import GPTDatasetConfig, build_gpt_datasets
+def gpt_dataset_config(config: Config, tokenizer=None, vocab_size: int = 0):
+    from megatron.core.datasets import GPTDatasetConfig
 
     d, t = config.data, config.training
-    dataset_config = GPTDatasetConfig(
+    return GPTDatasetConfig(
         seq_length=t.seq_length, seed=t.seed, data_path=d.data_path or None, split=d.split,
         train_data_path=d.train_data_path or None, valid_data_path=d.valid_data_path or None,
         test_data_path=d.test_data_path or None, data_cache_path=d.data_cache_path, mock=d.mock_data,
         vocab_size=vocab_size, eod_token=tokenizer.eod if tokenizer is not None else None,
         reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
-        eod_mask_loss=d.eod_mask_loss)
-    return build_gpt_datasets(dataset_config, num_samples=num_samples, is_builder_rank=groups.global_rank == 0,
-                              barrier=comm.barrier)
+        eod_mask_loss=d.eod_mask_loss, mmap_bin_files=d.mmap_bin_files,
+        create_attention_mask=d.create_attention_mask_in_dataloader)
+
+
+def check_inputs(config: Config, tokenizer=None, vocab_size: int = 0) -> None:
+    """The data files and blends, opened and checked before the model is built."""
+    from megatron.core.datasets import check_data_inputs
+
+    check_data_inputs(gpt_dataset_config(config, tokenizer, vocab_size))
+
+
+def datasets_provider(config: Config, groups, num_samples: tuple, tokenizer=None, vocab_size: int = 0):
+    from megatron.core.datasets import build_gpt_datasets
+
+    return build_gpt_datasets(gpt_dataset_config(config, tokenizer, vocab_size), num_samples=num_samples,
+                              is_builder_rank=groups.global_rank == 0, barrier=comm.barrier)
 
 
 def main(argv=None):
@@ -92,7 +105,8 @@ def main(argv=None):
         raise SystemExit("error: no vocabulary size: pass --tokenizer-type (with its files) or --vocab-size N")
     provider = partial(datasets_provider, tokenizer=tokenizer, vocab_size=vocab_size)
     step = partial(forward_step, calculate_per_token_loss=config.training.calculate_per_token_loss)
-    state = pretrain(config, forward_step_func=step, datasets_provider=provider, vocab_size=vocab_size)
+    state = pretrain(config, forward_step_func=step, datasets_provider=provider, vocab_size=vocab_size,
+                     check_inputs=partial(check_inputs, tokenizer=tokenizer, vocab_size=vocab_size))
     reason = f" ({state.exit_reason})" if state.exit_reason else ""
     print_rank_0(f"> training finished after {state.iteration} iterations{reason}")
 
@@ -100,7 +114,7 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except ValueError as error:
+    except (ValueError, FileNotFoundError) as error:
         # Configuration and input errors (bad flags, missing or malformed data files) say what and
         # how to fix in their message: print that line alone unless a traceback is asked for.
         if os.environ.get("MEGATRON_TRACEBACK") == "1":

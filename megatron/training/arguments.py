@@ -20,6 +20,8 @@ IRREGULAR_FLAGS = {
     "add_bias_linear": ("--disable-bias-linear", "store_false"),
     "manual_gc_eval": ("--no-manual-gc-eval", "store_false"),
     "log_loss_scale_to_tensorboard": ("--no-log-loss-scale-to-tensorboard", "store_false"),
+    "mmap_bin_files": ("--no-mmap-bin-files", "store_false"),
+    "create_attention_mask_in_dataloader": ("--no-create-attention-mask-in-dataloader", "store_false"),
 }
 
 _MISSING = dataclasses.MISSING

@@ -74,11 +74,14 @@ def print_rank_0(message: str) -> None:
         print(message, flush=True)
 
 
-def setup(config: Config, forward_step_func: Callable, vocab_size: int) -> Run:
-    """Validates the flags (and the checkpoint to load against them), joins the process groups,
-    builds model, DDP and optimizer."""
+def setup(config: Config, forward_step_func: Callable, vocab_size: int,
+          check_inputs: Optional[Callable] = None) -> Run:
+    """Validates the flags (and the checkpoint to load against them) and, with `check_inputs(config)`,
+    the input files; joins the process groups, builds model, DDP and optimizer."""
     notes, to_load = _find_checkpoint(config)
     notes += validate(config, world_size_from_env())
+    if check_inputs is not None:
+        check_inputs(config)
     if config.logging.logging_level is not None:
         logging.basicConfig(level=config.logging.logging_level)
         logging.getLogger().setLevel(config.logging.logging_level)
@@ -435,10 +438,11 @@ def dataset_sizes(config: Config, batches: BatchSchedule) -> tuple:
 
 
 def pretrain(config: Config, *, forward_step_func: Callable, datasets_provider: Callable,
-             vocab_size: int) -> TrainState:
-    """Validate, initialize, build, load a checkpoint, load data, train, save, and evaluate the
-    validation and test sets at the end (as Megatron does)."""
-    run = setup(config, forward_step_func, vocab_size)
+             vocab_size: int, check_inputs: Optional[Callable] = None) -> TrainState:
+    """Validate (flags, then input files with `check_inputs(config)`), initialize, build, load a
+    checkpoint, load data, train, save, and evaluate the validation and test sets at the end (as
+    Megatron does)."""
+    run = setup(config, forward_step_func, vocab_size, check_inputs)
     state = TrainState()
     if run.checkpoint_to_load is not None:
         state = run.checkpointer.load(run, *run.checkpoint_to_load, TrainState)

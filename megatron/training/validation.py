@@ -1,5 +1,6 @@
 """Cross-field checks run before anything expensive. Every message names the flags and values."""
 import importlib.util
+import json
 import os
 
 from megatron.core.context_parallel import check_context_parallel
@@ -214,8 +215,38 @@ def _validate_context_parallel(config: Config) -> None:
              "--context-parallel-size 1")
 
 
-def _validate_data(config: Config, notes: list) -> None:
+def _read_data_args(config: Config) -> None:
+    """--data-args-path / --per-split-data-args-path: the blend lists from files, as Megatron-LM reads them."""
     d = config.data
+    if d.data_args_path is not None:
+        _require(not d.data_path, "--data-args-path and --data-path are mutually exclusive; give one")
+        _require(os.path.isfile(d.data_args_path), f"--data-args-path {d.data_args_path}: no such file")
+        with open(d.data_args_path) as handle:
+            d.data_path = handle.read().split()
+        _require(bool(d.data_path), f"--data-args-path {d.data_args_path} is empty; it should hold the --data-path value")
+    if d.per_split_data_args_path is not None:
+        path = d.per_split_data_args_path
+        _require(not (d.train_data_path or d.valid_data_path or d.test_data_path),
+                 "--per-split-data-args-path and --train/--valid/--test-data-path are mutually exclusive; give one")
+        _require(os.path.isfile(path), f"--per-split-data-args-path {path}: no such file")
+        try:
+            with open(path) as handle:
+                splits = json.load(handle)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"--per-split-data-args-path {path} is not JSON ({error})") from None
+        _require(isinstance(splits, dict) and {"train", "valid", "test"} <= set(splits),
+                 f"--per-split-data-args-path {path} must be a JSON object with keys train, valid and test")
+        d.train_data_path, d.valid_data_path, d.test_data_path = (
+            splits[name].split() if isinstance(splits[name], str) else [str(v) for v in splits[name] or []]
+            for name in ("train", "valid", "test"))
+
+
+def _validate_data(config: Config, notes: list) -> None:
+    _read_data_args(config)
+    d = config.data
+    if d.reset_attention_mask and not d.create_attention_mask_in_dataloader:
+        notes.append("--no-create-attention-mask-in-dataloader: samples carry no document mask, so attention is causal "
+                     "across documents despite --reset-attention-mask (as in Megatron-LM)")
     has_files = bool(d.data_path or d.train_data_path)
     _require(d.mock_data or has_files,
              "no training data: pass --data-path PREFIX (or --train-data-path), or --mock-data")

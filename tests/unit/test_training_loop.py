@@ -113,3 +113,44 @@ def test_tensorboard_log_interval(capsys, tmp_path):
     assert [e.step for e in events.Scalars("params-norm")] == [3, 6]
     assert [e.value for e in events.Scalars("world-size")] == [1, 1]
     assert "loss-scale" not in events.Tags()["scalars"]
+
+
+def test_data_args_files_are_the_data_path_flags(capsys, tmp_path, documents_prefix):
+    base = TINY + ["--train-iters", "2", "--eval-iters", "1", "--eval-interval", "2", "--data-cache-path", str(tmp_path)]
+    blend = ["0.7", documents_prefix, "0.3", documents_prefix]
+    (tmp_path / "blend.txt").write_text(" ".join(blend) + "\n")
+    direct = run(capsys, base + ["--data-path", *blend, "--split", "90,8,2"])
+    from_file = run(capsys, base + ["--data-args-path", str(tmp_path / "blend.txt"), "--split", "90,8,2"])
+    assert losses(from_file) == losses(direct) and evaluations(from_file) == evaluations(direct)
+    (tmp_path / "splits.json").write_text(json.dumps({"train": " ".join(blend), "valid": [documents_prefix],
+                                                      "test": documents_prefix}))
+    direct = run(capsys, base + ["--train-data-path", *blend, "--valid-data-path", documents_prefix,
+                                 "--test-data-path", documents_prefix])
+    from_file = run(capsys, base + ["--per-split-data-args-path", str(tmp_path / "splits.json")])
+    assert losses(from_file) == losses(direct) and evaluations(from_file) == evaluations(direct)
+    assert len(evaluations(direct)) == 3
+
+
+def test_a_missing_dataset_stops_before_the_model_is_built(capsys, tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"--data-path: dataset {tmp_path}/missing_text_document: neither"):
+        pretrain_gpt.main(TINY + ["--train-iters", "2", "--data-path", str(tmp_path / "missing_text_document")])
+    assert "parameters on" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mmap, mask", [(True, True), (False, False)])
+def test_mmap_and_attention_mask_flags_reach_the_samples(tmp_path, documents_prefix, mmap, mask):
+    from megatron.training.arguments import parse_args
+
+    flags = TINY + ["--train-iters", "2", "--data-path", documents_prefix, "--reset-attention-mask",
+                    "--data-cache-path", str(tmp_path)]
+    flags += [] if mmap else ["--no-mmap-bin-files"]
+    flags += [] if mask else ["--no-create-attention-mask-in-dataloader"]
+    config = parse_args(flags)
+    tokenizer = pretrain_gpt.build_tokenizer(config)
+    train, _, _ = pretrain_gpt.datasets_provider(config, _OneRank(), (16, 0, 0), tokenizer, tokenizer.vocab_size)
+    assert ("attention_mask" in train[0]) is mask
+    assert isinstance(train.indexed_dataset._bin, np.memmap) is mmap
+
+
+class _OneRank:
+    global_rank = 0

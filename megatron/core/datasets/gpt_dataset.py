@@ -47,10 +47,12 @@ class SampleOptions:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+    create_attention_mask: bool = True  # False: no mask in the sample, even with reset_attention_mask (as Megatron)
 
 
 def get_ltor_masks_and_position_ids(tokens: np.ndarray, options: SampleOptions) -> Dict[str, np.ndarray]:
-    """Loss mask, position ids and (with reset_attention_mask) the causal mask, True where attention is allowed."""
+    """Loss mask, position ids and (with reset_attention_mask, unless create_attention_mask is off)
+    the document mask, True where attention is allowed. Without it attention is causal."""
     length = tokens.shape[0]
     loss_mask = np.ones(length, dtype=np.float32)
     position_ids = np.arange(length, dtype=np.int64)
@@ -58,7 +60,7 @@ def get_ltor_masks_and_position_ids(tokens: np.ndarray, options: SampleOptions) 
     eod_positions = np.flatnonzero(tokens == options.eod_token) if options.eod_token is not None else np.zeros(0, np.int64)
     if options.eod_mask_loss:
         loss_mask[eod_positions] = 0.0
-    if options.reset_attention_mask:
+    if options.reset_attention_mask and options.create_attention_mask:
         mask = np.tril(np.ones((length, length), dtype=bool))
         for position in eod_positions:
             mask[position + 1:, :position + 1] = False  # tokens after an EOD do not see the previous document

@@ -51,6 +51,11 @@ class GPTDatasetConfig:
     """Stop attention across EOD tokens; samples then carry a boolean attention_mask [1, s, s]."""
     eod_mask_loss: bool = False
     """Zero the loss mask at EOD tokens."""
+    mmap_bin_files: bool = True
+    """Memory-map the .bin files (`--no-mmap-bin-files`: read each whole into memory instead)."""
+    create_attention_mask: bool = True
+    """`--no-create-attention-mask-in-dataloader`: samples carry no attention mask (causal attention),
+    even with reset_attention_mask."""
 
     def __post_init__(self):
         if self.seq_length < 1:
@@ -152,7 +157,7 @@ def check_vocab(dataset: IndexedDataset, vocab_size: Optional[int]) -> None:
 
 def _options(config: GPTDatasetConfig) -> SampleOptions:
     return SampleOptions(config.seq_length, config.eod_token, config.reset_position_ids, config.reset_attention_mask,
-                         config.eod_mask_loss)
+                         config.eod_mask_loss, config.create_attention_mask)
 
 
 class _Builder:
@@ -184,7 +189,7 @@ class _Builder:
     def open(self, prefix: str, flag: str = "--data-path") -> IndexedDataset:
         if prefix not in self.indexed:
             try:
-                dataset = IndexedDataset(prefix)
+                dataset = IndexedDataset(prefix, mmap=self.config.mmap_bin_files)
             except FileNotFoundError as error:
                 raise FileNotFoundError(f"{flag}: {error}") from None
             check_vocab(dataset, self.config.vocab_size)

@@ -38,3 +38,11 @@ class DataConfig:
     """merges.txt of a GPT-2 BPE tokenizer."""
     vocab_size: Optional[int] = None
     """NullTokenizer vocabulary: ids 0..N-1, plus the end-of-document token N (as Megatron-LM)."""
+    data_args_path: Optional[str] = None
+    """A file holding the --data-path value (weights and prefixes, whitespace-separated), for blends too long for a command line."""
+    per_split_data_args_path: Optional[str] = None
+    """A JSON file {"train": ..., "valid": ..., "test": ...} holding the --train/--valid/--test-data-path values (lists or strings)."""
+    mmap_bin_files: bool = True
+    """Memory-map the .bin files (off with --no-mmap-bin-files: each is read whole into memory)."""
+    create_attention_mask_in_dataloader: bool = True
+    """Build the document attention mask of --reset-attention-mask in the data loader (off with --no-create-attention-mask-in-dataloader: attention is causal across documents, as in Megatron-LM)."""
