@@ -2,7 +2,9 @@
 
 A field `tensor_model_parallel_size` becomes `--tensor-model-parallel-size`; the string literal
 under a field is its help text. Booleans are switches (`store_true`); lists take several values.
-The few flags whose name is not the field name are in IRREGULAR_FLAGS. Unknown flags are errors.
+The few flags whose name is not the field name are in IRREGULAR_FLAGS. Every other flag of
+Megatron-LM's pretrain_gpt.py parses too (megatron.training.megatron_lm): validation turns it into a
+start-up note or an error naming it. Unknown flags are errors.
 """
 import argparse
 import ast
@@ -13,6 +15,7 @@ import textwrap
 import typing
 from typing import Optional
 
+from megatron.training import megatron_lm
 from megatron.training.config import SECTIONS, Config
 
 # field name -> (flag, argparse action): flags that invert or rename a field.
@@ -78,9 +81,13 @@ def _add_field(group, field: dataclasses.Field, annotation, help_text: str) -> N
     group.add_argument(flag, **kwargs)
 
 
-def build_parser(extra_sections: Optional[dict] = None) -> argparse.ArgumentParser:
+def build_parser(extra_sections: Optional[dict] = None, megatron_lm_flags: bool = True) -> argparse.ArgumentParser:
+    """The flags of the config dataclasses; with `megatron_lm_flags`, also every other flag of
+    Megatron-LM's pretrain_gpt.py (not listed in --help)."""
     parser = argparse.ArgumentParser(
-        description="Megatron-style GPT/Llama pretraining. Flags follow Megatron-LM's names.",
+        description="Megatron-style GPT/Llama pretraining. Flags follow Megatron-LM's names; the other flags of "
+                    "Megatron-LM's pretrain_gpt.py are accepted with a note or refused with the reason "
+                    "(docs/megatron-compatibility.md).",
         allow_abbrev=False)
     for section, cls in {**SECTIONS, **(extra_sections or {})}.items():
         group = parser.add_argument_group(section)
@@ -88,6 +95,8 @@ def build_parser(extra_sections: Optional[dict] = None) -> argparse.ArgumentPars
         hints = typing.get_type_hints(cls)
         for field in dataclasses.fields(cls):
             _add_field(group, field, hints[field.name], docs.get(field.name, ""))
+    if megatron_lm_flags:
+        megatron_lm.add_to_parser(parser)
     return parser
 
 
@@ -106,12 +115,13 @@ def parse_args(argv: Optional[list] = None) -> Config:
     values = vars(namespace)
     sections = {section: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
                 for section, cls in SECTIONS.items()}
-    return Config(**sections)
+    return Config(**sections, megatron_lm_flags=megatron_lm.given(namespace))
 
 
 def all_flags() -> list:
-    """Every flag the parser accepts, sorted (the frozen public surface)."""
-    parser = build_parser()
+    """Every flag the config defines, sorted (the frozen public surface; Megatron-LM's other flags
+    are frozen by megatron/training/megatron_lm)."""
+    parser = build_parser(megatron_lm_flags=False)
     return sorted(s for action in parser._actions for s in action.option_strings if s.startswith("--"))
 
 

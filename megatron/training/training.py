@@ -31,7 +31,7 @@ from megatron.training.logging import TensorBoardWriter, flops_per_iteration, it
 from megatron.training.memory import memory_report
 from megatron.training.profiling import StepProfiler
 from megatron.training.progress import ProgressLog
-from megatron.training.validation import validate
+from megatron.training.validation import ConfigError, validate
 
 _JOB_START_TIME = time.time()  # --exit-duration-in-mins counts from here (module import ~ job start)
 
@@ -119,6 +119,8 @@ def _find_checkpoint(config: Config) -> tuple[list, Optional[tuple]]:
     if not options.load:
         return [], None
     directory, note = locate(options.load, options.ckpt_step)
+    if directory is None and options.exit_on_missing_checkpoint:
+        raise ConfigError(f"{note.split(';')[0]}, and --exit-on-missing-checkpoint is given")
     if directory is None:
         return [note], None
     common = read_common(directory)

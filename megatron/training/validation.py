@@ -7,6 +7,7 @@ from megatron.core.context_parallel import check_context_parallel
 from megatron.core.distributed.ddp import validate_data_parallel
 from megatron.core.parallel_state import check_sizes
 from megatron.core.pipeline_parallel.layout import validate_pipeline
+from megatron.training import megatron_lm
 from megatron.training.batch_schedule import batch_schedule
 from megatron.training.builders import ffn_hidden_size
 from megatron.training.config import Config
@@ -23,7 +24,10 @@ def _require(condition: bool, message: str) -> None:
 
 def validate(config: Config, world_size: int) -> list:
     """Raises ConfigError on the first problem; returns notes to print (non-fatal adjustments)."""
-    notes = []
+    try:
+        notes = megatron_lm.check(config.megatron_lm_flags)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     m, p, t = config.model, config.parallel, config.training
     for flag, value in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
                         ("--num-attention-heads", m.num_attention_heads)):

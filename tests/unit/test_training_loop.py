@@ -154,3 +154,11 @@ def test_mmap_and_attention_mask_flags_reach_the_samples(tmp_path, documents_pre
 
 class _OneRank:
     global_rank = 0
+
+
+def test_exit_on_missing_checkpoint(capsys, tmp_path):
+    from megatron.training.validation import ConfigError
+
+    with pytest.raises(ConfigError, match=f"--load {tmp_path}: no checkpoint found .*--exit-on-missing-checkpoint"):
+        pretrain_gpt.main(MOCK + ["--train-iters", "1", "--load", str(tmp_path), "--exit-on-missing-checkpoint"])
+    assert "parameters on" not in capsys.readouterr().out
