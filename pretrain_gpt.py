@@ -17,7 +17,8 @@ from megatron.core.context_parallel import slice_batch
 from megatron.core.distributed import comm
 from megatron.training.arguments import parse_args
 from megatron.training.config import Config
-from megatron.training.training import pretrain, print_rank_0
+from megatron.training.training import dry_run, pretrain, print_rank_0
+from megatron.training.validation import implied_tokenizer_type
 
 
 def get_batch(data_iterator, groups) -> dict:
@@ -61,11 +62,12 @@ def forward_step(data_iterator, model, calculate_per_token_loss: bool = False):
 
 def build_tokenizer(config: Config):
     d = config.data
-    if d.tokenizer_type is None:
+    tokenizer_type = implied_tokenizer_type(d)
+    if tokenizer_type is None:
         return None
     from megatron.core.tokenizers import build_tokenizer as build
 
-    return build(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
+    return build(tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
                  tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size)
 
 
@@ -103,6 +105,9 @@ def main(argv=None):
     vocab_size = tokenizer.vocab_size if tokenizer is not None else config.data.vocab_size
     if vocab_size is None:
         raise SystemExit("error: no vocabulary size: pass --tokenizer-type (with its files) or --vocab-size N")
+    if config.training.dry_run:
+        dry_run(config, vocab_size, partial(check_inputs, tokenizer=tokenizer, vocab_size=vocab_size))
+        return
     provider = partial(datasets_provider, tokenizer=tokenizer, vocab_size=vocab_size)
     step = partial(forward_step, calculate_per_token_loss=config.training.calculate_per_token_loss)
     state = pretrain(config, forward_step_func=step, datasets_provider=provider, vocab_size=vocab_size,

@@ -79,3 +79,16 @@ def memory_stats(device: torch.device) -> dict:
                 "mem-max-allocated-bytes": torch.cuda.max_memory_allocated(device)}
     peak = peak_memory_bytes(device)
     return {"mem-allocated-bytes": peak, "mem-reserved-bytes": peak, "mem-max-allocated-bytes": peak}
+
+
+def available_memory(device: torch.device) -> float:
+    """Bytes free for a new allocation: free memory of the GPU, or the host's available RAM."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    with open("/proc/meminfo") as handle:
+        for line in handle:
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    import os
+
+    return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))

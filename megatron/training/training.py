@@ -3,6 +3,7 @@ import dataclasses
 import gc
 import logging
 import math
+import os
 import time
 from typing import Callable, Optional
 
@@ -11,6 +12,7 @@ import torch
 from megatron.core import utils
 from megatron.core.distributed import comm
 from megatron.core.distributed.ddp import finalize_model_grads
+from megatron.core.pipeline_parallel import layout
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.training import builders
 from megatron.training.arguments import format_config
@@ -26,9 +28,9 @@ from megatron.training.checkpointing import (
 from megatron.training.config import Config
 from megatron.training.data import build_loader
 from megatron.training.exits import ExitConditions
-from megatron.training.initialize import initialize_distributed, world_size_from_env
+from megatron.training.initialize import initialize_distributed, resolve_backend, world_size_from_env
 from megatron.training.logging import TensorBoardWriter, flops_per_iteration, iteration_line, tensorboard_scalars
-from megatron.training.memory import memory_report
+from megatron.training.memory import check_fits, estimate_report, memory_report, reducing_flags, theoretical_bytes
 from megatron.training.profiling import StepProfiler
 from megatron.training.progress import ProgressLog
 from megatron.training.validation import ConfigError, validate
@@ -88,6 +90,7 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int,
     groups, rng_tracker = initialize_distributed(config)
     print_rank_0(format_config(config))
     model_config = builders.transformer_config(config, vocab_size)
+    _check_fits(config, model_config, groups.world_size, groups.device)
     if to_load is not None:
         notes += check_architecture(to_load[0], to_load[1]["model"], architecture(model_config, vocab_size))
     for note in notes:
@@ -103,13 +106,70 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int,
     print_rank_0(f"> padded vocab size: {model_config.vocab_size}, micro-batches per step: {num_microbatches}, "
                  f"data-parallel size: {groups.dp_size}, context-parallel size: {groups.cp_size}, "
                  f"device: {groups.device}")
-    report = memory_report(config, chunks, optimizer, groups)
-    if groups.dp_rank == 0 and groups.cp_rank == 0:
-        print(report, flush=True)
+    print_rank_0(memory_report(config, chunks, optimizer, groups, figures=_largest_over_ranks(chunks, optimizer, groups)))
     checkpointer = (Checkpointer(config, groups, rng_tracker, print_rank_0)
                     if config.checkpoint.save or to_load is not None else None)
     return Run(config, groups, model_config, chunks, optimizer, scheduler, forward_step_func, global_batch,
                num_microbatches, print_rank_0, vocab_size, checkpointer, to_load, batches)
+
+
+def _largest_over_ranks(chunks: list, optimizer, groups) -> dict:
+    """The theoretical memory figures, each the largest over all ranks (pipeline stages differ), so
+    that one line describes the job."""
+    figures = theoretical_bytes(chunks, optimizer)
+    values = torch.tensor([float(v) for v in figures.values()], dtype=torch.float64, device=groups.device)
+    comm.all_reduce_max(values, groups.world)
+    return {name: int(value) for name, value in zip(figures, values.tolist())}
+
+
+def memory_estimate(config: Config, model_config, world_size: int) -> tuple:
+    """(bytes, report line): parameters, gradients and optimizer state of the largest pipeline
+    stage on one GPU, from the flags alone."""
+    p = config.parallel
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    stages = layout.layers_per_rank(config.model.num_layers, pp, first_stage_layers=p.decoder_first_pipeline_num_layers,
+                                    last_stage_layers=p.decoder_last_pipeline_num_layers)
+    return estimate_report(config, model_config, stages, tp, world_size // (tp * pp * cp), cp)
+
+
+def _check_fits(config: Config, model_config, world_size: int, device: torch.device) -> None:
+    """Stops before anything is allocated when the model's parameters, gradients and optimizer state
+    exceed the free memory of this rank's GPU (or, on CPU, the RAM all local processes share)."""
+    estimate, _ = memory_estimate(config, model_config, world_size)
+    processes = 1 if device.type != "cpu" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    where = f"{device}" if device.type != "cpu" else "this machine's RAM"
+    try:
+        check_fits(estimate, utils.available_memory(device), where, reducing_flags(config), processes)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def dry_run(config: Config, vocab_size: int, check_inputs: Optional[Callable] = None) -> None:
+    """--dry-run: the start-up checks of a WORLD_SIZE-process run (flags, input files, the checkpoint
+    to load, whether the model fits), in this one process; prints the layout and the memory estimate
+    per GPU. Builds nothing and joins no process group."""
+    world_size = world_size_from_env()
+    notes, to_load = _find_checkpoint(config)
+    notes += validate(config, world_size)
+    if check_inputs is not None:
+        check_inputs(config)
+    model_config = builders.transformer_config(config, vocab_size)
+    if to_load is not None:
+        notes += check_architecture(to_load[0], to_load[1]["model"], architecture(model_config, vocab_size))
+    for note in notes:
+        print(f"NOTE: {note}", flush=True)
+    p, t = config.parallel, config.training
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    dp = world_size // (tp * pp * cp)
+    batches = batch_schedule(t, dp)
+    print(f"> layout: {world_size} processes = TP {tp} x CP {cp} x PP {pp} x DP {dp}; global batch "
+          f"{batches.global_batch_size} = {batches.num_microbatches_at(math.inf)} micro-batches of {t.micro_batch_size} "
+          f"x DP {dp}; {t.train_iters} iterations; padded vocabulary {model_config.vocab_size}", flush=True)
+    estimate, text = memory_estimate(config, model_config, world_size)
+    print(text, flush=True)
+    device = utils.default_device(resolve_backend(config))
+    _check_fits(config, model_config, world_size, device)
+    print(f"> dry run: the flags are valid for {world_size} processes; nothing was built", flush=True)
 
 
 def _find_checkpoint(config: Config) -> tuple[list, Optional[tuple]]:

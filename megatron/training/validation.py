@@ -2,6 +2,7 @@
 import importlib.util
 import json
 import os
+from typing import Optional
 
 from megatron.core.context_parallel import check_context_parallel
 from megatron.core.distributed.ddp import validate_data_parallel
@@ -219,6 +220,13 @@ def _validate_context_parallel(config: Config) -> None:
              "--context-parallel-size 1")
 
 
+def implied_tokenizer_type(data_config) -> Optional[str]:
+    """--tokenizer-type, or GPT2BPETokenizer when only its --vocab-file and --merge-file are given
+    (as Megatron-LM's GPT-3 example passes them)."""
+    d = data_config
+    return d.tokenizer_type or ("GPT2BPETokenizer" if d.vocab_file and d.merge_file else None)
+
+
 def _read_data_args(config: Config) -> None:
     """--data-args-path / --per-split-data-args-path: the blend lists from files, as Megatron-LM reads them."""
     d = config.data
@@ -255,6 +263,9 @@ def _validate_data(config: Config, notes: list) -> None:
     _require(d.mock_data or has_files,
              "no training data: pass --data-path PREFIX (or --train-data-path), or --mock-data")
     _require(not (d.mock_data and has_files), "--mock-data and --data-path/--train-data-path are mutually exclusive")
+    if d.tokenizer_type is None and implied_tokenizer_type(d):
+        d.tokenizer_type = implied_tokenizer_type(d)
+        notes.append("--vocab-file and --merge-file without --tokenizer-type: using GPT2BPETokenizer")
     if d.tokenizer_type is None:
         _require(d.mock_data, "--tokenizer-type is required with --data-path")
         _require(d.vocab_size is not None,

@@ -106,7 +106,8 @@ def parse_data_path(data_path: Sequence[str], flag: str = "--data-path") -> Tupl
 
 def parse_split(split: str) -> List[float]:
     """'969,30,1' (or '969/30/1', or fewer numbers, padded with 0) -> [train, valid, test], normalized as Megatron does."""
-    parts = [part.strip() for part in split.replace("/", ",").split(",")]
+    # Megatron-LM's example scripts pass the value with its quotes ("--split '99,1,0'" split by the shell).
+    parts = [part.strip() for part in split.strip().strip("'\"").replace("/", ",").split(",")]
     if not 1 <= len(parts) <= 3 or not all(re.fullmatch(r"[0-9]*\.?[0-9]+|[0-9]+\.", part) for part in parts) \
             or sum(float(part) for part in parts) <= 0:
         raise ValueError(f"--split {split!r}: expected up to three non-negative numbers with a positive sum, e.g. 969,30,1")
