@@ -18,13 +18,21 @@ from typing import Optional
 from megatron.training import megatron_lm
 from megatron.training.config import SECTIONS, Config
 
-# field name -> (flag, argparse action): flags that invert or rename a field.
+# field name -> (flag, argparse action, --help text): flags that invert or rename a field (the
+# field's own docstring describes the field, not the inverted flag).
 IRREGULAR_FLAGS = {
-    "add_bias_linear": ("--disable-bias-linear", "store_false"),
-    "manual_gc_eval": ("--no-manual-gc-eval", "store_false"),
-    "log_loss_scale_to_tensorboard": ("--no-log-loss-scale-to-tensorboard", "store_false"),
-    "mmap_bin_files": ("--no-mmap-bin-files", "store_false"),
-    "create_attention_mask_in_dataloader": ("--no-create-attention-mask-in-dataloader", "store_false"),
+    "add_bias_linear": ("--disable-bias-linear", "store_false",
+                        "Disable the biases of the linear layers (as Llama); by default they have biases (as GPT)."),
+    "manual_gc_eval": ("--no-manual-gc-eval", "store_false",
+                       "With --manual-gc: do not collect at the start and end of each evaluation."),
+    "log_loss_scale_to_tensorboard": ("--no-log-loss-scale-to-tensorboard", "store_false",
+                                      "Do not write the loss scale to TensorBoard."),
+    "mmap_bin_files": ("--no-mmap-bin-files", "store_false",
+                       "Read each .bin file whole into memory instead of memory-mapping it."),
+    "create_attention_mask_in_dataloader": (
+        "--no-create-attention-mask-in-dataloader", "store_false",
+        "Build no attention mask in the data loader: with --reset-attention-mask, attention is then causal across "
+        "documents (as in Megatron-LM)."),
 }
 
 _MISSING = dataclasses.MISSING
@@ -57,8 +65,8 @@ def _add_field(group, field: dataclasses.Field, annotation, help_text: str) -> N
     default = field.default if field.default is not _MISSING else (
         field.default_factory() if field.default_factory is not _MISSING else None)
     if name in IRREGULAR_FLAGS:
-        flag, action = IRREGULAR_FLAGS[name]
-        group.add_argument(flag, dest=name, action=action, help=help_text)
+        flag, action, flag_help = IRREGULAR_FLAGS[name]
+        group.add_argument(flag, dest=name, action=action, help=flag_help)
         return
     flag = "--" + name.replace("_", "-")
     kind = _unwrap_optional(annotation)

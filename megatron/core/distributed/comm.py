@@ -14,6 +14,11 @@ import torch.distributed as dist
 
 Group = Optional[dist.ProcessGroup]
 
+# PyTorch 2.13 renamed the tensor collectives to *_single (the old names now warn on every rank);
+# older versions have only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def size(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -50,7 +55,7 @@ def all_gather_into_tensor(output: torch.Tensor, input_: torch.Tensor, group: Gr
     if group is None:
         output.copy_(input_)
         return None
-    return dist.all_gather_into_tensor(output, input_.contiguous(), group=group, async_op=async_op)
+    return _all_gather_single(output, input_.contiguous(), group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input_: torch.Tensor, group: Group, async_op: bool = False):
@@ -64,7 +69,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input_: torch.Tensor, group: Gro
         work = dist.all_reduce(reduced, group=group, async_op=async_op)
         keep_chunk = lambda: output.copy_(reduced.chunk(size(group), dim=0)[rank(group)])  # noqa: E731
         return _finish_later(work, keep_chunk)
-    return dist.reduce_scatter_tensor(output, input_.contiguous(), group=group, async_op=async_op)
+    return _reduce_scatter_single(output, input_.contiguous(), group=group, async_op=async_op)
 
 
 class PendingWork:
@@ -113,7 +118,7 @@ def reduce_scatter_mean(output: torch.Tensor, input_: torch.Tensor, group: Group
     if _is_gloo(group):
         work = reduce_scatter_tensor(output, input_, group, async_op=async_op)
         return _finish_later(work, lambda: output.div_(size(group)))
-    return dist.reduce_scatter_tensor(output, input_.contiguous(), op=dist.ReduceOp.AVG, group=group,
+    return _reduce_scatter_single(output, input_.contiguous(), op=dist.ReduceOp.AVG, group=group,
                                       async_op=async_op)
 
 
