@@ -35,6 +35,7 @@ MASTER_PORT=${MASTER_PORT:-29500}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 RDZV_ID=${RDZV_ID:-megatron-lite}
+LOCAL_ADDR=${LOCAL_ADDR:-}
 DATA_PATH=${DATA_PATH:-}
 TOKENIZER_MODEL=${TOKENIZER_MODEL:-}
 DATA_CACHE_PATH=${DATA_CACHE_PATH:-}
@@ -99,6 +100,8 @@ launcher() {
   if [ "$NNODES" -gt 1 ]; then
     LAUNCH+=(--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID"
              --rdzv-conf "is_host=$([ "$NODE_RANK" = 0 ] && echo 1 || echo 0)")
+    # The address other nodes reach this one at (default: its host name)
+    if [ -n "$LOCAL_ADDR" ]; then LAUNCH+=(--local-addr "$LOCAL_ADDR"); fi
   else
     LAUNCH+=(--node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
   fi
@@ -180,17 +183,19 @@ run_training() {
 }
 
 summarize() {
-  # Mean over the logged iterations after the first (which includes warm-up / compilation).
+  # Mean over the logged iterations after the first (which includes warm-up / compilation), or the
+  # one line when only one was logged.
   awk -F'|' '/ iteration +[0-9]+\// {
       for (i = 1; i <= NF; i++) {
         if ($i ~ /elapsed time per iteration/) { split($i, a, ":"); ms = a[2] }
         if ($i ~ /TFLOP\/s\/GPU/) { split($i, b, ":"); tf = b[2] }
         if ($i ~ /tokens\/s\/GPU/) { split($i, c, ":"); tok = c[2] }
       }
-      n++; if (n > 1) { sms += ms; stf += tf; stok += tok; m++ }
+      n++; if (n == 1) { fms = ms; ftf = tf; ftok = tok } else { sms += ms; stf += tf; stok += tok; m++ }
     }
     END {
-      if (m == 0) { print "no iterations logged (see the log above)"; exit 1 }
+      if (n == 0) { print "no iteration lines in this node'"'"'s log (global rank 0 prints them, on another node)"; exit }
+      if (m == 0) { sms = fms; stf = ftf; stok = ftok; m = 1 }
       printf "mean elapsed time per iteration (ms): %.1f\n", sms / m
       printf "mean throughput per GPU (TFLOP/s/GPU): %.2f\n", stf / m
       printf "mean tokens per GPU (tokens/s/GPU): %.1f\n", stok / m

@@ -38,6 +38,8 @@
 #   MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK: the rendezvous; with NNODES > 1 it is torchrun's c10d
 #                   rendezvous hosted by NODE_RANK 0 at MASTER_ADDR:MASTER_PORT  [localhost, 29500, 1, 0]
 #   RDZV_ID         rendezvous id shared by the nodes of one job           [megatron-lite]
+#   LOCAL_ADDR      the address other nodes reach this node at, when its host name does not resolve
+#                   to it (torchrun --local-addr)                          [the host name]
 #   GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME: the network interface for gloo / NCCL (passed to the workers)
 #   NPROC           processes per node                                   [GPUs on the node; 2 on CPU]
 #   TEE_OUTPUT      1: print the output and write it to a log file in LOG_DIR; 0: the log file only [1]
