@@ -29,6 +29,9 @@ def validate(config: Config, world_size: int) -> list:
         notes = megatron_lm.check(config.megatron_lm_flags)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    _require("--no-position-embedding" not in config.megatron_lm_flags or _is_rope(config),
+             "--no-position-embedding is deprecated in Megatron-LM and accepted with --position-embedding-type rope "
+             "only; use --position-embedding-type none")
     m, p, t = config.model, config.parallel, config.training
     for flag, value in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
                         ("--num-attention-heads", m.num_attention_heads)):
@@ -119,6 +122,10 @@ def validate(config: Config, world_size: int) -> list:
     _validate_schedule(config)
     _validate_checkpointing(config, notes)
     return notes
+
+
+def _is_rope(config: Config) -> bool:
+    return config.model.position_embedding_type == "rope"
 
 
 def _validate_training_length(config: Config, dp: int) -> None:

@@ -111,19 +111,38 @@ def test_pytorch_profiler_writes_a_chrome_trace(tmp_path):
     assert any("aten::" in str(event.get("name", "")) for event in events)
 
 
-def test_example_script_prints_the_run_summary(tmp_path):
-    """train_llama3.sh on CPU (tiny model, gloo, 2 processes) ends with the mean throughput lines."""
+def _launch_script(tmp_path, **overrides):
     env = dict(os.environ, TOTAL_ITERS="3", BS="4", MBS="1", SEQ_LENGTH="32", NPROC="2", TEE_OUTPUT="0",
-               MASTER_PORT="29533", EXTRA_ARGS="--num-workers 0", OMP_NUM_THREADS="1")
+               MASTER_PORT="29533", EXTRA_ARGS="--num-workers 0 --log-interval 1", OMP_NUM_THREADS="1",
+               LOG_DIR=str(tmp_path / "logs"), QUICKSTART_DIR=str(tmp_path / "none"))
+    env.update(overrides)
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    result = subprocess.run(["bash", str(ROOT / "examples/llama/train_llama3.sh")], capture_output=True, text=True,
-                            env=env, timeout=300, cwd=tmp_path)
+    return subprocess.run(["bash", str(ROOT / "examples/llama/train_llama3.sh")], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=tmp_path)
+
+
+def test_example_script_prints_the_run_summary(tmp_path):
+    """train_llama3.sh on CPU (tiny model, gloo, 2 processes): the flag check for both processes,
+    one line saying the data is mock and why, the log in LOG_DIR, the mean throughput lines."""
+    result = _launch_script(tmp_path)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert result.stdout.startswith("data: mock (random tokens, so the loss stays near ln(8192) = 9.01;")
+    assert result.stdout.count("> dry run: the flags are valid for 2 processes") == 1
+    assert len(list((tmp_path / "logs").glob("train_llama_tiny_*.log"))) == 1
     summary = result.stdout.strip().splitlines()[-3:]
     assert summary[0].startswith("mean elapsed time per iteration (ms): ")
     assert summary[1].startswith("mean throughput per GPU (TFLOP/s/GPU): ")
     assert summary[2].startswith("mean tokens per GPU (tokens/s/GPU): ")
     assert float(summary[2].split(": ")[1]) > 0
+
+
+def test_example_script_reports_a_flag_error_once(tmp_path):
+    """A bad flag stops the script before torchrun: one message, no per-rank tracebacks."""
+    result = _launch_script(tmp_path, EXTRA_ARGS="--hidden-size 130")
+    assert result.returncode == 2
+    assert result.stderr.count("error: --hidden-size (130) must be divisible by --num-attention-heads (4)") == 1
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+    assert "stopped before starting torchrun" in result.stderr
 
 
 @pytest.mark.parametrize("layout", [

@@ -59,6 +59,13 @@ def test_a_flag_that_would_change_the_result_is_an_error_naming_it(flags, messag
         _validate(flags)
 
 
+def test_no_position_embedding_goes_with_rope_only():
+    assert any(n.startswith("--no-position-embedding") for n in _validate(
+        ["--position-embedding-type", "rope", "--no-position-embedding"]))
+    with pytest.raises(ConfigError, match="--no-position-embedding is deprecated"):
+        _validate(["--no-position-embedding"])
+
+
 def test_megatron_default_values_are_accepted():
     assert not [n for n in _validate(["--softmax-type", "vanilla", "--dataloader-type", "single"]) if n.startswith("--")]
 

@@ -83,7 +83,8 @@ FLAGS = {
     "--use-rotary-position-embeddings": error("deprecated in Megatron-LM: use --position-embedding-type rope"),
     "--rotary-seq-len-interpolation-factor": error("RoPE sequence-length interpolation is not built"),
     "--no-rope-freq": error("skipping RoPE on some layers is not built"),
-    "--no-position-embedding": error("deprecated in Megatron-LM: use --position-embedding-type none"),
+    "--no-position-embedding": note("rotary embeddings have no learned position table; Megatron-LM accepts this "
+                                    "flag only with --position-embedding-type rope, and so does this framework"),
     "--mrope-section": error("multimodal RoPE is not built"),
     "--apply-residual-connection-post-layernorm": error("post-norm residuals (BERT order) are not built"),
     "--squared-relu": error("the squared-ReLU activation is not built"),
