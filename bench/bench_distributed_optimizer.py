@@ -5,7 +5,7 @@
 
 At DP=1 the distributed optimizer shards nothing; this measures its fixed costs (the parameter
 buffer, the shard bookkeeping, the all-gather no-op) against the replicated optimizer, with the
-preset and timing rules of DESIGN.md section 5: 8 micro-batches per step, median of >= 8 steps after
+preset and timing rules of docs/performance.md: 8 micro-batches per step, median of >= 8 steps after
 3 warm-up steps, timed with a device synchronize. Prints one line per variant; records nothing.
 """
 import argparse

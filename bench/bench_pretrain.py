@@ -1,11 +1,11 @@
-"""Single-GPU training throughput for the DESIGN.md presets: TFLOP/s/GPU, MFU, tokens/s, memory.
+"""Single-GPU training throughput for the presets of docs/performance.md: TFLOP/s/GPU, MFU, tokens/s, memory.
 
     python bench/bench_pretrain.py --preset llama3-8b-8layers          # bf16, seq 4096, 8 micro-batches
     python bench/bench_pretrain.py --preset llama3.2-1b
     python bench/bench_pretrain.py --preset tiny --device cpu          # smoke run of this script on CPU
     python bench/bench_pretrain.py --preset llama3.2-1b -- --recompute-granularity full ...  (extra flags)
 
-Protocol (DESIGN.md section 5): the median of --steps optimizer steps after --warmup steps, each
+Protocol (docs/performance.md): the median of --steps optimizer steps after --warmup steps, each
 timed with a device synchronize; FLOPs by Megatron's formula; MFU against the dense BF16 peak.
 """
 import argparse

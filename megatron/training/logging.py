@@ -1,4 +1,4 @@
-"""The iteration log line, throughput (TFLOP/s/GPU by DESIGN.md's formula) and TensorBoard."""
+"""The iteration log line, throughput (TFLOP/s/GPU by Megatron-LM's formula) and TensorBoard."""
 import datetime
 from typing import Optional
 
