@@ -25,13 +25,7 @@ def _require(condition: bool, message: str) -> None:
 
 def validate(config: Config, world_size: int) -> list:
     """Raises ConfigError on the first problem; returns notes to print (non-fatal adjustments)."""
-    try:
-        notes = megatron_lm.check(config.megatron_lm_flags)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    _require("--no-position-embedding" not in config.megatron_lm_flags or _is_rope(config),
-             "--no-position-embedding is deprecated in Megatron-LM and accepted with --position-embedding-type rope "
-             "only; use --position-embedding-type none")
+    notes = _megatron_lm_notes(config)
     m, p, t = config.model, config.parallel, config.training
     for flag, value in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
                         ("--num-attention-heads", m.num_attention_heads)):
@@ -124,8 +118,18 @@ def validate(config: Config, world_size: int) -> list:
     return notes
 
 
-def _is_rope(config: Config) -> bool:
-    return config.model.position_embedding_type == "rope"
+def _megatron_lm_notes(config: Config) -> list:
+    """Notes for the given Megatron-LM flags this framework does not build; the first one that would
+    change the result is an error."""
+    try:
+        notes = megatron_lm.check(config.megatron_lm_flags)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    _require("--no-position-embedding" not in config.megatron_lm_flags
+             or config.model.position_embedding_type == "rope",
+             "--no-position-embedding is deprecated in Megatron-LM and accepted with --position-embedding-type rope "
+             "only; use --position-embedding-type none")
+    return notes
 
 
 def _validate_training_length(config: Config, dp: int) -> None:
