@@ -17,7 +17,8 @@ from megatron.core.context_parallel import slice_batch
 from megatron.core.distributed import comm
 from megatron.training.arguments import parse_args
 from megatron.training.config import Config
-from megatron.training.training import pretrain, print_rank_0
+from megatron.training.training import dry_run, pretrain, print_rank_0
+from megatron.training.validation import implied_tokenizer_type
 
 
 def get_batch(data_iterator, groups, fields=None) -> dict:
@@ -43,54 +44,72 @@ def stage_fields(model) -> set:
     return fields
 
 
-def loss_func(loss_mask: torch.Tensor, cp_group, per_token_loss: torch.Tensor):
+def loss_func(loss_mask: torch.Tensor, cp_group, calculate_per_token_loss: bool, token_losses: torch.Tensor):
     """Mean loss over the micro-batch's unmasked tokens; reports [sum, count] so averages weight
     tokens equally.
 
     With context parallelism a rank holds part of the sequence: its sum is divided by the count
     over all CP ranks, and multiplied by the CP size because gradients are averaged over the data x
-    context ranks, so the gradients equal those of the whole micro-batch's mean."""
+    context ranks, so the gradients equal those of the whole micro-batch's mean.
+
+    With --calculate-per-token-loss the loss is the sum itself: training divides the gradients by
+    the token count of the whole global batch."""
     loss_mask = loss_mask.float()
-    total = (per_token_loss.float() * loss_mask).sum()
+    total = (token_losses.float() * loss_mask).sum()
     count = loss_mask.sum()
+    if calculate_per_token_loss:
+        return total, {"lm loss": torch.stack([total.detach(), count])}
     micro_batch_count = count.clone()
     comm.all_reduce(micro_batch_count, cp_group)
     loss = total * comm.size(cp_group) / micro_batch_count.clamp(min=1.0)
     return loss, {"lm loss": torch.stack([total.detach(), count])}
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, calculate_per_token_loss: bool = False):
     groups = model.groups  # the model chunk's (and its data-parallel wrapper's) parallel layout
     batch = get_batch(data_iterator, groups, stage_fields(model))
     output = model(batch.get("tokens"), batch["position_ids"], labels=batch.get("labels"),
                    document_ids=batch.get("document_ids"))
-    return output, partial(loss_func, batch.get("loss_mask"), groups.cp)
+    return output, partial(loss_func, batch.get("loss_mask"), groups.cp, calculate_per_token_loss)
 
 
 def build_tokenizer(config: Config):
     d = config.data
-    if d.tokenizer_type is None:
+    tokenizer_type = implied_tokenizer_type(d)
+    if tokenizer_type is None:
         return None
     from megatron.core.tokenizers import build_tokenizer as build
 
-    return build(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
+    return build(tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
                  tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size)
 
 
-def datasets_provider(config: Config, groups, num_samples: tuple, tokenizer=None, vocab_size: int = 0):
-    from megatron.core.datasets import GPTDatasetConfig, build_gpt_datasets
+def gpt_dataset_config(config: Config, tokenizer=None, vocab_size: int = 0):
+    from megatron.core.datasets import GPTDatasetConfig
 
     d, t = config.data, config.training
-    dataset_config = GPTDatasetConfig(
+    return GPTDatasetConfig(
         seq_length=t.seq_length, seed=t.seed, data_path=d.data_path or None, split=d.split,
         train_data_path=d.train_data_path or None, valid_data_path=d.valid_data_path or None,
         test_data_path=d.test_data_path or None, data_cache_path=d.data_cache_path, mock=d.mock_data,
         vocab_size=vocab_size, eod_token=tokenizer.eod if tokenizer is not None else None,
-        reset_position_ids=d.reset_position_ids,
-        reset_attention_mask=d.reset_attention_mask and d.create_attention_mask_in_dataloader,
-        eod_mask_loss=d.eod_mask_loss)
-    return build_gpt_datasets(dataset_config, num_samples=num_samples, is_builder_rank=groups.global_rank == 0,
-                              barrier=comm.barrier)
+        reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
+        eod_mask_loss=d.eod_mask_loss, mmap_bin_files=d.mmap_bin_files,
+        create_attention_mask=d.create_attention_mask_in_dataloader)
+
+
+def check_inputs(config: Config, tokenizer=None, vocab_size: int = 0) -> None:
+    """The data files and blends, opened and checked before the model is built."""
+    from megatron.core.datasets import check_data_inputs
+
+    check_data_inputs(gpt_dataset_config(config, tokenizer, vocab_size))
+
+
+def datasets_provider(config: Config, groups, num_samples: tuple, tokenizer=None, vocab_size: int = 0):
+    from megatron.core.datasets import build_gpt_datasets
+
+    return build_gpt_datasets(gpt_dataset_config(config, tokenizer, vocab_size), num_samples=num_samples,
+                              is_builder_rank=groups.global_rank == 0, barrier=comm.barrier)
 
 
 def main(argv=None):
@@ -99,8 +118,13 @@ def main(argv=None):
     vocab_size = tokenizer.vocab_size if tokenizer is not None else config.data.vocab_size
     if vocab_size is None:
         raise SystemExit("error: no vocabulary size: pass --tokenizer-type (with its files) or --vocab-size N")
+    if config.training.dry_run:
+        dry_run(config, vocab_size, partial(check_inputs, tokenizer=tokenizer, vocab_size=vocab_size))
+        return
     provider = partial(datasets_provider, tokenizer=tokenizer, vocab_size=vocab_size)
-    state = pretrain(config, forward_step_func=forward_step, datasets_provider=provider, vocab_size=vocab_size)
+    step = partial(forward_step, calculate_per_token_loss=config.training.calculate_per_token_loss)
+    state = pretrain(config, forward_step_func=step, datasets_provider=provider, vocab_size=vocab_size,
+                     check_inputs=partial(check_inputs, tokenizer=tokenizer, vocab_size=vocab_size))
     reason = f" ({state.exit_reason})" if state.exit_reason else ""
     print_rank_0(f"> training finished after {state.iteration} iterations{reason}")
 
@@ -108,7 +132,7 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except ValueError as error:
+    except (ValueError, FileNotFoundError) as error:
         # Configuration and input errors (bad flags, missing or malformed data files) say what and
         # how to fix in their message: print that line alone unless a traceback is asked for.
         if os.environ.get("MEGATRON_TRACEBACK") == "1":

@@ -19,7 +19,7 @@ case "$MODEL_SIZE" in
   13) MODEL_ARGS=(--num-layers 40 --hidden-size 5120 --ffn-hidden-size 13824 --num-attention-heads 40) ; VOCAB=32000 ;;
   70) MODEL_ARGS=(--num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64
                   --group-query-attention --num-query-groups 8) ; VOCAB=32000 ;;
-  tiny) MODEL_ARGS=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 8) ; VOCAB=8192 ;;
+  tiny) MODEL_ARGS=(--num-layers 4 --hidden-size 128 --ffn-hidden-size 352 --num-attention-heads 4) ; VOCAB=8192 ;;
   *) echo "MODEL_SIZE must be 7, 13, 70 or tiny for Llama 2 (got '$MODEL_SIZE')" >&2; exit 2 ;;
 esac
 MODEL_ARGS+=(--max-position-embeddings "$((SEQ_LENGTH > 4096 ? SEQ_LENGTH : 4096))" --position-embedding-type rope

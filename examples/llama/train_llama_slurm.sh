@@ -13,8 +13,10 @@
 #   sbatch --nodes 4 examples/llama/train_llama_slurm.sh <MODEL_SIZE> <MBS> <BS_PER_NODE> <SEQ> <ITERS> <FSDP> <RECOMPUTE>
 #   e.g. sbatch --nodes 4 examples/llama/train_llama_slurm.sh 70 1 16 8192 20 0 1
 #
-# Other knobs (TP, PP, VPP, DATA_PATH, TOKENIZER_MODEL, LLAMA_VERSION, ...) pass through the environment
-# to train_llama3.sh (see its header). The global batch is BS_PER_NODE x number of nodes.
+# Other knobs (TP, PP, VPP, DATA_PATH, TOKENIZER_MODEL, LLAMA_VERSION, GLOO_SOCKET_IFNAME,
+# NCCL_SOCKET_IFNAME, LOG_DIR, ...) pass through the environment to train_llama3.sh (see its header).
+# The global batch is BS_PER_NODE x number of nodes. The first node of the allocation hosts the
+# rendezvous (MASTER_ADDR); every node starts torchrun for its GPUs.
 #
 # Checkpoints and requeueing: the run saves to CKPT_DIR [checkpoints/llama<MODEL_SIZE>-<job name>]
 # every SAVE_INTERVAL iterations [500] and always resumes from the latest checkpoint there. 180 s
@@ -38,7 +40,8 @@ export SAVE_INTERVAL=${SAVE_INTERVAL:-500}
 TRACKER="$CKPT_DIR/latest_checkpointed_iteration.txt"
 saved_iteration() { cat "$TRACKER" 2>/dev/null || echo 0; }
 START_ITERATION=$(saved_iteration)
-mkdir -p "$ROOT/logs"
+export LOG_DIR=${LOG_DIR:-$ROOT/logs}
+mkdir -p "$LOG_DIR"
 # One task per node; each computes its NODE_RANK from Slurm and starts torchrun for its GPUs. The
 # task ignores SIGUSR1 (so that it outlives the signal while torchrun forwards it to the workers).
 status=0

@@ -69,3 +69,33 @@ def manual_seed(device: torch.device, seed: int) -> None:
         torch.cuda.manual_seed(seed)
     else:
         torch.manual_seed(seed)
+
+
+def empty_cache(device: torch.device) -> None:
+    """Returns cached, unused device memory to the device (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def memory_stats(device: torch.device) -> dict:
+    """Megatron's memory scalars in bytes: allocated, reserved and peak allocated (on CPU the
+    process's peak resident set size stands for all three)."""
+    if device.type == "cuda":
+        return {"mem-allocated-bytes": torch.cuda.memory_allocated(device),
+                "mem-reserved-bytes": torch.cuda.memory_reserved(device),
+                "mem-max-allocated-bytes": torch.cuda.max_memory_allocated(device)}
+    peak = peak_memory_bytes(device)
+    return {"mem-allocated-bytes": peak, "mem-reserved-bytes": peak, "mem-max-allocated-bytes": peak}
+
+
+def available_memory(device: torch.device) -> float:
+    """Bytes free for a new allocation: free memory of the GPU, or the host's available RAM."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    with open("/proc/meminfo") as handle:
+        for line in handle:
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    import os
+
+    return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))

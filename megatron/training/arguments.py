@@ -2,7 +2,9 @@
 
 A field `tensor_model_parallel_size` becomes `--tensor-model-parallel-size`; the string literal
 under a field is its help text. Booleans are switches (`store_true`); lists take several values.
-The few flags whose name is not the field name are in IRREGULAR_FLAGS. Unknown flags are errors.
+The few flags whose name is not the field name are in IRREGULAR_FLAGS. Every other flag of
+Megatron-LM's pretrain_gpt.py parses too (megatron.training.megatron_lm): validation turns it into a
+start-up note or an error naming it. Unknown flags are errors.
 """
 import argparse
 import ast
@@ -13,20 +15,34 @@ import textwrap
 import typing
 from typing import Optional
 
+from megatron.training import megatron_lm
 from megatron.training.config import SECTIONS, Config
 
-# field name -> (flag, argparse action): flags that invert or rename a field. An action of None
-# keeps the field's typed handling under the other name; BooleanOptionalAction gives a switch both
-# spellings (--x / --no-x).
+# field name -> (flag, argparse action, --help text): flags that invert or rename a field. An action
+# of None keeps the field's typed handling under the other name; BooleanOptionalAction gives a switch
+# both spellings (--x / --no-x). A help text of None takes the field's docstring (an inverted flag
+# has its own, since the field's docstring describes the field).
 IRREGULAR_FLAGS = {
-    "add_bias_linear": ("--disable-bias-linear", "store_false"),
-    "fp8": ("--fp8-format", None),
-    "gradient_accumulation_fusion": ("--gradient-accumulation-fusion", argparse.BooleanOptionalAction),
-    "cross_entropy_loss_fusion": ("--cross-entropy-loss-fusion", argparse.BooleanOptionalAction),
-    "create_attention_mask_in_dataloader": ("--no-create-attention-mask-in-dataloader", "store_false"),
-    "overlap_p2p_comm": ("--no-overlap-p2p-communication", "store_false"),
-    "overlap_p2p_comm_warmup_flush": ("--overlap-p2p-communication-warmup-flush", "store_true"),
-    "microbatch_group_size_per_vp_stage": ("--microbatch-group-size-per-virtual-pipeline-stage", None),
+    "add_bias_linear": ("--disable-bias-linear", "store_false",
+                        "Disable the biases of the linear layers (as Llama); by default they have biases (as GPT)."),
+    "fp8": ("--fp8-format", None, None),
+    "gradient_accumulation_fusion": ("--gradient-accumulation-fusion", argparse.BooleanOptionalAction, None),
+    "cross_entropy_loss_fusion": ("--cross-entropy-loss-fusion", argparse.BooleanOptionalAction, None),
+    "overlap_p2p_comm": ("--no-overlap-p2p-communication", "store_false",
+                         "Wait for each pipeline send/receive before computing (by default they overlap the "
+                         "computation)."),
+    "overlap_p2p_comm_warmup_flush": ("--overlap-p2p-communication-warmup-flush", "store_true", None),
+    "microbatch_group_size_per_vp_stage": ("--microbatch-group-size-per-virtual-pipeline-stage", None, None),
+    "manual_gc_eval": ("--no-manual-gc-eval", "store_false",
+                       "With --manual-gc: do not collect at the start and end of each evaluation."),
+    "log_loss_scale_to_tensorboard": ("--no-log-loss-scale-to-tensorboard", "store_false",
+                                      "Do not write the loss scale to TensorBoard."),
+    "mmap_bin_files": ("--no-mmap-bin-files", "store_false",
+                       "Read each .bin file whole into memory instead of memory-mapping it."),
+    "create_attention_mask_in_dataloader": (
+        "--no-create-attention-mask-in-dataloader", "store_false",
+        "Build no document attention in the data loader: with --reset-attention-mask, attention is then causal "
+        "across documents (as in Megatron-LM)."),
 }
 
 # Switches kept for older Megatron-LM scripts: flag -> (field, help). They set a field to True that
@@ -67,7 +83,8 @@ def _add_field(group, field: dataclasses.Field, annotation, help_text: str) -> N
         field.default_factory() if field.default_factory is not _MISSING else None)
     flag = "--" + name.replace("_", "-")
     if name in IRREGULAR_FLAGS:
-        flag, action = IRREGULAR_FLAGS[name]
+        flag, action, flag_help = IRREGULAR_FLAGS[name]
+        help_text = flag_help or help_text
         if action is not None:
             group.add_argument(flag, dest=name, action=action, default=default, help=help_text)
             return
@@ -91,9 +108,13 @@ def _add_field(group, field: dataclasses.Field, annotation, help_text: str) -> N
     group.add_argument(flag, **kwargs)
 
 
-def build_parser(extra_sections: Optional[dict] = None) -> argparse.ArgumentParser:
+def build_parser(extra_sections: Optional[dict] = None, megatron_lm_flags: bool = True) -> argparse.ArgumentParser:
+    """The flags of the config dataclasses; with `megatron_lm_flags`, also every other flag of
+    Megatron-LM's pretrain_gpt.py (not listed in --help)."""
     parser = argparse.ArgumentParser(
-        description="Megatron-style GPT/Llama pretraining. Flags follow Megatron-LM's names.",
+        description="Megatron-style GPT/Llama pretraining. Flags follow Megatron-LM's names; the other flags of "
+                    "Megatron-LM's pretrain_gpt.py are accepted with a note or refused with the reason "
+                    "(docs/megatron-compatibility.md).",
         allow_abbrev=False)
     for section, cls in {**SECTIONS, **(extra_sections or {})}.items():
         group = parser.add_argument_group(section)
@@ -103,6 +124,8 @@ def build_parser(extra_sections: Optional[dict] = None) -> argparse.ArgumentPars
             _add_field(group, field, hints[field.name], docs.get(field.name, ""))
     for flag, (name, help_text) in ACCEPTED_SWITCHES.items():
         parser.add_argument(flag, dest=name, action="store_true", default=argparse.SUPPRESS, help=help_text)
+    if megatron_lm_flags:
+        megatron_lm.add_to_parser(parser)
     return parser
 
 
@@ -121,12 +144,13 @@ def parse_args(argv: Optional[list] = None) -> Config:
     values = vars(namespace)
     sections = {section: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
                 for section, cls in SECTIONS.items()}
-    return Config(**sections)
+    return Config(**sections, megatron_lm_flags=megatron_lm.given(namespace))
 
 
 def all_flags() -> list:
-    """Every flag the parser accepts, sorted (the frozen public surface)."""
-    parser = build_parser()
+    """Every flag the config defines, sorted (the frozen public surface; Megatron-LM's other flags
+    are frozen by megatron/training/megatron_lm)."""
+    parser = build_parser(megatron_lm_flags=False)
     return sorted(s for action in parser._actions for s in action.option_strings if s.startswith("--"))
 
 

@@ -54,13 +54,22 @@ def attention_backend(config: Config) -> str:
     return "flash_attn" if m.use_flash_attn and m.attention_backend == "auto" else m.attention_backend
 
 
+def ffn_hidden_size(model_config) -> int:
+    """--ffn-hidden-size, or Megatron-LM's default: 4h, or with SwiGLU 8h/3 rounded down to a
+    multiple of 64 (two input projections of that size hold about as many weights as one of 4h)."""
+    m = model_config
+    if m.ffn_hidden_size is not None:
+        return m.ffn_hidden_size
+    return int(4 * m.hidden_size * 2 / 3 / 64) * 64 if m.swiglu else 4 * m.hidden_size
+
+
 def transformer_config(config: Config, vocab_size: int) -> TransformerConfig:
     m, t = config.model, config.training
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by,
                                      config.parallel.tensor_model_parallel_size),
-        ffn_hidden_size=m.ffn_hidden_size, kv_channels=m.kv_channels,
+        ffn_hidden_size=ffn_hidden_size(m), kv_channels=m.kv_channels,
         num_query_groups=m.num_query_groups if m.group_query_attention else None,
         max_position_embeddings=m.max_position_embeddings or t.seq_length,
         normalization=m.normalization, norm_epsilon=m.norm_epsilon,
@@ -82,6 +91,8 @@ def transformer_config(config: Config, vocab_size: int) -> TransformerConfig:
         fp8_amax_compute_algo=m.fp8_amax_compute_algo, first_last_layers_bf16=m.first_last_layers_bf16,
         num_layers_at_start_in_bf16=m.num_layers_at_start_in_bf16,
         num_layers_at_end_in_bf16=m.num_layers_at_end_in_bf16,
+        qk_layernorm=m.qk_layernorm, layernorm_zero_centered_gamma=m.apply_layernorm_1p,
+        rotary_interleaved=m.rotary_interleaved,
     )
 
 
@@ -163,23 +174,33 @@ def optimizer_config(config: Config) -> OptimizerConfig:
         optimizer=o.optimizer, lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
         adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, sgd_momentum=o.sgd_momentum, clip_grad=o.clip_grad,
         fp16=t.fp16, bf16=t.bf16, loss_scale=t.loss_scale, initial_loss_scale=t.initial_loss_scale,
-        min_loss_scale=t.min_loss_scale, loss_scale_window=t.loss_scale_window, hysteresis=t.hysteresis)
+        min_loss_scale=t.min_loss_scale, loss_scale_window=t.loss_scale_window, hysteresis=t.hysteresis,
+        decoupled_lr=o.decoupled_lr, decoupled_min_lr=o.decoupled_min_lr)
 
 
-def lr_schedule_config(config: Config) -> LRScheduleConfig:
-    o = config.optimizer
-    decay_steps = o.lr_decay_iters or config.training.train_iters
-    warmup = int(o.lr_warmup_fraction * decay_steps) if o.lr_warmup_fraction is not None else o.lr_warmup_iters
+def lr_schedule_config(config: Config, global_batch_size: int) -> LRScheduleConfig:
+    """The schedule in samples (Megatron's unit): iteration-based flags times the global batch size."""
+    o, t = config.optimizer, config.training
+    if t.train_samples is None:
+        decay_steps = (o.lr_decay_iters or t.train_iters) * global_batch_size
+        warmup = o.lr_warmup_iters * global_batch_size
+        wsd = o.lr_wsd_decay_iters * global_batch_size if o.lr_wsd_decay_iters is not None else None
+    else:
+        decay_steps = o.lr_decay_samples or t.train_samples
+        warmup, wsd = o.lr_warmup_samples, o.lr_wsd_decay_samples
+    if o.lr_warmup_fraction is not None:
+        warmup = o.lr_warmup_fraction * decay_steps
     return LRScheduleConfig(max_lr=o.lr, min_lr=o.min_lr, warmup_steps=warmup, decay_steps=decay_steps,
-                            decay_style=o.lr_decay_style, wsd_decay_steps=o.lr_wsd_decay_iters,
-                            wsd_decay_style=o.lr_wsd_decay_style)
+                            decay_style=o.lr_decay_style, wsd_decay_steps=wsd, wsd_decay_style=o.lr_wsd_decay_style,
+                            init_lr=o.lr_warmup_init)
 
 
 def build_optimizer(config: Config, wrapped_chunks: list, groups: ParallelGroups):
     """The optimizer follows the wrapping: distributed (ZeRO-1) for chunks wrapped with
     --use-distributed-optimizer, sharded for FSDP2, else full fp32 masters on every rank."""
     optimizer = get_megatron_optimizer(optimizer_config(config), wrapped_chunks, groups)
-    scheduler = OptimizerParamScheduler(optimizer, lr_schedule_config(config))
+    global_batch_size = config.training.global_batch_size or config.training.micro_batch_size * groups.dp_size
+    scheduler = OptimizerParamScheduler(optimizer, lr_schedule_config(config, global_batch_size))
     return optimizer, scheduler
 
 

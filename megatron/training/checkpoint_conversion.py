@@ -45,6 +45,8 @@ def model_args(config: TransformerConfig, make_vocab_size_divisible_by: int) -> 
         "untie_embeddings_and_output_weights": config.untie_embeddings_and_output_weights,
         "add_bias_linear": config.add_bias_linear, "add_qkv_bias": config.add_qkv_bias,
         "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
+        "apply_layernorm_1p": config.layernorm_zero_centered_gamma, "qk_layernorm": config.qk_layernorm,
+        "rotary_interleaved": config.rotary_interleaved,
     }
 
 
@@ -63,7 +65,8 @@ def transformer_config(args: dict, padded_vocab_size: int) -> TransformerConfig:
         rotary_percent=args["rotary_percent"], rope_scaling=args["use_rope_scaling"],
         rope_scaling_factor=args["rope_scaling_factor"],
         untie_embeddings_and_output_weights=args["untie_embeddings_and_output_weights"],
-        hidden_dropout=0.0, attention_dropout=0.0)
+        hidden_dropout=0.0, attention_dropout=0.0, layernorm_zero_centered_gamma=args.get("apply_layernorm_1p", False),
+        qk_layernorm=args.get("qk_layernorm", False), rotary_interleaved=args.get("rotary_interleaved", False))
 
 
 def check_expressible(config: TransformerConfig) -> None:

@@ -43,6 +43,7 @@ CHECKPOINT_MODEL_ARGS = (
     "num_query_groups", "max_position_embeddings", "position_embedding_type", "rotary_base", "rotary_percent",
     "use_rope_scaling", "rope_scaling_factor", "normalization", "norm_epsilon", "swiglu", "openai_gelu",
     "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "make_vocab_size_divisible_by",
+    "apply_layernorm_1p", "qk_layernorm", "rotary_interleaved",
 )
 
 # Resolved architecture (TransformerConfig field -> the flag that sets it): a mismatch is an error.
@@ -53,6 +54,8 @@ ARCHITECTURE_FLAGS = {
     "add_bias_linear": "--disable-bias-linear", "add_qkv_bias": "--add-qkv-bias",
     "position_embedding_type": "--position-embedding-type",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+    "qk_layernorm": "--qk-layernorm", "layernorm_zero_centered_gamma": "--apply-layernorm-1p",
+    "rotary_interleaved": "--rotary-interleaved",
 }
 # Numerics that change the model without changing a shape: a mismatch is noted.
 SEMANTIC_FIELDS = ("activation", "norm_epsilon", "rotary_base", "rotary_percent", "rope_scaling",

@@ -20,26 +20,51 @@ def flops_per_iteration(model: TransformerConfig, global_batch_size: int, seq_le
 
 
 def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
-                   tflops_per_gpu: float, tokens_per_gpu: float, learning_rate: float, global_batch_size: int,
-                   losses: dict, loss_scale: float, grad_norm: Optional[float], skipped: int, nan: int,
-                   peak_memory_gb: float) -> str:
+                   throughput: Optional[tuple], learning_rate: float, global_batch_size: int, losses: dict,
+                   loss_scale: float, grad_norm: Optional[float], skipped: int, nan: int, peak_memory_gb: float,
+                   decoupled_learning_rate: Optional[float] = None, params_norm: Optional[float] = None,
+                   num_zeros: Optional[int] = None) -> str:
+    """Megatron's iteration line. `throughput`: (TFLOP/s/GPU, tokens/s/GPU), shown with
+    --log-throughput; the decoupled learning rate, parameter norm and zero count when given."""
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     parts = [
         f" [{now}] iteration {iteration:8d}/{train_iters:8d}",
         f"consumed samples: {consumed_samples:12d}",
         f"elapsed time per iteration (ms): {elapsed_ms:.1f}",
-        f"throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.2f}",
-        f"tokens per GPU (tokens/s/GPU): {tokens_per_gpu:.1f}",
-        f"learning rate: {learning_rate:.6E}",
-        f"global batch size: {global_batch_size:5d}",
     ]
+    if throughput is not None:
+        parts += [f"throughput per GPU (TFLOP/s/GPU): {throughput[0]:.2f}",
+                  f"tokens per GPU (tokens/s/GPU): {throughput[1]:.1f}"]
+    parts.append(f"learning rate: {learning_rate:.6E}")
+    if decoupled_learning_rate is not None:
+        parts.append(f"decoupled learning rate: {decoupled_learning_rate:.6E}")
+    parts.append(f"global batch size: {global_batch_size:5d}")
     parts += [f"{name}: {value:.6E}" for name, value in losses.items()]
     parts.append(f"loss scale: {loss_scale:.1f}")
     if grad_norm is not None:
         parts.append(f"grad norm: {grad_norm:.3f}")
+    if num_zeros is not None:
+        parts.append(f"num zeros: {num_zeros}")
+    if params_norm is not None:
+        parts.append(f"params norm: {params_norm:.3f}")
     parts += [f"number of skipped iterations: {skipped:3d}", f"number of nan iterations: {nan:3d}",
               f"peak memory (GB): {peak_memory_gb:.2f}"]
     return " | ".join(parts) + " |"
+
+
+def tensorboard_scalars(logging_config, losses: dict, statistics: dict, world_size: int, memory: dict) -> dict:
+    """Megatron's per-iteration TensorBoard scalars (tag: value) under the --log-* switches."""
+    log = logging_config
+    values = {name: statistics[name] for name in ("learning-rate", "decoupled-learning-rate", "batch-size",
+                                                  "grad-norm", "params-norm", "num-zeros")}
+    values.update(losses)
+    if log.log_loss_scale_to_tensorboard:
+        values["loss-scale"] = statistics["loss-scale"]
+    if log.log_world_size_to_tensorboard:
+        values["world-size"] = world_size
+    if log.log_memory_to_tensorboard:
+        values.update(memory)
+    return values
 
 
 class TensorBoardWriter:

@@ -1,5 +1,9 @@
 """The training loop: pretrain -> train (train_step, evaluate) with Megatron's log line."""
 import dataclasses
+import gc
+import logging
+import math
+import os
 import time
 from typing import Callable, Optional
 
@@ -8,9 +12,11 @@ import torch
 from megatron.core import utils
 from megatron.core.distributed import comm
 from megatron.core.distributed.ddp import finalize_model_grads
+from megatron.core.pipeline_parallel import layout
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.training import builders
 from megatron.training.arguments import format_config
+from megatron.training.batch_schedule import BatchSchedule, batch_schedule
 from megatron.training.checkpointing import (
     Checkpointer,
     apply_checkpoint_args,
@@ -22,11 +28,12 @@ from megatron.training.checkpointing import (
 from megatron.training.config import Config
 from megatron.training.data import build_loader
 from megatron.training.exits import ExitConditions
-from megatron.training.initialize import initialize_distributed, world_size_from_env
-from megatron.training.logging import TensorBoardWriter, flops_per_iteration, iteration_line
-from megatron.training.memory import memory_report
+from megatron.training.initialize import initialize_distributed, resolve_backend, world_size_from_env
+from megatron.training.logging import TensorBoardWriter, flops_per_iteration, iteration_line, tensorboard_scalars
+from megatron.training.memory import check_fits, estimate_report, memory_report, reducing_flags, theoretical_bytes
 from megatron.training.profiling import StepProfiler
-from megatron.training.validation import validate
+from megatron.training.progress import ProgressLog
+from megatron.training.validation import ConfigError, validate
 
 _JOB_START_TIME = time.time()  # --exit-duration-in-mins counts from here (module import ~ job start)
 
@@ -38,6 +45,7 @@ class TrainState:
     consumed_valid_samples: int = 0
     skipped_iterations: int = 0
     nan_iterations: int = 0
+    floating_point_operations: float = 0.0  # of all iterations so far, every job of the run (--log-progress)
     exit_reason: Optional[str] = None  # why training stopped before --train-iters (not saved)
 
 
@@ -58,6 +66,9 @@ class Run:
     vocab_size: int
     checkpointer: Optional[Checkpointer]
     checkpoint_to_load: Optional[tuple]  # (directory, common.json) found by --load
+    batches: Optional[BatchSchedule] = None  # the global batch size of each iteration (--rampup-batch-size)
+    tensorboard: TensorBoardWriter = dataclasses.field(default_factory=lambda: TensorBoardWriter(None))
+    progress: Optional[ProgressLog] = None
     attention_report: str = ""
 
 
@@ -66,14 +77,21 @@ def print_rank_0(message: str) -> None:
         print(message, flush=True)
 
 
-def setup(config: Config, forward_step_func: Callable, vocab_size: int) -> Run:
-    """Validates the flags (and the checkpoint to load against them), joins the process groups,
-    builds model, DDP and optimizer."""
+def setup(config: Config, forward_step_func: Callable, vocab_size: int,
+          check_inputs: Optional[Callable] = None) -> Run:
+    """Validates the flags (and the checkpoint to load against them) and, with `check_inputs(config)`,
+    the input files; joins the process groups, builds model, DDP and optimizer."""
     notes, to_load = _find_checkpoint(config)
     notes += validate(config, world_size_from_env())
+    if check_inputs is not None:
+        check_inputs(config)
+    if config.logging.logging_level is not None:
+        logging.basicConfig(level=config.logging.logging_level)
+        logging.getLogger().setLevel(config.logging.logging_level)
     groups, rng_tracker = initialize_distributed(config)
     print_rank_0(format_config(config))
     model_config = builders.transformer_config(config, vocab_size)
+    _check_fits(config, model_config, groups.world_size, groups.device)
     if to_load is not None:
         notes += check_architecture(to_load[0], to_load[1]["model"], architecture(model_config, vocab_size))
     for note in notes:
@@ -83,21 +101,79 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int) -> Run:
     chunks = builders.build_model_chunks(config, groups, model_config, rng_tracker)
     chunks = builders.wrap_data_parallel(chunks, config, groups)
     optimizer, scheduler = builders.build_optimizer(config, chunks, groups)
-    t = config.training
-    global_batch = t.global_batch_size or t.micro_batch_size * groups.dp_size
-    num_microbatches = global_batch // (t.micro_batch_size * groups.dp_size)
+    batches = batch_schedule(config.training, groups.dp_size)
+    global_batch = batches.global_batch_size
+    num_microbatches = batches.num_microbatches_at(math.inf)
     params = sum(p.numel() for c in chunks for p in c.module.parameters())
     print_rank_0(f"> parameters on (tensor, pipeline) rank ({groups.tp_rank}, {groups.pp_rank}): {params}")
     print_rank_0(f"> padded vocab size: {model_config.vocab_size}, micro-batches per step: {num_microbatches}, "
                  f"data-parallel size: {groups.dp_size}, context-parallel size: {groups.cp_size}, "
                  f"device: {groups.device}")
-    report = memory_report(config, chunks, optimizer, groups)
-    if groups.dp_rank == 0 and groups.cp_rank == 0:
-        print(report, flush=True)
+    print_rank_0(memory_report(config, chunks, optimizer, groups, figures=_largest_over_ranks(chunks, optimizer, groups)))
     checkpointer = (Checkpointer(config, groups, rng_tracker, print_rank_0)
                     if config.checkpoint.save or to_load is not None else None)
     return Run(config, groups, model_config, chunks, optimizer, scheduler, forward_step_func, global_batch,
-               num_microbatches, print_rank_0, vocab_size, checkpointer, to_load, attention_report)
+               num_microbatches, print_rank_0, vocab_size, checkpointer, to_load, batches,
+               attention_report=attention_report)
+
+
+def _largest_over_ranks(chunks: list, optimizer, groups) -> dict:
+    """The theoretical memory figures, each the largest over all ranks (pipeline stages differ), so
+    that one line describes the job."""
+    figures = theoretical_bytes(chunks, optimizer)
+    values = torch.tensor([float(v) for v in figures.values()], dtype=torch.float64, device=groups.device)
+    comm.all_reduce_max(values, groups.world)
+    return {name: int(value) for name, value in zip(figures, values.tolist())}
+
+
+def memory_estimate(config: Config, model_config, world_size: int) -> tuple:
+    """(bytes, report line): parameters, gradients and optimizer state of the largest pipeline
+    stage on one GPU, from the flags alone."""
+    p = config.parallel
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    stages = layout.layers_per_rank(config.model.num_layers, pp, first_stage_layers=p.decoder_first_pipeline_num_layers,
+                                    last_stage_layers=p.decoder_last_pipeline_num_layers)
+    return estimate_report(config, model_config, stages, tp, world_size // (tp * pp * cp), cp)
+
+
+def _check_fits(config: Config, model_config, world_size: int, device: torch.device) -> None:
+    """Stops before anything is allocated when the model's parameters, gradients and optimizer state
+    exceed the free memory of this rank's GPU (or, on CPU, the RAM all local processes share)."""
+    estimate, _ = memory_estimate(config, model_config, world_size)
+    processes = 1 if device.type != "cpu" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    where = f"{device}" if device.type != "cpu" else "this machine's RAM"
+    try:
+        check_fits(estimate, utils.available_memory(device), where, reducing_flags(config), processes)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def dry_run(config: Config, vocab_size: int, check_inputs: Optional[Callable] = None) -> None:
+    """--dry-run: the start-up checks of a WORLD_SIZE-process run (flags, input files, the checkpoint
+    to load, whether the model fits), in this one process; prints the layout and the memory estimate
+    per GPU. Builds nothing and joins no process group."""
+    world_size = world_size_from_env()
+    notes, to_load = _find_checkpoint(config)
+    notes += validate(config, world_size)
+    if check_inputs is not None:
+        check_inputs(config)
+    model_config = builders.transformer_config(config, vocab_size)
+    if to_load is not None:
+        notes += check_architecture(to_load[0], to_load[1]["model"], architecture(model_config, vocab_size))
+    for note in notes:
+        print(f"NOTE: {note}", flush=True)
+    p, t = config.parallel, config.training
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    dp = world_size // (tp * pp * cp)
+    batches = batch_schedule(t, dp)
+    print(f"> layout: {world_size} processes = TP {tp} x CP {cp} x PP {pp} x DP {dp}; global batch "
+          f"{batches.global_batch_size} = {batches.num_microbatches_at(math.inf)} micro-batches of {t.micro_batch_size} "
+          f"x DP {dp}; {t.train_iters} iterations; padded vocabulary {model_config.vocab_size}", flush=True)
+    estimate, text = memory_estimate(config, model_config, world_size)
+    print(text, flush=True)
+    device = utils.default_device(resolve_backend(config))
+    _check_fits(config, model_config, world_size, device)
+    print(f"> dry run: the flags are valid for {world_size} processes; nothing was built", flush=True)
 
 
 def _find_checkpoint(config: Config) -> tuple[list, Optional[tuple]]:
@@ -107,6 +183,8 @@ def _find_checkpoint(config: Config) -> tuple[list, Optional[tuple]]:
     if not options.load:
         return [], None
     directory, note = locate(options.load, options.ckpt_step)
+    if directory is None and options.exit_on_missing_checkpoint:
+        raise ConfigError(f"{note.split(';')[0]}, and --exit-on-missing-checkpoint is given")
     if directory is None:
         return [note], None
     common = read_common(directory)
@@ -123,58 +201,110 @@ def _activation_shape(run: Run) -> tuple:
     return (seq, t.micro_batch_size, run.model_config.hidden_size)
 
 
-def _forward_backward(run: Run, data_iterator, forward_only: bool) -> list:
+def _forward_backward(run: Run, data_iterator, forward_only: bool, num_microbatches: int) -> list:
     p = run.config.parallel
+    per_token = run.config.training.calculate_per_token_loss
     schedule = get_forward_backward_func(run.groups.pp_size, len(run.chunks))
     return schedule(forward_step_func=run.forward_step_func, data_iterator=data_iterator,
-                    model_chunks=run.chunks, num_microbatches=run.num_microbatches, groups=run.groups,
+                    model_chunks=run.chunks, num_microbatches=num_microbatches, groups=run.groups,
                     forward_only=forward_only, scale_loss=run.optimizer.scale_loss,
                     tensor_shape=_activation_shape(run), dtype=run.model_config.params_dtype,
                     overlap_p2p_comm=p.overlap_p2p_comm, overlap_p2p_comm_warmup_flush=p.overlap_p2p_comm_warmup_flush,
-                    microbatch_group_size=p.microbatch_group_size_per_vp_stage)
+                    microbatch_group_size=p.microbatch_group_size_per_vp_stage, loss_divisor=1 if per_token else None)
 
 
 def local_sums(reported: list) -> dict:
     """{name: [sum, count]} of one step's reported values, summed over its micro-batches, left on
-    the device (no communication)."""
+    the device (no communication). Each reported value is such a pair (count: the tokens it covers);
+    only the last pipeline stage has values."""
     names = sorted(reported[0]) if reported else []
     return {name: torch.stack([r[name].detach().float() for r in reported]).sum(dim=0) for name in names}
 
 
-def reduce_reported(run: Run, steps: list) -> dict:
-    """{name: value}: each step's sum/count over micro-batches and data-parallel ranks, averaged over
-    the steps. `steps` holds `local_sums` of each step; one all-reduce for all of them. Only the last
-    pipeline stage has values (the logging rank is one of them)."""
+def reduce_reported(run: Run, steps: list, token_weighted: bool = False) -> dict:
+    """{name: value} over the steps' `local_sums` and the data-parallel ranks, with one all-reduce
+    for all of them: the mean over steps of each step's sum/count (the training log line, as
+    Megatron-LM), or with `token_weighted` the total sum over the total count (evaluation)."""
     names = sorted(steps[0]) if steps else []
     if not names:
         return {}
     pairs = torch.stack([torch.stack([step[name] for name in names]) for step in steps])  # [steps, names, 2]
     comm.all_reduce(pairs, run.groups.dp_cp)
-    means = (pairs[..., 0] / pairs[..., 1]).mean(dim=0).tolist()
+    if token_weighted:
+        totals = pairs.sum(dim=0)
+        means = (totals[:, 0] / totals[:, 1]).tolist()
+    else:
+        means = (pairs[..., 0] / pairs[..., 1]).mean(dim=0).tolist()
     return dict(zip(names, means))
 
 
-def train_step(run: Run, data_iterator) -> tuple[dict, bool, Optional[float]]:
-    """One optimizer step. Returns the step's `local_sums` (on the device: reduced only when
-    logged), whether the update was applied, and the gradient norm."""
+def _per_token_gradient_scale(run: Run, reported: list) -> float:
+    """--calculate-per-token-loss: backward ran on loss sums, and the data-parallel reduction
+    averaged them over the D data x context ranks; times D / (tokens in the global batch) this is
+    the gradient of the mean over every token of the global batch. The count comes from the last
+    stage's reported [sum, count] pairs and is sent to every stage."""
+    groups = run.groups
+    tokens = torch.zeros(1, dtype=torch.float64, device=groups.device)
+    if reported:
+        name = sorted(reported[0])[0]
+        tokens += sum(float(r[name][1]) for r in reported)
+    comm.all_reduce(tokens, groups.dp_cp)
+    comm.all_reduce(tokens, groups.pp)
+    return comm.size(groups.dp_cp) / max(tokens.item(), 1.0)
+
+
+def train_step(run: Run, data_iterator, num_microbatches: Optional[int] = None
+               ) -> tuple[dict, bool, Optional[float]]:
+    """One optimizer step over `num_microbatches` (default: the full global batch's). Returns the
+    step's `local_sums` (on the device: reduced only when logged), whether the update was applied,
+    and the gradient norm."""
+    num_microbatches = num_microbatches or run.num_microbatches
     for chunk in run.chunks:
         chunk.zero_grad_buffer()
-    reported = _forward_backward(run, data_iterator, forward_only=False)
+    reported = _forward_backward(run, data_iterator, forward_only=False, num_microbatches=num_microbatches)
     finalize_model_grads(run.chunks, run.groups)
+    if run.config.training.calculate_per_token_loss:
+        run.optimizer.scale_grads(_per_token_gradient_scale(run, reported))
+    _empty_unused_memory(run, level=1)
     applied, grad_norm = run.optimizer.step()
     if applied:
-        run.scheduler.step()
+        run.scheduler.step(num_microbatches * run.config.training.micro_batch_size * run.groups.dp_size)
+    _empty_unused_memory(run, level=2)
     return local_sums(reported), applied, grad_norm
 
 
+def _empty_unused_memory(run: Run, level: int) -> None:
+    """--empty-unused-memory-level: 1 after each forward-backward, 2 also after the optimizer step."""
+    if run.config.training.empty_unused_memory_level >= level:
+        utils.empty_cache(run.groups.device)
+
+
+def _manual_gc(run: Run, iteration: Optional[int] = None) -> None:
+    """--manual-gc: collect every --manual-gc-interval iterations (`iteration` given) or around an
+    evaluation (with --manual-gc-eval), on every rank at the same point."""
+    t = run.config.training
+    if not t.manual_gc:
+        return
+    if iteration is None and t.manual_gc_eval:
+        gc.collect()
+    elif iteration is not None and t.manual_gc_interval and iteration % t.manual_gc_interval == 0:
+        gc.collect()
+
+
 def evaluate(run: Run, data_iterator, eval_iters: int) -> dict:
+    """Mean of each reported value over every token of `eval_iters` global batches."""
+    _manual_gc(run)
     for chunk in run.chunks:
         chunk.module.eval()
+    steps = []
     with torch.no_grad():
-        steps = [local_sums(_forward_backward(run, data_iterator, True)) for _ in range(eval_iters)]
+        for _ in range(eval_iters):
+            steps.append(local_sums(_forward_backward(run, data_iterator, True, run.num_microbatches)))
+            _empty_unused_memory(run, level=1)
     for chunk in run.chunks:
         chunk.module.train()
-    return reduce_reported(run, steps)
+    _manual_gc(run)
+    return reduce_reported(run, steps, token_weighted=True)
 
 
 def _loader(run: Run, dataset, consumed: int):
@@ -185,44 +315,88 @@ def _loader(run: Run, dataset, consumed: int):
     return None if loader is None else iter(loader)
 
 
+class _Window:
+    """The steps between two log lines: their local loss sums, FLOPs and tokens, and the time since
+    the window began (the device synchronized at both ends). The peak memory shown is the window's."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.steps = []
+        self.flops = []
+        self.tokens = []
+        self.restart()
+
+    def add(self, losses: dict, flops: float, tokens: int) -> None:
+        self.steps.append(losses)
+        self.flops.append(flops)
+        self.tokens.append(tokens)
+
+    def restart(self) -> None:
+        """Starts (or restarts, after an evaluation or a save) the clock and the peak-memory
+        counter; the steps before a restart are not timed, so the averages cover the steps since."""
+        utils.synchronize(self.device)
+        utils.reset_peak_memory(self.device)
+        self.timed_from = len(self.steps)
+        self.start = time.perf_counter()
+
+    def timing(self) -> tuple[float, float, int]:
+        """(seconds per step, FLOPs, tokens) of the timed steps."""
+        utils.synchronize(self.device)
+        timed = max(1, len(self.steps) - self.timed_from)
+        return ((time.perf_counter() - self.start) / timed, sum(self.flops[self.timed_from:]),
+                sum(self.tokens[self.timed_from:]))
+
+
 def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = None,
           exits: Optional[ExitConditions] = None) -> TrainState:
     """Runs --train-iters optimizer steps (or until an exit condition); returns the final state.
-    Logs from the logging rank; saves checkpoints at --save-interval and before an early exit."""
+    Logs from the logging rank; evaluates every --eval-interval iterations, continuing through the
+    validation set; saves checkpoints at --save-interval and before an early exit."""
     config, groups = run.config, run.groups
     t, log = config.training, config.logging
     state = state or TrainState()
     if state.iteration >= t.train_iters:
         return state
     train_iterator = _loader(run, train_dataset, state.consumed_train_samples)
+    valid_iterator = _valid_iterator(run, valid_dataset, state)
     if run.checkpointer is not None:
         run.checkpointer.restore_rng()
-    tensorboard = TensorBoardWriter(log.tensorboard_dir if groups.is_logging_rank else None)
-    flops = flops_per_iteration(run.model_config, run.global_batch_size, t.seq_length)
-    tokens = run.global_batch_size * t.seq_length
     profiler = StepProfiler(log, groups.global_rank, groups.device)
     for chunk in run.chunks:
         chunk.module.train()
+    if t.manual_gc:
+        gc.disable()
+        gc.collect()
     window = _Window(groups.device)
     while state.iteration < t.train_iters:
         # No device synchronize and no host read of the loss inside a step: steps queue back to back
         # (a parameter gather left in flight overlaps the next forward); the window is timed and its
-        # losses reduced at log intervals.
+        # losses reduced at log (and TensorBoard) intervals.
+        global_batch = run.batches.global_batch_size_at(state.consumed_train_samples)
         profiler.before_step(state.iteration)
-        losses, applied, grad_norm = train_step(run, train_iterator)
+        losses, applied, grad_norm = train_step(run, train_iterator, global_batch // run.batches.micro_batch_times_dp)
         state.iteration += 1
         profiler.after_step(state.iteration)
-        state.consumed_train_samples += run.global_batch_size
+        state.consumed_train_samples += global_batch
         if not applied:
             state.skipped_iterations += 1
             if grad_norm is not None:
                 state.nan_iterations += 1
-        window.steps.append(losses)
-        if state.iteration % log.log_interval == 0 or state.iteration == t.train_iters:
-            _log_iteration(run, state, window, flops, tokens, grad_norm, tensorboard)
+        flops = flops_per_iteration(run.model_config, global_batch, t.seq_length)
+        state.floating_point_operations += flops
+        window.add(losses, flops, global_batch * t.seq_length)
+        to_tensorboard = log.tensorboard_dir is not None and state.iteration % log.tensorboard_log_interval == 0
+        to_log = state.iteration % log.log_interval == 0 or state.iteration == t.train_iters
+        if to_tensorboard or to_log:
+            statistics = _step_statistics(run, global_batch, grad_norm)
+        if to_tensorboard:
+            _write_tensorboard(run, state, reduce_reported(run, [losses]), statistics)
+        if to_log:
+            _log_iteration(run, state, window, statistics)
             window = _Window(groups.device)
-        if valid_dataset is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
-            _log_evaluation(run, valid_dataset, state, "iteration " + str(state.iteration), tensorboard)
+        _manual_gc(run, state.iteration)
+        if valid_iterator is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
+            _log_evaluation(run, valid_iterator, state, f"iteration {state.iteration}")
             window.restart()
         saved = run.checkpointer.last_saved_iteration if run.checkpointer is not None else None
         state.exit_reason = _save_and_check_exit(run, state, exits)
@@ -231,112 +405,161 @@ def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = 
         if state.exit_reason is not None:
             run.printer(f"> exiting after iteration {state.iteration}: {state.exit_reason}")
             break
-    tensorboard.close()
     return state
+
+
+def _valid_iterator(run: Run, valid_dataset, state: TrainState):
+    """The validation loader, built once: each evaluation continues where the previous one (or
+    the checkpoint's consumed validation samples) stopped, as in Megatron-LM."""
+    if valid_dataset is None or run.config.training.eval_iters == 0:
+        return None
+    if state.consumed_valid_samples >= len(valid_dataset):
+        run.printer(f"NOTE: the validation set ({len(valid_dataset)} samples) was used up by earlier evaluations "
+                    f"({state.consumed_valid_samples} samples): no further validation")
+        return None
+    return _loader(run, valid_dataset, state.consumed_valid_samples)
+
+
+def _step_statistics(run: Run, global_batch: int, grad_norm: Optional[float]) -> dict:
+    """Values of the iteration just run that the log line and TensorBoard show."""
+    log = run.config.logging
+    values = {"learning-rate": run.scheduler.get_lr(), "decoupled-learning-rate": run.scheduler.get_decoupled_lr(),
+              "batch-size": global_batch, "grad-norm": grad_norm, "loss-scale": run.optimizer.loss_scale(),
+              "params-norm": run.optimizer.params_norm() if log.log_params_norm else None,
+              "num-zeros": run.optimizer.count_zeros() if log.log_num_zeros_in_grad else None}
+    return values
 
 
 def _save_and_check_exit(run: Run, state: TrainState, exits: Optional[ExitConditions]) -> Optional[str]:
     """Saves at --save-interval; returns why to stop now (saving first when --save is given)."""
     options = run.config.checkpoint
     if options.save and options.save_interval and state.iteration % options.save_interval == 0:
-        run.checkpointer.save(run, state, run.vocab_size)
+        _save(run, state)
     reason = exits.check(state.iteration) if exits is not None else None
     if reason is not None and options.save and run.checkpointer.last_saved_iteration != state.iteration:
-        run.checkpointer.save(run, state, run.vocab_size)
+        _save(run, state)
     return reason
 
 
-class _Window:
-    """The steps between two log lines: their local loss sums, and the time since the window began
-    (the device synchronized at both ends). The peak memory shown is the window's."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.steps = []
-        self.restart()
-
-    def restart(self) -> None:
-        """Starts (or restarts, after an evaluation) the clock and the peak-memory counter; the time
-        of steps before a restart is lost, so the average covers the steps since."""
-        utils.synchronize(self.device)
-        utils.reset_peak_memory(self.device)
-        self.timed_from = len(self.steps)
-        self.start = time.perf_counter()
-
-    def seconds_per_step(self) -> float:
-        utils.synchronize(self.device)
-        return (time.perf_counter() - self.start) / max(1, len(self.steps) - self.timed_from)
+def _save(run: Run, state: TrainState) -> None:
+    run.checkpointer.save(run, state, run.vocab_size)
+    if run.progress is not None:
+        run.progress.saved(state)
 
 
-def _log_iteration(run: Run, state: TrainState, window: _Window, flops: float, tokens: int,
-                   grad_norm: Optional[float], tensorboard: TensorBoardWriter) -> None:
-    groups = run.groups
-    seconds = window.seconds_per_step()
-    tflops = flops / (seconds * 1e12 * groups.world_size)
-    tokens_per_gpu = tokens / seconds / groups.world_size
-    peak_gb = utils.peak_memory_bytes(groups.device) / 1e9
+def _log_iteration(run: Run, state: TrainState, window: _Window, statistics: dict) -> None:
+    """Megatron's iteration line over the window (every rank takes part in reducing the losses)."""
+    groups, log = run.groups, run.config.logging
+    seconds, flops, tokens = window.timing()
     losses = reduce_reported(run, window.steps)
-    lr = run.scheduler.get_lr()
-    if groups.is_logging_rank:
-        print(iteration_line(iteration=state.iteration, train_iters=run.config.training.train_iters,
-                             consumed_samples=state.consumed_train_samples, elapsed_ms=seconds * 1000.0,
-                             tflops_per_gpu=tflops, tokens_per_gpu=tokens_per_gpu, learning_rate=lr,
-                             global_batch_size=run.global_batch_size, losses=losses,
-                             loss_scale=run.optimizer.loss_scale(), grad_norm=grad_norm,
-                             skipped=state.skipped_iterations, nan=state.nan_iterations,
-                             peak_memory_gb=peak_gb), flush=True)
-        tensorboard.scalars(state.iteration, {
-            **{name: value for name, value in losses.items()}, "learning-rate": lr, "grad-norm": grad_norm,
-            "loss-scale": run.optimizer.loss_scale(), "throughput-tflops-per-gpu": tflops,
-            "tokens-per-second-per-gpu": tokens_per_gpu, "peak-memory-gb": peak_gb})
+    if not groups.is_logging_rank:
+        return
+    timed_steps = max(1, len(window.steps) - window.timed_from)
+    world = groups.world_size
+    tflops = flops / (seconds * timed_steps * 1e12 * world)
+    tokens_per_gpu = tokens / (seconds * timed_steps) / world
+    peak_gb = utils.peak_memory_bytes(groups.device) / 1e9
+    print(iteration_line(iteration=state.iteration, train_iters=run.config.training.train_iters,
+                         consumed_samples=state.consumed_train_samples, elapsed_ms=seconds * 1000.0,
+                         throughput=(tflops, tokens_per_gpu) if log.log_throughput else None,
+                         learning_rate=statistics["learning-rate"],
+                         decoupled_learning_rate=statistics["decoupled-learning-rate"],
+                         global_batch_size=statistics["batch-size"], losses=losses,
+                         loss_scale=statistics["loss-scale"], grad_norm=statistics["grad-norm"],
+                         params_norm=statistics["params-norm"], num_zeros=statistics["num-zeros"],
+                         skipped=state.skipped_iterations, nan=state.nan_iterations, peak_memory_gb=peak_gb), flush=True)
+    values = {"peak-memory-gb": peak_gb}
+    if log.log_throughput:
+        values.update({"throughput-tflops-per-gpu": tflops, "tokens-per-second-per-gpu": tokens_per_gpu})
+    if log.log_timers_to_tensorboard:
+        values["iteration-time"] = seconds
+    run.tensorboard.scalars(state.iteration, values)
 
 
-def _log_evaluation(run: Run, dataset, state: TrainState, label: str, tensorboard: TensorBoardWriter) -> dict:
-    iterator = _loader(run, dataset, 0)
-    if iterator is None:
-        return {}
-    values = evaluate(run, iterator, run.config.training.eval_iters)
+def _write_tensorboard(run: Run, state: TrainState, losses: dict, statistics: dict) -> None:
+    """Megatron's scalars of one iteration, every --tensorboard-log-interval iterations."""
+    if run.groups.is_logging_rank:
+        run.tensorboard.scalars(state.iteration, tensorboard_scalars(
+            run.config.logging, losses, statistics, run.groups.world_size, utils.memory_stats(run.groups.device)))
+
+
+def _log_evaluation(run: Run, iterator, state: TrainState, label: str, split: str = "validation") -> dict:
+    """Evaluates --eval-iters global batches of `iterator`; prints Megatron's validation line and
+    writes TensorBoard. Validation advances `consumed_valid_samples` (saved in checkpoints)."""
+    t = run.config.training
+    values = evaluate(run, iterator, t.eval_iters)
+    if split == "validation":
+        state.consumed_valid_samples += t.eval_iters * run.global_batch_size
     if run.groups.is_logging_rank:
         text = " | ".join(f"{name} value: {value:.6E} | {name} PPL: {_ppl(value):.6E}" for name, value in values.items())
         bar = "-" * (len(text) + 40)
-        print(f"{bar}\n validation loss at {label} | {text}\n{bar}", flush=True)
-        tensorboard.scalars(state.iteration, {f"validation/{name}": value for name, value in values.items()})
+        print(f"{bar}\n validation loss at {label} | {text} |\n{bar}", flush=True)
+        scalars = {}
+        for name, value in values.items():
+            scalars[f"{name} {split}"] = value
+            if run.config.logging.log_validation_ppl_to_tensorboard:
+                scalars[f"{name} {split} ppl"] = _ppl(value)
+        run.tensorboard.scalars(state.iteration, scalars)
+        run.tensorboard.scalars(state.consumed_train_samples, {f"{name} vs samples": value
+                                                               for name, value in scalars.items()})
     return values
 
 
 def _ppl(loss: float) -> float:
-    import math
-
     return math.exp(min(20.0, loss))
 
 
+def _final_evaluations(run: Run, state: TrainState, valid_iterator, test_dataset) -> None:
+    """After training (not after an early exit): the validation set, continued, then the test set,
+    as Megatron-LM does."""
+    if state.exit_reason is not None or run.config.training.eval_iters == 0:
+        return
+    if valid_iterator is not None:
+        _log_evaluation(run, valid_iterator, state, f"iteration {state.iteration} on validation set")
+    test_iterator = _loader(run, test_dataset, 0) if test_dataset is not None else None
+    if test_iterator is not None:
+        _log_evaluation(run, test_iterator, state, f"iteration {state.iteration} on test set", split="test")
+
+
+def dataset_sizes(config: Config, batches: BatchSchedule) -> tuple:
+    """Samples the train, validation and test datasets must provide (Megatron-LM's counts): the
+    training samples, --eval-iters global batches for each evaluation during training plus the
+    final one, and one evaluation's worth of test samples."""
+    t = config.training
+    evaluations = t.train_iters // t.eval_interval + 1
+    train_samples = t.train_samples if t.train_samples is not None else t.train_iters * batches.global_batch_size
+    return (train_samples, evaluations * t.eval_iters * batches.global_batch_size,
+            t.eval_iters * batches.global_batch_size)
+
+
 def pretrain(config: Config, *, forward_step_func: Callable, datasets_provider: Callable,
-             vocab_size: int) -> TrainState:
-    """Validate, initialize, build, load a checkpoint, load data, train, save, and evaluate at the
-    end (as Megatron does)."""
-    run = setup(config, forward_step_func, vocab_size)
+             vocab_size: int, check_inputs: Optional[Callable] = None) -> TrainState:
+    """Validate (flags, then input files with `check_inputs(config)`), initialize, build, load a
+    checkpoint, load data, train, save, and evaluate the validation and test sets at the end (as
+    Megatron does)."""
+    run = setup(config, forward_step_func, vocab_size, check_inputs)
     state = TrainState()
     if run.checkpoint_to_load is not None:
         state = run.checkpointer.load(run, *run.checkpoint_to_load, TrainState)
     t = config.training
-    evaluations = t.train_iters // t.eval_interval + 1
-    num_samples = (t.train_iters * run.global_batch_size,
-                   evaluations * t.eval_iters * run.global_batch_size,
-                   t.eval_iters * run.global_batch_size)
-    train_ds, valid_ds, test_ds = datasets_provider(config, run.groups, num_samples)
+    train_ds, valid_ds, test_ds = datasets_provider(config, run.groups, dataset_sizes(config, run.batches))
     exits = ExitConditions(t, run.groups, _JOB_START_TIME)
+    run.tensorboard = TensorBoardWriter(config.logging.tensorboard_dir if run.groups.is_logging_rank else None)
+    run.progress = ProgressLog(config, run.groups, _JOB_START_TIME)
+    run.progress.start(state)
     try:
         state = train(run, train_ds, valid_ds, state, exits)
+        options = config.checkpoint
+        if options.save and state.iteration > 0 and run.checkpointer.last_saved_iteration != state.iteration:
+            _save(run, state)
+        if run.checkpointer is not None:
+            run.checkpointer.wait()
+        run.progress.finished(state)
+        _final_evaluations(run, state, _valid_iterator(run, valid_ds, state), test_ds)
     finally:
         exits.restore()
-    options = config.checkpoint
-    if options.save and state.iteration > 0 and run.checkpointer.last_saved_iteration != state.iteration:
-        run.checkpointer.save(run, state, vocab_size)
-    if run.checkpointer is not None:
-        run.checkpointer.wait()
-    if (state.exit_reason is None and valid_ds is not None and t.eval_iters > 0
-            and state.iteration % t.eval_interval != 0):
-        _log_evaluation(run, valid_ds, state, "the end of training", TensorBoardWriter(None))
+        run.tensorboard.close()
+        gc.enable()
     if torch.distributed.is_initialized():
         comm.barrier()
     return state

@@ -1,11 +1,16 @@
 """Cross-field checks run before anything expensive. Every message names the flags and values."""
 import importlib.util
+import json
 import os
+from typing import Optional
 
 from megatron.core.context_parallel import check_context_parallel
 from megatron.core.distributed.ddp import validate_data_parallel
 from megatron.core.parallel_state import check_sizes
 from megatron.core.pipeline_parallel.layout import validate_pipeline
+from megatron.training import megatron_lm
+from megatron.training.batch_schedule import batch_schedule
+from megatron.training.builders import ffn_hidden_size
 from megatron.training.config import Config
 
 
@@ -20,7 +25,7 @@ def _require(condition: bool, message: str) -> None:
 
 def validate(config: Config, world_size: int) -> list:
     """Raises ConfigError on the first problem; returns notes to print (non-fatal adjustments)."""
-    notes = []
+    notes = _megatron_lm_notes(config)
     m, p, t = config.model, config.parallel, config.training
     for flag, value in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
                         ("--num-attention-heads", m.num_attention_heads)):
@@ -34,7 +39,7 @@ def validate(config: Config, world_size: int) -> list:
     _require(not (t.bf16 and t.fp16), "--bf16 and --fp16 are mutually exclusive; pass one of them")
     for flag, value in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
                         ("--num-attention-heads", m.num_attention_heads), ("--micro-batch-size", t.micro_batch_size),
-                        ("--seq-length", t.seq_length), ("--train-iters", t.train_iters)):
+                        ("--seq-length", t.seq_length)):
         _require(value > 0, f"{flag} must be positive, got {value}")
     if m.kv_channels is None:
         _require(m.hidden_size % m.num_attention_heads == 0,
@@ -43,7 +48,7 @@ def validate(config: Config, world_size: int) -> list:
     _require(m.num_attention_heads % tp == 0,
              f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
              f"--tensor-model-parallel-size ({tp})")
-    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    ffn = ffn_hidden_size(m)
     _require(ffn % tp == 0, f"--ffn-hidden-size ({ffn}) must be divisible by --tensor-model-parallel-size ({tp})")
     if m.group_query_attention:
         groups = m.num_query_groups
@@ -59,18 +64,20 @@ def validate(config: Config, world_size: int) -> list:
     _require(global_batch % (t.micro_batch_size * dp) == 0,
              f"--global-batch-size ({global_batch}) must be divisible by --micro-batch-size "
              f"({t.micro_batch_size}) x data-parallel size ({dp}) = {t.micro_batch_size * dp}")
+    _validate_training_length(config, dp)
 
     try:
-        virtual_size = validate_pipeline(
-            m.num_layers, pp,
-            num_layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage,
-            num_virtual_stages_per_rank=p.num_virtual_stages_per_pipeline_rank,
-            first_stage_layers=p.decoder_first_pipeline_num_layers,
-            last_stage_layers=p.decoder_last_pipeline_num_layers,
-            num_microbatches=global_batch // (t.micro_batch_size * dp),
-            account_for_embedding=p.account_for_embedding_in_pipeline_split,
-            account_for_loss=p.account_for_loss_in_pipeline_split,
-            microbatch_group_size=p.microbatch_group_size_per_vp_stage)
+        for batch in batch_schedule(t, dp).batch_sizes():
+            virtual_size = validate_pipeline(
+                m.num_layers, pp,
+                num_layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage,
+                num_virtual_stages_per_rank=p.num_virtual_stages_per_pipeline_rank,
+                first_stage_layers=p.decoder_first_pipeline_num_layers,
+                last_stage_layers=p.decoder_last_pipeline_num_layers,
+                num_microbatches=batch // (t.micro_batch_size * dp),
+                account_for_embedding=p.account_for_embedding_in_pipeline_split,
+                account_for_loss=p.account_for_loss_in_pipeline_split,
+                microbatch_group_size=p.microbatch_group_size_per_vp_stage)
         validate_data_parallel(ddp_bucket_size=p.ddp_bucket_size, use_distributed_optimizer=p.use_distributed_optimizer,
                                overlap_param_gather=p.overlap_param_gather, use_torch_fsdp2=p.use_torch_fsdp2,
                                overlap_param_gather_with_optimizer_step=p.overlap_param_gather_with_optimizer_step,
@@ -92,11 +99,76 @@ def validate(config: Config, world_size: int) -> list:
     if config.logging.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("--tensorboard-dir needs the tensorboard package, which is not installed: "
                           "pip install tensorboard (or drop --tensorboard-dir)")
-    _validate_profiling(config)
+    _validate_profiling(config, notes)
+    _validate_logging(config)
     _validate_data(config, notes)
     _validate_schedule(config)
     _validate_checkpointing(config, notes)
     return notes
+
+
+def _megatron_lm_notes(config: Config) -> list:
+    """Notes for the given Megatron-LM flags this framework does not build; the first one that would
+    change the result is an error."""
+    try:
+        notes = megatron_lm.check(config.megatron_lm_flags)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    _require("--no-position-embedding" not in config.megatron_lm_flags
+             or config.model.position_embedding_type == "rope",
+             "--no-position-embedding is deprecated in Megatron-LM and accepted with --position-embedding-type rope "
+             "only; use --position-embedding-type none")
+    return notes
+
+
+def _validate_training_length(config: Config, dp: int) -> None:
+    """Iteration-based (--train-iters) or sample-based (--train-samples) training, each with its own
+    schedule flags, as Megatron-LM has them; a sample-based run gets its iteration count here."""
+    t, o = config.training, config.optimizer
+    if t.train_samples is None:
+        _require(t.train_iters is not None, "give the length of training: --train-iters N (or --train-samples N)")
+        _require(t.train_iters > 0, f"--train-iters must be positive, got {t.train_iters}")
+        for flag, given in (("--lr-decay-samples", o.lr_decay_samples is not None),
+                            ("--lr-warmup-samples", o.lr_warmup_samples != 0),
+                            ("--lr-wsd-decay-samples", o.lr_wsd_decay_samples is not None),
+                            ("--rampup-batch-size", bool(t.rampup_batch_size))):
+            _require(not given, f"{flag} needs sample-based training: replace --train-iters by --train-samples "
+                                "(as Megatron-LM requires)")
+        _require(o.lr_warmup_fraction is None or o.lr_warmup_iters == 0,
+                 "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive (as in Megatron-LM); give one")
+        return
+    _require(t.train_iters is None, "--train-iters and --train-samples are mutually exclusive; give one")
+    _require(t.train_samples > 0, f"--train-samples must be positive, got {t.train_samples}")
+    for flag, given in (("--lr-decay-iters", o.lr_decay_iters is not None), ("--lr-warmup-iters", o.lr_warmup_iters != 0),
+                        ("--lr-wsd-decay-iters", o.lr_wsd_decay_iters is not None)):
+        _require(not given, f"{flag} is for --train-iters; with --train-samples use {flag.replace('iters', 'samples')}")
+    _require(o.lr_warmup_fraction is None or o.lr_warmup_samples == 0,
+             "--lr-warmup-fraction and --lr-warmup-samples are mutually exclusive (as in Megatron-LM); give one")
+    if t.rampup_batch_size:
+        _validate_rampup(t, dp)
+    t.train_iters = batch_schedule(t, dp).iterations_for(t.train_samples)
+    _require(t.train_iters > 0, f"--train-samples ({t.train_samples}) is less than one global batch "
+                                f"({t.global_batch_size or t.micro_batch_size * dp})")
+
+
+def _validate_rampup(t, dp: int) -> None:
+    """START INCREMENT SAMPLES: every batch size of the ramp must split into micro-batches."""
+    values = t.rampup_batch_size
+    _require(len(values) == 3 and all(str(v).isdigit() for v in values),
+             f"--rampup-batch-size takes three non-negative integers START INCREMENT SAMPLES, got {' '.join(values)}")
+    start, increment, samples = (int(v) for v in values)
+    final = t.global_batch_size or t.micro_batch_size * dp
+    step = t.micro_batch_size * dp
+    _require(start > 0 and increment > 0 and samples > 0,
+             f"--rampup-batch-size START ({start}), INCREMENT ({increment}) and SAMPLES ({samples}) must be positive")
+    _require(start < final, f"--rampup-batch-size START ({start}) must be below --global-batch-size ({final})")
+    _require((final - start) % increment == 0,
+             f"--global-batch-size ({final}) - START ({start}) must be a multiple of INCREMENT ({increment}) "
+             "in --rampup-batch-size")
+    _require(start % step == 0 and increment % step == 0,
+             f"--rampup-batch-size START ({start}) and INCREMENT ({increment}) must be multiples of --micro-batch-size "
+             f"({t.micro_batch_size}) x data-parallel size ({dp}) = {step}, so that every batch size of the ramp splits "
+             "into micro-batches")
 
 
 def _validate_checkpointing(config: Config, notes: list) -> None:
@@ -196,7 +268,7 @@ def _validate_fp8(config: Config) -> None:
     tp = p.tensor_model_parallel_size
     kv = m.kv_channels or m.hidden_size // m.num_attention_heads
     groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
-    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    ffn = ffn_hidden_size(m)
     sizes = {"--hidden-size": m.hidden_size, "--ffn-hidden-size / TP": ffn // tp,
              "attention heads x --kv-channels / TP": m.num_attention_heads * kv // tp,
              "query groups x --kv-channels": groups * kv,
@@ -210,12 +282,52 @@ def _validate_fp8(config: Config) -> None:
                  f"and at most --num-layers ({m.num_layers})")
 
 
-def _validate_data(config: Config, notes: list) -> None:
+def implied_tokenizer_type(data_config) -> Optional[str]:
+    """--tokenizer-type, or GPT2BPETokenizer when only its --vocab-file and --merge-file are given
+    (as Megatron-LM's GPT-3 example passes them)."""
+    d = data_config
+    return d.tokenizer_type or ("GPT2BPETokenizer" if d.vocab_file and d.merge_file else None)
+
+
+def _read_data_args(config: Config) -> None:
+    """--data-args-path / --per-split-data-args-path: the blend lists from files, as Megatron-LM reads them."""
     d = config.data
+    if d.data_args_path is not None:
+        _require(not d.data_path, "--data-args-path and --data-path are mutually exclusive; give one")
+        _require(os.path.isfile(d.data_args_path), f"--data-args-path {d.data_args_path}: no such file")
+        with open(d.data_args_path) as handle:
+            d.data_path = handle.read().split()
+        _require(bool(d.data_path), f"--data-args-path {d.data_args_path} is empty; it should hold the --data-path value")
+    if d.per_split_data_args_path is not None:
+        path = d.per_split_data_args_path
+        _require(not (d.train_data_path or d.valid_data_path or d.test_data_path),
+                 "--per-split-data-args-path and --train/--valid/--test-data-path are mutually exclusive; give one")
+        _require(os.path.isfile(path), f"--per-split-data-args-path {path}: no such file")
+        try:
+            with open(path) as handle:
+                splits = json.load(handle)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"--per-split-data-args-path {path} is not JSON ({error})") from None
+        _require(isinstance(splits, dict) and {"train", "valid", "test"} <= set(splits),
+                 f"--per-split-data-args-path {path} must be a JSON object with keys train, valid and test")
+        d.train_data_path, d.valid_data_path, d.test_data_path = (
+            splits[name].split() if isinstance(splits[name], str) else [str(v) for v in splits[name] or []]
+            for name in ("train", "valid", "test"))
+
+
+def _validate_data(config: Config, notes: list) -> None:
+    _read_data_args(config)
+    d = config.data
+    if d.reset_attention_mask and not d.create_attention_mask_in_dataloader:
+        notes.append("--no-create-attention-mask-in-dataloader: samples carry no document mask, so attention is causal "
+                     "across documents despite --reset-attention-mask (as in Megatron-LM)")
     has_files = bool(d.data_path or d.train_data_path)
     _require(d.mock_data or has_files,
              "no training data: pass --data-path PREFIX (or --train-data-path), or --mock-data")
     _require(not (d.mock_data and has_files), "--mock-data and --data-path/--train-data-path are mutually exclusive")
+    if d.tokenizer_type is None and implied_tokenizer_type(d):
+        d.tokenizer_type = implied_tokenizer_type(d)
+        notes.append("--vocab-file and --merge-file without --tokenizer-type: using GPT2BPETokenizer")
     if d.tokenizer_type is None:
         _require(d.mock_data, "--tokenizer-type is required with --data-path")
         _require(d.vocab_size is not None,
@@ -229,19 +341,30 @@ def _validate_data(config: Config, notes: list) -> None:
         _require(d.tokenizer_model is not None, f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model")
 
 
-def _validate_profiling(config: Config) -> None:
+def _validate_logging(config: Config) -> None:
+    log, t, o = config.logging, config.training, config.optimizer
+    _require(log.tensorboard_log_interval > 0,
+             f"--tensorboard-log-interval must be positive, got {log.tensorboard_log_interval}")
+    _require(t.manual_gc_interval >= 0, f"--manual-gc-interval must be >= 0, got {t.manual_gc_interval}")
+    _require(not log.log_progress or config.checkpoint.save, "--log-progress writes progress.txt into --save DIR; give --save")
+    _require(o.decoupled_min_lr is None or o.decoupled_lr is not None, "--decoupled-min-lr needs --decoupled-lr")
+
+
+def _validate_profiling(config: Config, notes: list) -> None:
     log = config.logging
     if not log.profile:
         return
     _require(0 <= log.profile_step_start < log.profile_step_end,
              f"--profile-step-start ({log.profile_step_start}) must be >= 0 and below --profile-step-end "
              f"({log.profile_step_end})")
-    _require(log.profile_step_end <= config.training.train_iters,
-             f"--profile-step-end ({log.profile_step_end}) exceeds --train-iters ({config.training.train_iters})")
-    if not log.use_pytorch_profiler:
-        _require(_cuda_available(),
-                 "--profile without --use-pytorch-profiler marks a range for nsys and needs a GPU; "
-                 "add --use-pytorch-profiler")
+    t = config.training
+    length = "--train-iters" if t.train_samples is None else "the iterations of --train-samples"
+    _require(log.profile_step_end <= t.train_iters,
+             f"--profile-step-end ({log.profile_step_end}) exceeds {length} ({t.train_iters})")
+    if not log.use_pytorch_profiler and not _cuda_available():
+        notes.append("--profile: no GPU for an nsys capture range, so the PyTorch profiler records instead "
+                     "(as with --use-pytorch-profiler): a Chrome trace per profiled rank")
+        log.use_pytorch_profiler = True
 
 
 def _cuda_available() -> bool:
@@ -255,12 +378,15 @@ def _validate_schedule(config: Config) -> None:
     _require(t.eval_interval > 0, f"--eval-interval must be positive, got {t.eval_interval}")
     _require(t.eval_iters >= 0, f"--eval-iters must be >= 0, got {t.eval_iters}")
     _require(config.logging.log_interval > 0, f"--log-interval must be positive, got {config.logging.log_interval}")
-    decay = o.lr_decay_iters or t.train_iters
-    _require(o.lr_warmup_iters <= decay,
-             f"--lr-warmup-iters ({o.lr_warmup_iters}) exceeds the decay iterations ({decay})")
+    unit = "iters" if t.train_samples is None else "samples"
+    decay = (o.lr_decay_iters or t.train_iters) if unit == "iters" else (o.lr_decay_samples or t.train_samples)
+    warmup = o.lr_warmup_iters if unit == "iters" else o.lr_warmup_samples
+    _require(warmup <= decay, f"--lr-warmup-{unit} ({warmup}) exceeds the decay {unit} ({decay})")
     _require(o.min_lr <= o.lr, f"--min-lr ({o.min_lr}) exceeds --lr ({o.lr})")
+    _require(o.lr_warmup_init <= o.lr, f"--lr-warmup-init ({o.lr_warmup_init}) exceeds --lr ({o.lr})")
     if o.lr_decay_style == "WSD":
-        _require(o.lr_wsd_decay_iters is not None, "--lr-decay-style WSD needs --lr-wsd-decay-iters")
+        tail = o.lr_wsd_decay_iters if unit == "iters" else o.lr_wsd_decay_samples
+        _require(tail is not None, f"--lr-decay-style WSD needs --lr-wsd-decay-{unit}")
     if t.recompute_granularity == "full":
         _require(t.recompute_method is not None, "--recompute-granularity full needs --recompute-method uniform|block")
         _require(t.recompute_num_layers is not None and t.recompute_num_layers > 0,

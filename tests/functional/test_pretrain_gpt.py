@@ -52,7 +52,12 @@ def losses(output: str) -> list:
 
 
 def validation_losses(output: str) -> list:
+    """Every evaluation's loss, in order: during training, then the validation and test sets at the end."""
     return [float(v) for v in re.findall(r"lm loss value: ([0-9.E+-]+)", output)]
+
+
+def evaluation_labels(output: str) -> list:
+    return re.findall(r" validation loss at (.*?) \| lm loss value", output)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +67,7 @@ def tensorboard_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single_process_run(tensorboard_dir):
-    result = run_pretrain(["--tensorboard-dir", str(tensorboard_dir)])
+    result = run_pretrain(["--tensorboard-dir", str(tensorboard_dir), "--log-throughput"])
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -72,7 +77,12 @@ def test_single_process_trains_and_logs(single_process_run):
     assert len(curve) == 5
     assert "throughput per GPU (TFLOP/s/GPU)" in single_process_run
     assert "tokens per GPU (tokens/s/GPU)" in single_process_run
-    assert len(validation_losses(single_process_run)) == 1
+    # Megatron's evaluations: every --eval-interval, then the validation set (continued, so on other
+    # samples) and the test set after training.
+    assert evaluation_labels(single_process_run) == ["iteration 5", "iteration 5 on validation set",
+                                                     "iteration 5 on test set"]
+    in_training, final, test = validation_losses(single_process_run)
+    assert in_training != final
     assert "------------------------ arguments ------------------------" in single_process_run
 
 
@@ -83,7 +93,7 @@ def test_tensorboard_has_the_logged_scalars(single_process_run, tensorboard_dir)
     events.Reload()
     tags = set(events.Tags()["scalars"])
     for tag in ("lm loss", "learning-rate", "grad-norm", "loss-scale", "throughput-tflops-per-gpu",
-                "tokens-per-second-per-gpu", "peak-memory-gb", "validation/lm loss"):
+                "tokens-per-second-per-gpu", "peak-memory-gb", "lm loss validation", "lm loss test", "batch-size"):
         assert tag in tags
     logged = [event.value for event in events.Scalars("lm loss")]
     assert logged == pytest.approx(losses(single_process_run), rel=1e-6)
@@ -101,14 +111,24 @@ def test_pytorch_profiler_writes_a_chrome_trace(tmp_path):
     assert any("aten::" in str(event.get("name", "")) for event in events)
 
 
-def test_example_script_prints_the_run_summary(tmp_path):
-    """train_llama3.sh on CPU (tiny model, gloo, 2 processes) ends with the mean throughput lines."""
+def _launch_script(tmp_path, **overrides):
     env = dict(os.environ, TOTAL_ITERS="3", BS="4", MBS="1", SEQ_LENGTH="32", NPROC="2", TEE_OUTPUT="0",
-               MASTER_PORT="29533", EXTRA_ARGS="--num-workers 0", OMP_NUM_THREADS="1")
+               MASTER_PORT="29533", EXTRA_ARGS="--num-workers 0 --log-interval 1", OMP_NUM_THREADS="1",
+               LOG_DIR=str(tmp_path / "logs"), QUICKSTART_DIR=str(tmp_path / "none"))
+    env.update(overrides)
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    result = subprocess.run(["bash", str(ROOT / "examples/llama/train_llama3.sh")], capture_output=True, text=True,
-                            env=env, timeout=300, cwd=tmp_path)
+    return subprocess.run(["bash", str(ROOT / "examples/llama/train_llama3.sh")], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=tmp_path)
+
+
+def test_example_script_prints_the_run_summary(tmp_path):
+    """train_llama3.sh on CPU (tiny model, gloo, 2 processes): the flag check for both processes,
+    one line saying the data is mock and why, the log in LOG_DIR, the mean throughput lines."""
+    result = _launch_script(tmp_path)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert result.stdout.startswith("data: mock (random tokens, so the loss stays near ln(8192) = 9.01;")
+    assert result.stdout.count("> dry run: the flags are valid for 2 processes") == 1
+    assert len(list((tmp_path / "logs").glob("train_llama_tiny_*.log"))) == 1
     summary = result.stdout.strip().splitlines()[-3:]
     assert summary[0].startswith("mean elapsed time per iteration (ms): ")
     assert summary[1].startswith("mean throughput per GPU (TFLOP/s/GPU): ")
@@ -116,12 +136,24 @@ def test_example_script_prints_the_run_summary(tmp_path):
     assert float(summary[2].split(": ")[1]) > 0
 
 
+def test_example_script_reports_a_flag_error_once(tmp_path):
+    """A bad flag stops the script before torchrun: one message, no per-rank tracebacks."""
+    result = _launch_script(tmp_path, EXTRA_ARGS="--hidden-size 130")
+    assert result.returncode == 2
+    assert result.stderr.count("error: --hidden-size (130) must be divisible by --num-attention-heads (4)") == 1
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+    assert "stopped before starting torchrun" in result.stderr
+
+
 @pytest.mark.parametrize("layout", [
     ["--tensor-model-parallel-size", "2", "--sequence-parallel"],                     # TP2 x DP2
     ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"],
     ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--sequence-parallel"],
     ["--pipeline-model-parallel-size", "2", "--use-torch-fsdp2"],                     # FSDP2 x PP2 (x DP2)
-], ids=["tp2-dp2", "pp2-tp2", "cp2-tp2", "fsdp2-pp2"])
+    # Every micro-batch of mock data has the same number of loss tokens, so the token mean over the
+    # global batch equals the mean of micro-batch means: the single-process curve is the reference.
+    ["--pipeline-model-parallel-size", "2", "--calculate-per-token-loss"],
+], ids=["tp2-dp2", "pp2-tp2", "cp2-tp2", "fsdp2-pp2", "pp2-dp2-per-token"])
 def test_torchrun_layout_matches_single_process(single_process_run, layout):
     """Training and validation loss curves agree with one process to a relative 1e-5 (fp32)."""
     result = run_pretrain(layout, nproc=4)

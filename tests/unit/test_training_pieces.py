@@ -63,14 +63,27 @@ def test_flops_formula_matches_design_for_llama3_8b():
 
 
 def test_log_line_has_megatron_fields():
-    line = iteration_line(iteration=10, train_iters=100, consumed_samples=640, elapsed_ms=1234.5, tflops_per_gpu=401.2,
-                          tokens_per_gpu=9000.0, learning_rate=1e-4, global_batch_size=64,
-                          losses={"lm loss": 2.5}, loss_scale=1.0, grad_norm=0.9, skipped=0, nan=0,
-                          peak_memory_gb=40.0)
+    fields = dict(iteration=10, train_iters=100, consumed_samples=640, elapsed_ms=1234.5, learning_rate=1e-4,
+                  global_batch_size=64, losses={"lm loss": 2.5}, loss_scale=1.0, grad_norm=0.9, skipped=0, nan=0,
+                  peak_memory_gb=40.0)
+    line = iteration_line(throughput=(401.2, 9000.0), **fields)
     for field in ("iteration       10/     100", "consumed samples:", "elapsed time per iteration (ms): 1234.5",
                   "throughput per GPU (TFLOP/s/GPU): 401.20", "learning rate: 1.000000E-04",
                   "global batch size:    64", "lm loss: 2.500000E+00", "loss scale: 1.0", "grad norm: 0.900",
                   "number of skipped iterations:   0", "number of nan iterations:   0"):
+        assert field in line
+    assert "decoupled" not in line and "params norm" not in line and "num zeros" not in line
+
+
+def test_log_line_switches():
+    """Throughput only with --log-throughput; the decoupled learning rate, parameter norm and zero
+    count when they are computed."""
+    line = iteration_line(iteration=1, train_iters=2, consumed_samples=8, elapsed_ms=1.0, throughput=None,
+                          learning_rate=1e-4, global_batch_size=8, losses={}, loss_scale=1.0, grad_norm=None,
+                          skipped=0, nan=0, peak_memory_gb=0.0, decoupled_learning_rate=5e-4, params_norm=12.5,
+                          num_zeros=7)
+    assert "TFLOP/s" not in line and "tokens/s" not in line
+    for field in ("decoupled learning rate: 5.000000E-04", "params norm: 12.500", "num zeros: 7"):
         assert field in line
 
 

@@ -47,12 +47,14 @@ class SampleOptions:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+    create_attention_mask: bool = True  # False: no mask in the sample, even with reset_attention_mask (as Megatron)
 
 
 def get_ltor_masks_and_position_ids(tokens: np.ndarray, options: SampleOptions) -> Dict[str, np.ndarray]:
-    """Loss mask, position ids and (with reset_attention_mask) document_ids: the index, within the
-    sample, of the document each token belongs to (an end-of-document token ends its document). The
-    model turns them into document-aware causal attention; no s x s mask is built here."""
+    """Loss mask, position ids and (with reset_attention_mask, unless create_attention_mask is off)
+    document_ids: the index, within the sample, of the document each token belongs to (an
+    end-of-document token ends its document). The model turns them into document-aware causal
+    attention; no s x s mask is built here. Without them attention is causal over the sample."""
     length = tokens.shape[0]
     loss_mask = np.ones(length, dtype=np.float32)
     position_ids = np.arange(length, dtype=np.int64)
@@ -60,7 +62,7 @@ def get_ltor_masks_and_position_ids(tokens: np.ndarray, options: SampleOptions) 
     eod_positions = np.flatnonzero(tokens == options.eod_token) if options.eod_token is not None else np.zeros(0, np.int64)
     if options.eod_mask_loss:
         loss_mask[eod_positions] = 0.0
-    if options.reset_attention_mask:
+    if options.reset_attention_mask and options.create_attention_mask:
         document_ids = np.zeros(length, dtype=np.int64)
         document_ids[eod_positions[eod_positions + 1 < length] + 1] = 1
         result["document_ids"] = np.cumsum(document_ids)  # tokens after an EOD start the next document

@@ -51,6 +51,11 @@ class GPTDatasetConfig:
     """Stop attention across EOD tokens; samples then carry document_ids [s] (each token's document)."""
     eod_mask_loss: bool = False
     """Zero the loss mask at EOD tokens."""
+    mmap_bin_files: bool = True
+    """Memory-map the .bin files (`--no-mmap-bin-files`: read each whole into memory instead)."""
+    create_attention_mask: bool = True
+    """`--no-create-attention-mask-in-dataloader`: samples carry no attention mask (causal attention),
+    even with reset_attention_mask."""
 
     def __post_init__(self):
         if self.seq_length < 1:
@@ -101,7 +106,8 @@ def parse_data_path(data_path: Sequence[str], flag: str = "--data-path") -> Tupl
 
 def parse_split(split: str) -> List[float]:
     """'969,30,1' (or '969/30/1', or fewer numbers, padded with 0) -> [train, valid, test], normalized as Megatron does."""
-    parts = [part.strip() for part in split.replace("/", ",").split(",")]
+    # Megatron-LM's example scripts pass the value with its quotes ("--split '99,1,0'" split by the shell).
+    parts = [part.strip() for part in split.strip().strip("'\"").replace("/", ",").split(",")]
     if not 1 <= len(parts) <= 3 or not all(re.fullmatch(r"[0-9]*\.?[0-9]+|[0-9]+\.", part) for part in parts) \
             or sum(float(part) for part in parts) <= 0:
         raise ValueError(f"--split {split!r}: expected up to three non-negative numbers with a positive sum, e.g. 969,30,1")
@@ -152,7 +158,7 @@ def check_vocab(dataset: IndexedDataset, vocab_size: Optional[int]) -> None:
 
 def _options(config: GPTDatasetConfig) -> SampleOptions:
     return SampleOptions(config.seq_length, config.eod_token, config.reset_position_ids, config.reset_attention_mask,
-                         config.eod_mask_loss)
+                         config.eod_mask_loss, config.create_attention_mask)
 
 
 class _Builder:
@@ -184,7 +190,7 @@ class _Builder:
     def open(self, prefix: str, flag: str = "--data-path") -> IndexedDataset:
         if prefix not in self.indexed:
             try:
-                dataset = IndexedDataset(prefix)
+                dataset = IndexedDataset(prefix, mmap=self.config.mmap_bin_files)
             except FileNotFoundError as error:
                 raise FileNotFoundError(f"{flag}: {error}") from None
             check_vocab(dataset, self.config.vocab_size)

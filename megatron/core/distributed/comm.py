@@ -47,13 +47,18 @@ def _traced(name: str, tensor: torch.Tensor, work):
     return PendingWork(work, lambda: events.append(("done", name, tensor)))
 
 
+# PyTorch 2.13 renamed the tensor collectives to *_single (the old names now warn on every rank);
+# older versions have only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def size(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
 def rank(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
-
 
 
 def _is_gloo(group: Group) -> bool:
@@ -82,7 +87,7 @@ def all_gather_into_tensor(output: torch.Tensor, input_: torch.Tensor, group: Gr
     if group is None:
         output.copy_(input_)
         return None
-    work = dist.all_gather_into_tensor(output, input_.contiguous(), group=group, async_op=async_op)
+    work = _all_gather_single(output, input_.contiguous(), group=group, async_op=async_op)
     return _traced("all_gather_into_tensor", output, work)
 
 
@@ -101,7 +106,7 @@ def _reduce_scatter_sum(output: torch.Tensor, input_: torch.Tensor, group: dist.
         work = dist.all_reduce(reduced, group=group, async_op=async_op)
         keep_chunk = lambda: output.copy_(reduced.chunk(size(group), dim=0)[rank(group)])  # noqa: E731
         return _finish_later(work, keep_chunk)
-    return dist.reduce_scatter_tensor(output, input_.contiguous(), group=group, async_op=async_op)
+    return _reduce_scatter_single(output, input_.contiguous(), group=group, async_op=async_op)
 
 
 class PendingWork:
@@ -151,10 +156,8 @@ def reduce_scatter_mean(output: torch.Tensor, input_: torch.Tensor, group: Group
     if _is_gloo(group):
         work = _reduce_scatter_sum(output, input_, group, async_op)
         return _traced("reduce_scatter_mean", input_, _finish_later(work, lambda: output.div_(size(group))))
-    return _traced("reduce_scatter_mean", input_, dist.reduce_scatter_tensor(
+    return _traced("reduce_scatter_mean", input_, _reduce_scatter_single(
         output, input_.contiguous(), op=dist.ReduceOp.AVG, group=group, async_op=async_op))
-
-
 
 
 def barrier(group: Group = None) -> None:

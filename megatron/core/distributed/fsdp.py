@@ -35,7 +35,7 @@ from megatron.core.parallel_state import ParallelGroups
 from megatron.core.tensor_parallel.layers import initial_values
 from megatron.core.transformer.rope import RotaryEmbedding, inverse_frequencies
 
-_PARAM_ATTRIBUTES = ("tp_layout", "shared_embedding", "init")
+_PARAM_ATTRIBUTES = ("tp_layout", "shared_embedding", "init", "is_embedding_or_output_parameter")
 
 
 def _data_parallel_mesh(groups: ParallelGroups):

@@ -29,6 +29,7 @@ from megatron.core.optimizer.optimizer import (
     _optimizer_state_bytes,
     build_grad_scaler,
     build_inner_optimizer,
+    param_groups,
 )
 from megatron.core.parallel_state import ParallelGroups
 
@@ -76,11 +77,8 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         self.pieces = pieces
         self.model_params = model_params
         self.master_params = [piece.master for piece in pieces]
-        decay = [p.master for p in pieces if p.param.ndim > 1]
-        no_decay = [p.master for p in pieces if p.param.ndim <= 1]
-        # Both groups always exist (possibly empty) so that every rank has the same param_groups.
-        self.optimizer = build_inner_optimizer(config, [{"params": decay, "weight_decay": config.weight_decay},
-                                                        {"params": no_decay, "weight_decay": 0.0}])
+        pairs = [(p.param, p.master) for p in pieces]
+        self.optimizer = build_inner_optimizer(config, param_groups(config, pairs, keep_empty=True))
         self.grad_scaler = build_grad_scaler(config)
         self.num_applied_steps = 0
 

@@ -33,17 +33,30 @@ class OptimizerConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    decoupled_lr: Optional[float] = None      # peak lr of the embedding and output layer (Megatron's --decoupled-lr)
+    decoupled_min_lr: Optional[float] = None  # their final lr (default: the scheduler's min_lr)
 
 
-def _param_groups(params: list, masters: list, weight_decay: float) -> list:
-    """Weight decay on matrices only: norms and biases (1-D) are not decayed."""
-    decay = [m for p, m in zip(params, masters) if p.ndim > 1]
-    no_decay = [m for p, m in zip(params, masters) if p.ndim <= 1]
+def param_groups(config: OptimizerConfig, pairs: list, keep_empty: bool = False) -> list:
+    """Optimizer param groups of (model parameter, master) pairs. Weight decay on matrices only:
+    norms and biases (1-D) are not decayed. With `decoupled_lr`, the embedding and output layer
+    (parameters marked `is_embedding_or_output_parameter`) form groups of their own whose
+    "max_lr"/"min_lr" the LR scheduler follows. `keep_empty`: every group exists even when this
+    rank has no parameter in it (sharded optimizers: all ranks then have the same groups)."""
+    separate = config.decoupled_lr is not None
     groups = []
-    if decay:
-        groups.append({"params": decay, "weight_decay": weight_decay})
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+    for decoupled in ((False, True) if separate else (False,)):
+        for decay in (True, False):
+            masters = [m for p, m in pairs if (p.ndim > 1) == decay
+                       and (separate and getattr(p, "is_embedding_or_output_parameter", False)) == decoupled]
+            if not masters and not keep_empty:
+                continue
+            group = {"params": masters, "weight_decay": config.weight_decay if decay else 0.0}
+            if decoupled:
+                group["max_lr"] = config.decoupled_lr
+                if config.decoupled_min_lr is not None:
+                    group["min_lr"] = config.decoupled_min_lr
+            groups.append(group)
     return groups
 
 
@@ -76,8 +89,8 @@ class MixedPrecisionOptimizer:
         for master, param in zip(self.master_params, self.model_params):
             if master is not param:
                 master.tp_layout = param.tp_layout
-        self.optimizer = build_inner_optimizer(config, _param_groups(self.model_params, self.master_params,
-                                                                     config.weight_decay))
+        self.optimizer = build_inner_optimizer(config, param_groups(config, list(zip(self.model_params,
+                                                                                    self.master_params))))
         self.grad_scaler = build_grad_scaler(config)
         self.num_applied_steps = 0
 
@@ -137,6 +150,21 @@ class MixedPrecisionOptimizer:
 
     def _grad_norm(self, grads: list) -> float:
         return global_grad_norm(self.model_params, grads, self.norm_groups(), self.groups.device)
+
+    @torch.no_grad()
+    def scale_grads(self, factor: float) -> None:
+        """Multiplies the gradients this rank steps by `factor` (before the next `step`)."""
+        torch._foreach_mul_(self.grads(), factor)
+
+    @torch.no_grad()
+    def params_norm(self) -> float:
+        """L2 norm of the fp32 master weights of the whole model (each logical element once)."""
+        return self._grad_norm([master.detach().view_as(grad) for master, grad in zip(self.master_params, self.grads())])
+
+    @torch.no_grad()
+    def count_zeros(self) -> int:
+        """Gradient elements equal to zero over the whole model (each logical element once)."""
+        return round(self._grad_norm([(grad == 0).float() for grad in self.grads()]) ** 2)
 
     def _found_inf(self, grads: list) -> bool:
         device = grads[0].device if grads else self.groups.device

@@ -3,7 +3,8 @@
 A schedule calls `forward_step_func(data_iterator, model) -> (output, loss_func)` for each
 micro-batch; on the last pipeline stage `loss_func(output) -> (loss, reported)` gives the scalar
 to differentiate and a dict of values to log. Backward runs on `scale_loss(loss / num_microbatches)`
-(the loss-scaler for fp16). Returns the list of `reported` dicts (empty off the last stage).
+(the loss-scaler for fp16), or on `loss / loss_divisor` when given (1 for losses that are sums the
+caller normalizes afterwards). Returns the list of `reported` dicts (empty off the last stage).
 
 Three schedules (pictures and the bubble arithmetic in docs/parallelism.md):
 
@@ -88,7 +89,8 @@ def _data_source(data_iterator, num_chunks: int) -> Callable:
 
 def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator, model_chunks: list,
                                    num_microbatches: int, groups, forward_only: bool = False,
-                                   scale_loss: Callable = _identity, **_unused) -> list:
+                                   scale_loss: Callable = _identity, loss_divisor: Optional[int] = None,
+                                   **_unused) -> list:
     """Gradient accumulation on one stage: forward and backward each micro-batch in turn; only the
     last micro-batch's backward may trigger the data-parallel reduction."""
     if len(model_chunks) != 1:
@@ -104,7 +106,7 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
             output, loss_func = forward_step_func(iterator, model)
             loss, values = loss_func(output)
             if not forward_only:
-                scale_loss(loss / num_microbatches).backward()
+                scale_loss(loss / (loss_divisor or num_microbatches)).backward()
         reported.append(values)
     return reported
 
@@ -114,7 +116,8 @@ class _Stage:
     its backwards (the last one may start the data-parallel reduction)."""
 
     def __init__(self, model, *, is_first: bool, is_last: bool, forward_step_func: Callable,
-                 num_microbatches: int, scale_loss: Callable, forward_only: bool, reported: list):
+                 num_microbatches: int, scale_loss: Callable, forward_only: bool, reported: list,
+                 loss_divisor: Optional[int] = None):
         self.model = model
         self.is_first = is_first   # holds the embedding: no activation to receive
         self.is_last = is_last     # holds the loss: no activation to send
@@ -123,6 +126,7 @@ class _Stage:
         self.scale_loss = scale_loss
         self.forward_only = forward_only
         self.reported = reported
+        self.loss_divisor = loss_divisor or num_microbatches
         self.backwards_done = 0
 
     def forward(self, input_tensor: Optional[torch.Tensor], iterator) -> torch.Tensor:
@@ -133,7 +137,7 @@ class _Stage:
             return output
         loss, values = loss_func(output)
         self.reported.append(values)
-        return loss if self.forward_only else self.scale_loss(loss / self.num_microbatches)
+        return loss if self.forward_only else self.scale_loss(loss / self.loss_divisor)
 
     def backward(self, input_tensor: Optional[torch.Tensor], output: torch.Tensor,
                  output_grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -154,7 +158,8 @@ def _check_microbatches(num_microbatches: int) -> None:
 def forward_backward_pipelining_without_interleaving(
         *, forward_step_func: Callable, data_iterator, model_chunks: list, num_microbatches: int, groups,
         forward_only: bool = False, scale_loss: Callable = _identity, tensor_shape, dtype,
-        overlap_p2p_comm: bool = False, deallocate_pipeline_outputs: bool = True, **_unused) -> list:
+        overlap_p2p_comm: bool = False, deallocate_pipeline_outputs: bool = True,
+        loss_divisor: Optional[int] = None, **_unused) -> list:
     """1F1B: warm-up forwards, steady one-forward-one-backward, cool-down backwards.
 
     Rank r keeps at most P-r micro-batches' activations alive (P for the first stage), whatever N."""
@@ -164,7 +169,7 @@ def forward_backward_pipelining_without_interleaving(
     reported = []
     stage = _Stage(model_chunks[0], is_first=groups.is_first_stage, is_last=groups.is_last_stage,
                    forward_step_func=forward_step_func, num_microbatches=num_microbatches, scale_loss=scale_loss,
-                   forward_only=forward_only, reported=reported)
+                   forward_only=forward_only, reported=reported, loss_divisor=loss_divisor)
     iterator = _data_source(data_iterator, 1)(0, 0)
     pipe = p2p.Pipe(groups, tensor_shape, dtype, overlap=overlap_p2p_comm, deallocate=deallocate_pipeline_outputs)
     with torch.no_grad() if forward_only else contextlib.nullcontext():
@@ -352,7 +357,8 @@ def forward_backward_pipelining_with_interleaving(
         *, forward_step_func: Callable, data_iterator, model_chunks: list, num_microbatches: int, groups,
         forward_only: bool = False, scale_loss: Callable = _identity, tensor_shape, dtype,
         overlap_p2p_comm: bool = False, overlap_p2p_comm_warmup_flush: bool = False,
-        microbatch_group_size: Optional[int] = None, deallocate_pipeline_outputs: bool = True, **_unused) -> list:
+        microbatch_group_size: Optional[int] = None, deallocate_pipeline_outputs: bool = True,
+        loss_divisor: Optional[int] = None, **_unused) -> list:
     """Interleaved 1F1B over V model chunks per rank (N*V chunk-micro-batches per rank)."""
     _check_microbatches(num_microbatches)
     pp, rank, virtual = groups.pp_size, groups.pp_rank, len(model_chunks)
@@ -361,7 +367,7 @@ def forward_backward_pipelining_with_interleaving(
     stages = [_Stage(chunk, is_first=groups.is_first_stage and index == 0,
                      is_last=groups.is_last_stage and index == virtual - 1, forward_step_func=forward_step_func,
                      num_microbatches=num_microbatches, scale_loss=scale_loss, forward_only=forward_only,
-                     reported=reported)
+                     reported=reported, loss_divisor=loss_divisor)
               for index, chunk in enumerate(model_chunks)]
     pipe = p2p.Pipe(groups, tensor_shape, dtype, overlap=overlap_p2p_comm, deallocate=deallocate_pipeline_outputs)
     run = _Interleaved(stages, groups, schedule_table(num_microbatches, virtual, group_size),

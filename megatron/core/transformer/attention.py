@@ -18,7 +18,8 @@ from megatron.core import utils
 from megatron.core.context_parallel import ContextParallelAttention
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, Part, RowParallelLinear
 from megatron.core.tensor_parallel.random import RNGStatesTracker
-from megatron.core.transformer.fusions import pick, rotary
+from megatron.core.transformer.fusions import pick, rotary, rotary_interleaved
+from megatron.core.transformer.norm import build_norm
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +218,15 @@ class SelfAttention(torch.nn.Module):
                 config, cp_group=cp_group, num_local_heads=self.num_local_heads, num_local_groups=self.num_local_groups)
         self.linear_proj = RowParallelLinear(config.query_projection_size, config.hidden_size,
                                              bias=config.add_bias_linear, **common)
-        self._rotate = pick(rotary, config.fuse_elementwise)
+        self._rotate = pick(rotary_interleaved if config.rotary_interleaved else rotary, config.fuse_elementwise)
+        if config.qk_layernorm:
+            # One weight over each head's channels, shared by all heads; each rank normalizes its
+            # own heads, so the gradients are partial sums over the TP group.
+            norm = dict(tp_size=tp_size, tp_rank=tp_rank, device=device, partial_grads=True)
+            self.q_layernorm = build_norm(config, config.kv_channels, **norm)
+            self.k_layernorm = build_norm(config, config.kv_channels, **norm)
+        else:
+            self.q_layernorm = self.k_layernorm = None
 
     def forward(self, x, rotary_cos_sin=None, attention_mask=None):
         # x: [s, b, h] (or [s/tp, b, h] with sequence parallelism; linear_qkv gathers it)
@@ -229,6 +238,8 @@ class SelfAttention(torch.nn.Module):
         q = q.view(s, b, self.num_local_heads, self.head_dim)
         k = k.view(s, b, self.num_local_groups, self.head_dim)
         v = v.view(s, b, self.num_local_groups, self.head_dim)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary_cos_sin is not None:
             cos, sin = rotary_cos_sin
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)

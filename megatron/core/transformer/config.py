@@ -53,6 +53,9 @@ class TransformerConfig:
     first_last_layers_bf16: bool = False         # keep the first/last layers below out of FP8
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1
+    qk_layernorm: bool = False                   # normalize each query and key head (over kv_channels) before RoPE
+    layernorm_zero_centered_gamma: bool = False  # norms multiply by (1 + weight), weight initialized to 0
+    rotary_interleaved: bool = False             # RoPE rotates channel pairs (2i, 2i+1), not (i, i + d/2)
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:

@@ -19,6 +19,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed.to(x.dtype)
 
 
+def rms_norm_1p(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * (1 + weight) (zero-centered weight), in fp32, returned in x's dtype."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (weight.float() + 1.0)).to(x.dtype)
+
+
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for fc1's fused output [..., 2f] -> [..., f]."""
     gate, up = gate_up.chunk(2, dim=-1)
@@ -30,13 +37,30 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [s, b, heads, d]; rotates the first rotary_dim = cos.shape[-1] channels, in fp32."""
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...): the interleaved convention's rotation."""
+    even, odd = x[..., ::2], x[..., 1::2]
+    return torch.stack((-odd, even), dim=-1).flatten(-2)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate) -> torch.Tensor:
     rotary_dim = cos.shape[-1]
     rotated, passthrough = x[..., :rotary_dim], x[..., rotary_dim:]
     x32 = rotated.float()
-    out = (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
+    out = (x32 * cos + rotate(x32) * sin).to(x.dtype)
     return torch.cat((out, passthrough), dim=-1) if passthrough.shape[-1] else out
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [s, b, heads, d]; rotates the first rotary_dim = cos.shape[-1] channels, in fp32: channel
+    i pairs with channel i + rotary_dim/2 (rotate-half, as Llama in Hugging Face format)."""
+    return _rotate(x, cos, sin, _rotate_half)
+
+
+def rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """As `rotary`, with channel 2i paired with 2i+1 (Megatron's --rotary-interleaved, the original
+    Llama and GPT-J layout); cos/sin then repeat each frequency twice in a row."""
+    return _rotate(x, cos, sin, _rotate_pairs)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,6 +1,8 @@
-"""Rotary position embeddings (rotate-half convention, as Llama), with Llama 3.1 scaling.
+"""Rotary position embeddings (rotate-half convention, as Llama; or interleaved pairs with
+--rotary-interleaved), with Llama 3.1 scaling.
 
-The rotation itself is `fusions.rotary`, applied by the attention module."""
+The rotation itself is `fusions.rotary` (or `fusions.rotary_interleaved`), applied by the
+attention module."""
 import math
 
 import torch
@@ -31,9 +33,13 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, config, device):
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(config).to(device), persistent=False)
+        self.interleaved = config.rotary_interleaved
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [b, s] -> (cos, sin), each [s, b, 1, rotary_dim] in fp32."""
         angles = position_ids.t().unsqueeze(-1).float() * self.inv_freq  # [s, b, rotary_dim/2]
-        angles = torch.cat((angles, angles), dim=-1).unsqueeze(2)
+        if self.interleaved:  # f0 f0 f1 f1 ...: channels 2i and 2i+1 share frequency i
+            angles = angles.repeat_interleave(2, dim=-1).unsqueeze(2)
+        else:                 # f0 f1 ... f0 f1 ...: channels i and i + rotary_dim/2 share frequency i
+            angles = torch.cat((angles, angles), dim=-1).unsqueeze(2)
         return angles.cos(), angles.sin()

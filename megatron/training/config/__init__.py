@@ -1,5 +1,5 @@
 """Typed configuration: one dataclass per concern; the command-line flags are generated from it."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron.training.config.checkpoint import CheckpointConfig
 from megatron.training.config.data import DataConfig
@@ -28,3 +28,4 @@ class Config:
     data: DataConfig
     logging: LoggingConfig
     checkpoint: CheckpointConfig
+    megatron_lm_flags: dict = field(default_factory=dict)  # given Megatron-LM flags not built here: {flag: value}

@@ -31,3 +31,5 @@ class CheckpointConfig:
     """Load the checkpoint of this iteration instead of the latest one."""
     ckpt_keep_latest: Optional[int] = None
     """Keep only this many most recent checkpoints in --save, deleting older ones after each save (this framework's own flag)."""
+    exit_on_missing_checkpoint: bool = False
+    """With --load: stop with an error when it holds no checkpoint, instead of starting from scratch."""

@@ -40,3 +40,9 @@ class DataConfig:
     """NullTokenizer vocabulary: ids 0..N-1, plus the end-of-document token N (as Megatron-LM)."""
     create_attention_mask_in_dataloader: bool = True
     """With --reset-attention-mask, samples carry each token's document index for document-aware attention (never an s x s mask); --no-create-attention-mask-in-dataloader drops it, so attention stays causal over the whole sequence (as Megatron-LM)."""
+    data_args_path: Optional[str] = None
+    """A file holding the --data-path value (weights and prefixes, whitespace-separated), for blends too long for a command line."""
+    per_split_data_args_path: Optional[str] = None
+    """A JSON file {"train": ..., "valid": ..., "test": ...} holding the --train/--valid/--test-data-path values (lists or strings)."""
+    mmap_bin_files: bool = True
+    """Memory-map the .bin files (off with --no-mmap-bin-files: each is read whole into memory)."""

@@ -12,7 +12,7 @@ class ModelConfig:
     num_attention_heads: int
     """Number of attention (query) heads."""
     ffn_hidden_size: Optional[int] = None
-    """Hidden size of the MLP; default 4 x --hidden-size."""
+    """Hidden size of the MLP; default 4 x --hidden-size, or with --swiglu int(8 x --hidden-size / 3 / 64) x 64 (as Megatron-LM)."""
     kv_channels: Optional[int] = None
     """Channels per attention head; default --hidden-size / --num-attention-heads."""
     group_query_attention: bool = False
@@ -84,3 +84,9 @@ class ModelConfig:
     """Layers at the start kept in bf16 with --first-last-layers-bf16."""
     num_layers_at_end_in_bf16: int = 1
     """Layers at the end kept in bf16 with --first-last-layers-bf16."""
+    apply_layernorm_1p: bool = False
+    """Zero-centered norm weights: every LayerNorm/RMSNorm scales by (1 + weight), with weight starting at 0."""
+    qk_layernorm: bool = False
+    """Normalize each query and key head (over its channels, with --normalization) before the rotary embedding."""
+    rotary_interleaved: bool = False
+    """Rotary embedding on interleaved channel pairs (2i, 2i+1) instead of halves (i, i + d/2)."""

@@ -1,5 +1,5 @@
 """Batch, schedule, precision and optimizer flags."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 
@@ -9,8 +9,8 @@ class TrainingConfig:
     """Samples per micro-batch per data-parallel rank."""
     seq_length: int
     """Tokens per sample."""
-    train_iters: int
-    """Optimizer steps to train for."""
+    train_iters: Optional[int] = None
+    """Optimizer steps to train for (or give --train-samples)."""
     global_batch_size: Optional[int] = None
     """Samples per optimizer step over all data-parallel ranks; default micro-batch x DP."""
     eval_interval: int = 1000
@@ -45,6 +45,22 @@ class TrainingConfig:
     """Stop (saving first when --save is given) once this many minutes have passed since the job started; all ranks agree."""
     exit_signal_handler: bool = False
     """On SIGTERM or SIGUSR1 (Slurm's --signal), finish the current iteration, save when --save is given, and exit 0."""
+    train_samples: Optional[int] = None
+    """Train on this many samples instead of --train-iters (iterations: the samples over the global batch size, partial last batch dropped)."""
+    rampup_batch_size: list = field(default_factory=list)
+    """START INCREMENT SAMPLES: the global batch size starts at START and grows by INCREMENT in equal steps over SAMPLES samples up to --global-batch-size (needs --train-samples)."""
+    calculate_per_token_loss: bool = False
+    """Average the loss over the tokens of the whole global batch (not per micro-batch, then over micro-batches): each token weighs the same."""
+    manual_gc: bool = False
+    """Turn off Python's automatic garbage collector; collect every --manual-gc-interval iterations and around evaluations, so all ranks pause together."""
+    manual_gc_interval: int = 0
+    """With --manual-gc: collect every this many iterations (0: never between iterations)."""
+    manual_gc_eval: bool = True
+    """With --manual-gc: collect at the start and end of each evaluation (off with --no-manual-gc-eval)."""
+    empty_unused_memory_level: Literal[0, 1, 2] = 0
+    """Release cached, unused device memory: 1 after each forward-backward (and evaluation step), 2 also after each optimizer step."""
+    dry_run: bool = False
+    """Check the flags for WORLD_SIZE processes, print the layout and the memory estimate per GPU, and exit without building anything."""
 
 
 @dataclass
@@ -63,7 +79,7 @@ class OptimizerArgs:
     """Iterations of linear warmup from 0."""
     lr_warmup_fraction: Optional[float] = None
     """Warmup as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)."""
-    lr_wsd_decay_style: Literal["exponential", "linear", "cosine"] = "exponential"
+    lr_wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = "exponential"
     """Decay shape of the WSD tail."""
     lr_wsd_decay_iters: Optional[int] = None
     """Iterations of the WSD decay tail."""
@@ -79,3 +95,15 @@ class OptimizerArgs:
     """Adam epsilon."""
     sgd_momentum: float = 0.9
     """SGD momentum."""
+    lr_decay_samples: Optional[int] = None
+    """With --train-samples: samples over which to decay; default --train-samples."""
+    lr_warmup_samples: int = 0
+    """With --train-samples: samples of linear warmup."""
+    lr_wsd_decay_samples: Optional[int] = None
+    """With --train-samples: samples of the WSD decay tail."""
+    lr_warmup_init: float = 0.0
+    """Learning rate the warmup starts from."""
+    decoupled_lr: Optional[float] = None
+    """Peak learning rate of the word embedding and output layer (the rest follow --lr)."""
+    decoupled_min_lr: Optional[float] = None
+    """Final learning rate of the word embedding and output layer; default --min-lr."""

@@ -15,8 +15,13 @@ Differences the mapping absorbs:
   is [q; k; v] along the output features.
 - The vocabulary is padded to a multiple of `make_vocab_size_divisible_by * tp_size` (as Megatron
   does); padded rows are zeros going in and dropped coming out.
-- Llama checkpoints in HF format are already in the rotate-half rotary convention GPTModel uses, so
-  q/k rows need no permutation.
+- Llama checkpoints in HF format are in the rotate-half rotary convention. A model trained with
+  --rotary-interleaved pairs channels (2i, 2i+1) instead: its q/k rows are permuted within each
+  head on the way out (and back on the way in), which gives the same attention scores.
+- With --apply-layernorm-1p a norm scales by (1 + weight): HF stores the scale itself, so 1 is
+  added on the way out and subtracted on the way in.
+- Query/key normalization (--qk-layernorm, RMSNorm over each head) is Qwen3's `q_norm`/`k_norm`:
+  such a Llama-shaped model maps to `Qwen3ForCausalLM`. GPT-2 has no equivalent.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -26,7 +31,7 @@ import torch
 from megatron.core.models.gpt.model import WORD_EMBEDDINGS
 from megatron.core.transformer.config import TransformerConfig
 
-ARCHITECTURES = ("llama", "gpt2")
+ARCHITECTURES = ("llama", "qwen3", "gpt2")
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
 FINAL_NORM = "decoder.final_layernorm"
@@ -45,13 +50,13 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128, 
 
 def hf_config_to_transformer_config(hf_config, *, make_vocab_size_divisible_by: int = 128,
                                     tp_size: int = 1) -> TransformerConfig:
-    """A TransformerConfig equivalent to a `transformers` LlamaConfig or GPT2Config.
+    """A TransformerConfig equivalent to a `transformers` LlamaConfig, Qwen3Config or GPT2Config.
 
     Raises ValueError for options GPTModel does not implement, rather than converting them silently.
     """
     arch = architecture_of(hf_config)
     vocab = padded_vocab_size(hf_config.vocab_size, make_vocab_size_divisible_by, tp_size)
-    if arch == "llama":
+    if arch in ("llama", "qwen3"):
         config = _llama_config(hf_config, vocab)
     else:
         config = _gpt2_config(hf_config, vocab)
@@ -91,8 +96,11 @@ def _llama_rope(hf_config) -> dict:
 
 
 def _llama_config(hf_config, vocab_size: int) -> TransformerConfig:
+    """Llama, or Qwen3 (Llama with RMSNorm over each query and key head)."""
     if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
         raise ValueError("Llama attention_bias / mlp_bias are not supported by GPTModel")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError("sliding-window attention (use_sliding_window) is not supported by GPTModel")
     if hf_config.hidden_act != "silu":
         raise ValueError(f"Llama hidden_act {hf_config.hidden_act!r} is not supported (only 'silu')")
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
@@ -115,6 +123,7 @@ def _llama_config(hf_config, vocab_size: int) -> TransformerConfig:
         hidden_dropout=0.0,
         attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
         init_method_std=hf_config.initializer_range,
+        qk_layernorm=hf_config.model_type == "qwen3",
         **_llama_rope(hf_config),
     )
 
@@ -148,40 +157,48 @@ def _gpt2_config(hf_config, vocab_size: int) -> TransformerConfig:
 
 
 def architecture_for_hf(config: TransformerConfig) -> str:
-    """'llama' or 'gpt2': the Hugging Face family whose layers are exactly this config's."""
+    """'llama', 'qwen3' or 'gpt2': the Hugging Face family whose layers are exactly this config's
+    (up to the weight transforms in the module docstring)."""
     if (config.normalization == "RMSNorm" and config.gated_linear_unit and config.activation == "silu"
             and config.position_embedding_type == "rope" and not config.add_bias_linear and not config.add_qkv_bias):
-        return "llama"
+        if config.rotary_percent != 1.0:
+            raise ValueError(f"--rotary-percent {config.rotary_percent} has no Hugging Face Llama equivalent "
+                             "(its attention rotates every channel of a head)")
+        return "qwen3" if config.qk_layernorm else "llama"
     if (config.normalization == "LayerNorm" and not config.gated_linear_unit and config.add_bias_linear
             and config.position_embedding_type == "learned_absolute" and config.activation in ("gelu_tanh", "gelu")
             and config.num_query_groups == config.num_attention_heads
             and config.kv_channels * config.num_attention_heads == config.hidden_size):
+        if config.qk_layernorm:
+            raise ValueError("--qk-layernorm with LayerNorm has no Hugging Face GPT-2 equivalent")
         return "gpt2"
-    raise ValueError("this model has no Hugging Face equivalent here: only Llama (RMSNorm, SwiGLU, RoPE, no biases) "
-                     "and GPT-2 (LayerNorm, GeLU, learned positions, biases, multi-head attention) shapes convert")
+    raise ValueError("this model has no Hugging Face equivalent here: only Llama (RMSNorm, SwiGLU, RoPE, no biases; "
+                     "Qwen3 with --qk-layernorm) and GPT-2 (LayerNorm, GeLU, learned positions, biases, multi-head "
+                     "attention) shapes convert")
 
 
 def hf_config_from_transformer_config(config: TransformerConfig, vocab_size: int):
-    """The `transformers` LlamaConfig or GPT2Config of a model (the inverse of
+    """The `transformers` LlamaConfig, Qwen3Config or GPT2Config of a model (the inverse of
     `hf_config_to_transformer_config`); `vocab_size` is the unpadded vocabulary."""
     import transformers
 
-    if architecture_for_hf(config) == "llama":
+    arch = architecture_for_hf(config)
+    if arch in ("llama", "qwen3"):
         rope = {"rope_type": "default", "rope_theta": config.rotary_base}
         if config.rope_scaling:
             rope.update(rope_type="llama3", factor=config.rope_scaling_factor,
                         low_freq_factor=config.rope_low_freq_factor, high_freq_factor=config.rope_high_freq_factor,
                         original_max_position_embeddings=config.rope_original_max_position_embeddings)
-        if config.rotary_percent != 1.0:
-            rope["partial_rotary_factor"] = config.rotary_percent
-        return transformers.LlamaConfig(
+        config_class = transformers.Qwen3Config if arch == "qwen3" else transformers.LlamaConfig
+        extra = {"use_sliding_window": False} if arch == "qwen3" else {"mlp_bias": False}
+        return config_class(
             vocab_size=vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
             num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
             num_key_value_heads=config.num_query_groups, head_dim=config.kv_channels,
             max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.norm_epsilon,
             tie_word_embeddings=not config.untie_embeddings_and_output_weights, rope_parameters=rope,
-            hidden_act="silu", attention_bias=False, mlp_bias=False, initializer_range=config.init_method_std,
-            attention_dropout=config.attention_dropout)
+            hidden_act="silu", attention_bias=False, initializer_range=config.init_method_std,
+            attention_dropout=config.attention_dropout, **extra)
     return transformers.GPT2Config(
         vocab_size=vocab_size, n_positions=config.max_position_embeddings, n_embd=config.hidden_size,
         n_layer=config.num_layers, n_head=config.num_attention_heads, n_inner=config.ffn_hidden_size,
@@ -200,7 +217,9 @@ class _Entry:
 
     `parts`: the logical parts the HF tensor is split into along dim 0 (after the Conv1D
     transpose), with their `sizes`; most tensors are one part. `conv1d`: stored as [in, out].
-    `vocab`: rows are vocabulary entries (padded in the logical state).
+    `vocab`: rows are vocabulary entries (padded in the logical state). `norm`: a norm's scale
+    (shifted by one for zero-centered norms). `rotary_heads`: query/key rows of this many heads,
+    permuted for an interleaved-RoPE model.
     """
 
     hf_name: str
@@ -209,26 +228,32 @@ class _Entry:
     sizes: Optional[tuple] = None
     conv1d: bool = False
     vocab: bool = False
+    norm: bool = False
+    rotary_heads: int = 0
 
 
 def _llama_entries(config: TransformerConfig) -> list:
+    """Llama's tensors, and Qwen3's (Llama's plus q_norm/k_norm)."""
     entries = [_Entry("model.embed_tokens.weight", WORD_EMBEDDINGS, vocab=True)]
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}", f"decoder.layers.{i}"
         qkv = f"{ours}.self_attention.linear_qkv.weight"
         fc1 = f"{ours}.mlp.linear_fc1.weight"
         entries += [
-            _Entry(f"{hf}.input_layernorm.weight", f"{ours}.input_layernorm.weight"),
-            _Entry(f"{hf}.self_attn.q_proj.weight", qkv, ("q",)),
-            _Entry(f"{hf}.self_attn.k_proj.weight", qkv, ("k",)),
+            _Entry(f"{hf}.input_layernorm.weight", f"{ours}.input_layernorm.weight", norm=True),
+            _Entry(f"{hf}.self_attn.q_proj.weight", qkv, ("q",), rotary_heads=config.num_attention_heads),
+            _Entry(f"{hf}.self_attn.k_proj.weight", qkv, ("k",), rotary_heads=config.num_query_groups),
             _Entry(f"{hf}.self_attn.v_proj.weight", qkv, ("v",)),
             _Entry(f"{hf}.self_attn.o_proj.weight", f"{ours}.self_attention.linear_proj.weight"),
-            _Entry(f"{hf}.post_attention_layernorm.weight", f"{ours}.pre_mlp_layernorm.weight"),
+            _Entry(f"{hf}.post_attention_layernorm.weight", f"{ours}.pre_mlp_layernorm.weight", norm=True),
             _Entry(f"{hf}.mlp.gate_proj.weight", fc1, ("gate",)),
             _Entry(f"{hf}.mlp.up_proj.weight", fc1, ("up",)),
             _Entry(f"{hf}.mlp.down_proj.weight", f"{ours}.mlp.linear_fc2.weight"),
         ]
-    entries.append(_Entry("model.norm.weight", f"{FINAL_NORM}.weight"))
+        if config.qk_layernorm:
+            entries += [_Entry(f"{hf}.self_attn.{x}_norm.weight", f"{ours}.self_attention.{x}_layernorm.weight",
+                               norm=True) for x in ("q", "k")]
+    entries.append(_Entry("model.norm.weight", f"{FINAL_NORM}.weight", norm=True))
     if config.untie_embeddings_and_output_weights:
         entries.append(_Entry("lm_head.weight", OUTPUT_LAYER, vocab=True))
     return entries
@@ -246,22 +271,23 @@ def _gpt2_entries(config: TransformerConfig) -> list:
         for suffix in ("weight", "bias"):
             conv1d = suffix == "weight"
             entries += [
-                _Entry(f"{hf}.ln_1.{suffix}", f"{ours}.input_layernorm.{suffix}"),
+                _Entry(f"{hf}.ln_1.{suffix}", f"{ours}.input_layernorm.{suffix}", norm=suffix == "weight"),
                 _Entry(f"{hf}.attn.c_attn.{suffix}", f"{attention}.linear_qkv.{suffix}",
                        ("q", "k", "v"), (h, h, h), conv1d=conv1d),
                 _Entry(f"{hf}.attn.c_proj.{suffix}", f"{attention}.linear_proj.{suffix}", conv1d=conv1d),
-                _Entry(f"{hf}.ln_2.{suffix}", f"{ours}.pre_mlp_layernorm.{suffix}"),
+                _Entry(f"{hf}.ln_2.{suffix}", f"{ours}.pre_mlp_layernorm.{suffix}", norm=suffix == "weight"),
                 _Entry(f"{hf}.mlp.c_fc.{suffix}", f"{mlp}.linear_fc1.{suffix}", conv1d=conv1d),
                 _Entry(f"{hf}.mlp.c_proj.{suffix}", f"{mlp}.linear_fc2.{suffix}", conv1d=conv1d),
             ]
-    entries += [_Entry(f"transformer.ln_f.{suffix}", f"{FINAL_NORM}.{suffix}") for suffix in ("weight", "bias")]
+    entries += [_Entry(f"transformer.ln_f.{suffix}", f"{FINAL_NORM}.{suffix}", norm=suffix == "weight")
+                for suffix in ("weight", "bias")]
     if config.untie_embeddings_and_output_weights:
         entries.append(_Entry("lm_head.weight", OUTPUT_LAYER, vocab=True))
     return entries
 
 
 def _entries(config: TransformerConfig, arch: str) -> list:
-    if arch == "llama":
+    if arch in ("llama", "qwen3"):
         return _llama_entries(config)
     if arch == "gpt2":
         return _gpt2_entries(config)
@@ -301,7 +327,7 @@ def hf_to_logical(hf_state_dict: dict, config: TransformerConfig, arch: str) -> 
                        f"unexpected {sorted(unexpected)}")
     logical = {}
     for entry in entries:
-        tensor = hf_state_dict[entry.hf_name]
+        tensor = _to_ours(hf_state_dict[entry.hf_name], entry, config)
         if entry.conv1d:
             tensor = tensor.t()
         if entry.vocab:
@@ -329,8 +355,34 @@ def logical_to_hf(logical: dict, config: TransformerConfig, arch: str, *,
             tensor = tensor[:vocab_size]
         if entry.conv1d:
             tensor = tensor.t()
-        out[entry.hf_name] = tensor.contiguous()
+        out[entry.hf_name] = _to_hf(tensor, entry, config).contiguous()
     return out
+
+
+def _rotary_permutation(config: TransformerConfig, heads: int) -> torch.Tensor:
+    """Row order taking one head-stacked q or k projection from the interleaved RoPE layout to
+    rotate-half: within each head's rotated channels, rotate-half position j < r/2 reads
+    interleaved row 2j and position r/2 + j reads row 2j + 1 (r = rotary channels)."""
+    d = config.kv_channels
+    rotary = int(d * config.rotary_percent)
+    within = torch.cat((torch.arange(0, rotary, 2), torch.arange(1, rotary, 2), torch.arange(rotary, d)))
+    return (torch.arange(heads).unsqueeze(1) * d + within).reshape(-1)
+
+
+def _to_hf(tensor: torch.Tensor, entry: _Entry, config: TransformerConfig) -> torch.Tensor:
+    if entry.norm and config.layernorm_zero_centered_gamma:
+        tensor = tensor + 1.0
+    if entry.rotary_heads and config.rotary_interleaved:
+        tensor = tensor[_rotary_permutation(config, entry.rotary_heads)]
+    return tensor
+
+
+def _to_ours(tensor: torch.Tensor, entry: _Entry, config: TransformerConfig) -> torch.Tensor:
+    if entry.norm and config.layernorm_zero_centered_gamma:
+        tensor = tensor - 1.0
+    if entry.rotary_heads and config.rotary_interleaved:
+        tensor = tensor[torch.argsort(_rotary_permutation(config, entry.rotary_heads))]
+    return tensor
 
 
 def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:

@@ -71,6 +71,8 @@ class GPTModel(torch.nn.Module):
             layout = split_layout(0, config.vocab_size, groups.tp_size, groups.tp_rank, "padded vocabulary size")
             set_layout(self.output_layer, layout, "normal")
             self.output_layer.shared_embedding = self.share_embeddings
+        for weight in self.vocabulary_weights():
+            weight.is_embedding_or_output_parameter = True  # their own LR with --decoupled-lr
 
     # ----------------------------------------------------------------------------------------
     def global_param_name(self, local_name: str) -> str:
@@ -94,6 +96,11 @@ class GPTModel(torch.nn.Module):
     def set_input_tensor(self, tensor: Optional[torch.Tensor]) -> None:
         """The activation received from the previous pipeline stage, used as `hidden_states`."""
         self.input_tensor = tensor
+
+    def vocabulary_weights(self) -> list:
+        """The word embedding and output layer weights held by this stage."""
+        weights = [self.embedding.word_embeddings.weight] if self.pre_process else []
+        return weights + ([self.output_layer] if hasattr(self, "output_layer") else [])
 
     def output_weight(self) -> torch.Tensor:
         if self.pre_process and self.share_embeddings:

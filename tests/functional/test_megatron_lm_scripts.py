@@ -1,0 +1,108 @@
+"""pretrain_gpt.py with the complete flag sets of Megatron-LM's own example scripts,
+examples/gpt3/train_gpt3_175b_distributed.sh and examples/llama/train_llama3_8b_h100_fp8.sh (its
+bf16 branch on real data), shrunk to tiny sizes and run on CPU with gloo under torchrun: every flag
+is read, and the run trains, saves, resumes, evaluates and profiles.
+
+Shrunk means: sizes (layers, hidden, heads, sequence, batch, samples, iterations, intervals) and the
+parallel layout are small numbers; paths point into tmp_path; --distributed-backend gloo is added.
+The flag names and every other value are the scripts' own.
+"""
+import json
+import re
+import subprocess
+
+import pytest
+
+from tests.functional.test_pretrain_gpt import losses, pretrain_command, pretrain_env
+
+# examples/gpt3/train_gpt3_175b_distributed.sh: GPT_MODEL_ARGS, TRAINING_ARGS, MODEL_PARALLEL_ARGS,
+# DATA_ARGS, EVAL_AND_LOGGING_ARGS (96 layers, h 12288, 96 heads, seq 2048, TP 8 x PP 16 shrunk).
+GPT3_MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+              "--max-position-embeddings", "32", "--attention-backend", "auto"]
+GPT3_TRAINING = ["--micro-batch-size", "1", "--global-batch-size", "8", "--rampup-batch-size", "2", "2", "24",
+                 "--train-iters", "8", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+                 "--init-method-std", "0.006", "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5",
+                 "--lr-decay-style", "cosine", "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001",
+                 "--lr-decay-iters", "7"]
+GPT3_PARALLEL = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+GPT3_EVAL = ["--log-interval", "1", "--save-interval", "4", "--eval-interval", "4", "--eval-iters", "1"]
+
+# examples/llama/train_llama3_8b_h100_fp8.sh with DTYPE != fp8 and real data: MODEL_ARGS,
+# TRAINING_ARGS (+ DDP_ARGS), MODEL_PARALLEL_ARGS, DATA_ARGS_LIST, EVAL_AND_LOGGING_ARGS
+# (32 layers, h 4096, 32 heads, seq 8192, 1953125000 samples shrunk).
+LLAMA3_MODEL = ["--use-mcore-models", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "224",
+                "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2", "--kv-channels",
+                "8", "--seq-length", "32", "--max-position-embeddings", "32", "--position-embedding-type", "rope",
+                "--rotary-base", "1000000", "--rotary-percent", "1.0", "--attention-dropout", "0.0",
+                "--hidden-dropout", "0.0", "--swiglu", "--init-method-std", "0.0134", "--attention-backend", "fused",
+                "--apply-layernorm-1p", "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+LLAMA3_TRAINING = ["--micro-batch-size", "1", "--global-batch-size", "8", "--train-samples", "64",
+                   "--lr-decay-samples", "60", "--lr-warmup-samples", "16", "--lr", "0.00015", "--min-lr", "0.00001",
+                   "--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5", "--lr-decay-style", "cosine",
+                   "--clip-grad", "1.0", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+                   "--bf16", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion", "--calculate-per-token-loss",
+                   "--manual-gc", "--empty-unused-memory-level", "1", "--exit-duration-in-mins", "235",
+                   "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+LLAMA3_PARALLEL = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "1", "--sequence-parallel"]
+LLAMA3_EVAL = ["--log-interval", "1", "--eval-iters", "2", "--eval-interval", "4", "--save-interval", "4",
+               "--log-throughput", "--profile", "--profile-step-start", "4", "--profile-step-end", "6",
+               "--ckpt-format", "torch_dist", "--distributed-timeout-minutes", "60"]
+
+
+def torchrun(nproc: int, flags: list, timeout: int = 420, **env):
+    return subprocess.run(pretrain_command(nproc) + flags + ["--distributed-backend", "gloo"], capture_output=True,
+                          text=True, timeout=timeout, env=dict(pretrain_env(), **env))
+
+
+def notes(output: str) -> list:
+    return re.findall(r"NOTE: (--[a-z0-9-]+)", output)
+
+
+def test_gpt3_175b_flag_set(tmp_path, gpt2_dataset, bpe_dir):
+    """The script's own combination of --rampup-batch-size with --train-iters is refused, as
+    Megatron-LM refuses it ('expected no batch-size rampup for iteration-based training'); with the
+    sample-based equivalents (--train-samples 64 = 8 iterations of 8, --lr-decay-samples 56) the
+    rest of the flag set trains: tokenizer implied by --vocab-file/--merge-file, fp16 with dynamic
+    loss scaling, TP 2 x PP 2, the ramp 2 -> 8, saves every 4 iterations."""
+    data = ["--data-path", gpt2_dataset, "--vocab-file", f"{bpe_dir}/vocab.json", "--merge-file",
+            f"{bpe_dir}/merges.txt", "--split", "949,50,1"]
+    logging = GPT3_EVAL + ["--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"),
+                           "--tensorboard-dir", str(tmp_path / "tb"), "--data-cache-path", str(tmp_path / "cache")]
+    as_written = GPT3_MODEL + GPT3_TRAINING + GPT3_PARALLEL + data + logging
+    refused = torchrun(1, as_written + ["--dry-run"], WORLD_SIZE="4")
+    assert refused.returncode == 2
+    assert "--rampup-batch-size needs sample-based training" in refused.stderr
+
+    training = [f for f in GPT3_TRAINING]
+    training[training.index("--train-iters"):training.index("--train-iters") + 2] = ["--train-samples", "64"]
+    training[training.index("--lr-decay-iters"):training.index("--lr-decay-iters") + 2] = ["--lr-decay-samples", "56"]
+    result = torchrun(4, GPT3_MODEL + training + GPT3_PARALLEL + data + logging)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    sizes = [int(v) for v in re.findall(r"global batch size: +(\d+)", result.stdout)]
+    assert sizes[0] == 2 and sizes[-1] == 8 and len(sizes) == len(losses(result.stdout))
+    # --load of an empty directory starts afresh; the tokenizer comes from --vocab-file/--merge-file
+    assert notes(result.stdout) == ["--load", "--attention-backend", "--vocab-file"]
+    assert json.loads((tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text()) == len(sizes)
+
+
+def test_llama3_8b_flag_set(tmp_path, bpe_dir, gpt2_dataset):
+    """Every flag of the bf16, real-data branch; the run trains, profiles iterations 5-6, saves,
+    and a second run with the same command resumes from its checkpoint."""
+    data = ["--data-path", gpt2_dataset, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", bpe_dir,
+            "--data-cache-path", str(tmp_path / "cache"), "--split", "'99,1,0'",
+            "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers", "1",
+            "--vocab-size", "128256"]
+    logging = LLAMA3_EVAL + ["--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"),
+                             "--tensorboard-dir", str(tmp_path / "tb")]
+    flags = LLAMA3_MODEL + LLAMA3_TRAINING + LLAMA3_PARALLEL + data + logging
+    result = torchrun(2, flags)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert len(losses(result.stdout)) == 8
+    assert "decoupled learning rate" in result.stdout and "throughput per GPU" in result.stdout
+    assert notes(result.stdout) == ["--load", "--use-mcore-models", "--attention-backend",
+                                    "--cross-entropy-loss-fusion", "--profile"]
+    assert list((tmp_path / "tb").glob("trace_rank0_iters5-6.json"))
+    again = torchrun(2, flags[:flags.index("--train-samples") + 1] + ["96"] + flags[flags.index("--train-samples") + 2:])
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert "loaded weights and optimizer state of iteration 8" in again.stdout
+    assert len(losses(again.stdout)) == 4

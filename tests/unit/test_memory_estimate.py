@@ -1,0 +1,96 @@
+"""The memory estimate made from the flags alone (--dry-run, and the check that the model fits
+before it is allocated) against the parameters of the model actually built for each tensor- and
+pipeline-parallel rank, and against the start-up figures of a built run."""
+
+import pytest
+import torch
+
+import pretrain_gpt
+from megatron.core.models.gpt import GPTModel
+from megatron.core.parallel_state import ParallelGroups
+from megatron.core.pipeline_parallel import layout
+from megatron.training.arguments import parse_args
+from megatron.training.memory import check_fits, estimate_bytes, stage_parameters, theoretical_bytes
+from megatron.training.training import setup
+from tests.distributed.parity import gpt2_config, llama_config
+
+CASES = {
+    "llama-gqa": llama_config(),
+    "llama-mha-qknorm": llama_config(num_query_groups=8, qk_layernorm=True),
+    "gpt2-tied-biases": gpt2_config(),
+    "gpt2-qkv-bias-qknorm": gpt2_config(add_bias_linear=False, add_qkv_bias=True, qk_layernorm=True,
+                                        untie_embeddings_and_output_weights=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 2), (4, 2)])
+def test_parameters_per_rank_are_the_built_models(case, tp, pp):
+    """Every TP rank of every stage (4 TP ranks with 2 key/value groups replicate the key/value heads)."""
+    config = CASES[case]
+    stages = layout.layers_per_rank(config.num_layers, pp)
+    for pp_rank in range(pp):
+        layers = layout.stage_layer_numbers(config.num_layers, pp, pp_rank)[0]
+        for tp_rank in range(tp):
+            groups = ParallelGroups(tp_size=tp, tp_rank=tp_rank, pp_size=pp, pp_rank=pp_rank)
+            model = GPTModel(config, groups, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
+                             layer_numbers=layers, device=torch.device("meta"))
+            built = sum(p.numel() for p in model.parameters())
+            assert stage_parameters(config, tp, stages[pp_rank], first=pp_rank == 0, last=pp_rank == pp - 1,
+                                    pp_size=pp) == built, (pp_rank, tp_rank)
+
+
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
+        "--num-query-groups", "2", "--ffn-hidden-size", "96", "--seq-length", "16", "--micro-batch-size", "2",
+        "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+        "255", "--distributed-backend", "gloo", "--swiglu", "--normalization", "RMSNorm"]
+
+
+@pytest.mark.parametrize("flags", [[], ["--bf16"], ["--bf16", "--use-distributed-optimizer"], ["--optimizer", "sgd"],
+                                   ["--bf16", "--grad-reduce-in-bf16", "--untie-embeddings-and-output-weights"]])
+def test_estimate_is_the_start_up_figure_of_the_built_run(flags):
+    config = parse_args(TINY + flags)
+    run = setup(config, pretrain_gpt.forward_step, 255)
+    built = theoretical_bytes(run.chunks, run.optimizer)
+    estimate = estimate_bytes(config, run.model_config, [2], 1, 1)[0]
+    for name in ("parameters", "optimizer_state"):
+        assert estimate[name] == built[name], name
+    # the gradient buffer rounds its buckets up; a few hundred elements at most here
+    assert estimate["gradients"] <= built["gradients"] <= estimate["gradients"] * 1.02
+
+
+def test_a_model_that_does_not_fit_names_the_flags_that_help():
+    config = parse_args(TINY + ["--bf16"])
+    with pytest.raises(ValueError) as error:
+        check_fits(10 * 2 ** 30, 4 * 2 ** 30, "cuda:0", ["--tensor-model-parallel-size"], processes=1)
+    assert "10.000 GiB of parameters, gradients and optimizer state" in str(error.value)
+    assert "cuda:0 has 4.000 GiB free" in str(error.value)
+    from megatron.training.memory import reducing_flags
+
+    hints = " ".join(reducing_flags(config))
+    assert "--use-distributed-optimizer" in hints and "--bf16" not in hints
+
+
+def test_dry_run_of_a_model_too_large_for_this_machine(capsys, monkeypatch):
+    """Llama 3 70B shapes on 8 processes of this machine: stopped before anything is allocated."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    flags = ["--num-layers", "80", "--hidden-size", "8192", "--ffn-hidden-size", "28672", "--num-attention-heads",
+             "64", "--group-query-attention", "--num-query-groups", "8", "--seq-length", "32", "--micro-batch-size",
+             "1", "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", "128256", "--tensor-model-parallel-size", "8", "--distributed-backend", "gloo", "--dry-run"]
+    from megatron.training.validation import ConfigError
+
+    with pytest.raises(ConfigError, match="the model does not fit: 8 processes x "):
+        pretrain_gpt.main(flags)
+    assert "> layout: 8 processes = TP 8 x CP 1 x PP 1 x DP 1" in capsys.readouterr().out
+
+
+def test_dry_run_prints_layout_and_estimate(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    pretrain_gpt.main(TINY + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                              "--global-batch-size", "8", "--dry-run"])
+    out = capsys.readouterr().out
+    assert "> layout: 4 processes = TP 2 x CP 1 x PP 2 x DP 1; global batch 8 = 4 micro-batches of 2" in out
+    assert "memory estimate per GPU (pipeline stage" in out and "nothing was built" in out
+    assert "parameters on" not in out
