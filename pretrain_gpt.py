@@ -92,8 +92,21 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from megatron.training.checkpointing import CheckpointSaveError
+    from megatron.training.failures import DistributedFailure
+    from megatron.training.guards import NonFiniteError
+    from megatron.training.oom import DeviceOutOfMemory
+
     try:
         main(sys.argv[1:])
+    except (NonFiniteError, DistributedFailure, DeviceOutOfMemory, CheckpointSaveError) as error:
+        # Training stopped for a reason the message names (a NaN, a dead or hung rank, memory, disk):
+        # the message, not a traceback, unless one is asked for.
+        if os.environ.get("MEGATRON_TRACEBACK") == "1":
+            raise
+        if not isinstance(error, NonFiniteError) or os.environ.get("RANK", "0") == "0":  # that one is agreed
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except ValueError as error:
         # Configuration and input errors (bad flags, missing or malformed data files) say what and
         # how to fix in their message: print that line alone unless a traceback is asked for.

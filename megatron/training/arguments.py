@@ -18,6 +18,7 @@ from megatron.training.config import SECTIONS, Config
 # field name -> (flag, argparse action): flags that invert or rename a field.
 IRREGULAR_FLAGS = {
     "add_bias_linear": ("--disable-bias-linear", "store_false"),
+    "check_for_nan_in_loss_and_grad": ("--no-check-for-nan-in-loss-and-grad", "store_false"),
 }
 
 _MISSING = dataclasses.MISSING
@@ -60,7 +61,8 @@ def _add_field(group, field: dataclasses.Field, annotation, help_text: str) -> N
         group.add_argument(flag, action="store_true", **kwargs)
         return
     if kind is list or typing.get_origin(kind) is list:
-        group.add_argument(flag, nargs="*", default=default, **kwargs)
+        item = (typing.get_args(kind) or (str,))[0]
+        group.add_argument(flag, nargs="*", default=default, type=item, **kwargs)
         return
     if typing.get_origin(kind) is typing.Literal:
         choices = list(typing.get_args(kind))

@@ -9,6 +9,7 @@ from megatron.core import utils
 from megatron.core.parallel_state import ParallelGroups, initialize_model_parallel
 from megatron.core.tensor_parallel.random import RNGStatesTracker, build_tracker
 from megatron.training.config import Config
+from megatron.training.failures import attempt_store, enable_nccl_flight_recorder
 
 
 def resolve_backend(config: Config) -> str:
@@ -24,17 +25,31 @@ def initialize_distributed(config: Config) -> tuple[ParallelGroups, RNGStatesTra
         if not utils.accelerator_available():
             raise ValueError("--distributed-backend nccl needs a GPU; use --distributed-backend gloo on CPU")
         utils.set_accelerator_device(local_rank)
+    timeout = datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes)
+    recorder_note = enable_nccl_flight_recorder(config.checkpoint.save) if backend == "nccl" else None
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(
-            minutes=config.parallel.distributed_timeout_minutes))
+        join_process_group(backend, world_size, timeout)
+        if recorder_note and dist.get_rank() == 0:
+            print(f"> {recorder_note}", flush=True)
     if backend == "gloo":
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
     device = utils.default_device(backend)
     groups = initialize_model_parallel(config.parallel.tensor_model_parallel_size,
                                        config.parallel.pipeline_model_parallel_size,
-                                       config.parallel.context_parallel_size, device=device)
+                                       config.parallel.context_parallel_size, device=device, timeout=timeout)
     tracker = build_tracker(config.training.seed, groups.tp_rank, groups.pp_rank, device)
     return groups, tracker
+
+
+def join_process_group(backend: str, world_size: int, timeout: datetime.timedelta) -> None:
+    """init_process_group from torchrun's environment; under torchrun's agent store, on this restart
+    attempt's own keys (see `failures.attempt_store`)."""
+    store = attempt_store(timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world_size,
+                                timeout=timeout)
 
 
 def world_size_from_env() -> int:

@@ -1,6 +1,8 @@
 """The training loop: pretrain -> train (train_step, evaluate) with Megatron's log line."""
 import dataclasses
+import datetime
 import time
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -15,6 +17,7 @@ from megatron.training.checkpointing import (
     Checkpointer,
     apply_checkpoint_args,
     architecture,
+    checkpoint_dir,
     check_architecture,
     locate,
     read_common,
@@ -22,10 +25,15 @@ from megatron.training.checkpointing import (
 from megatron.training.config import Config
 from megatron.training.data import build_loader
 from megatron.training.exits import ExitConditions
+from megatron.training.failures import FailureReport, Watch
+from megatron.training.fault_injection import FaultInjector
+from megatron.training.guards import StepGuard
 from megatron.training.initialize import initialize_distributed, world_size_from_env
 from megatron.training.logging import TensorBoardWriter, flops_per_iteration, iteration_line
 from megatron.training.memory import memory_report
+from megatron.training.oom import MemoryWatch
 from megatron.training.profiling import StepProfiler
+from megatron.training.straggler import StragglerReport
 from megatron.training.validation import validate
 
 _JOB_START_TIME = time.time()  # --exit-duration-in-mins counts from here (module import ~ job start)
@@ -58,6 +66,10 @@ class Run:
     vocab_size: int
     checkpointer: Optional[Checkpointer]
     checkpoint_to_load: Optional[tuple]  # (directory, common.json) found by --load
+    guard: Optional[StepGuard] = None                  # NaN/Inf and spike checks of every step
+    failure_report: Optional[FailureReport] = None     # names dead or hung ranks (torchrun jobs)
+    straggler: Optional[StragglerReport] = None        # --log-straggler
+    faults: Optional[FaultInjector] = None             # test-only (MEGATRON_TEST_FAULTS)
 
 
 def print_rank_0(message: str) -> None:
@@ -93,8 +105,30 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int) -> Run:
         print(report, flush=True)
     checkpointer = (Checkpointer(config, groups, rng_tracker, print_rank_0)
                     if config.checkpoint.save or to_load is not None else None)
-    return Run(config, groups, model_config, chunks, optimizer, scheduler, forward_step_func, global_batch,
-               num_microbatches, print_rank_0, vocab_size, checkpointer, to_load)
+    run = Run(config, groups, model_config, chunks, optimizer, scheduler, forward_step_func, global_batch,
+              num_microbatches, print_rank_0, vocab_size, checkpointer, to_load)
+    _add_reliability(run)
+    return run
+
+
+def _add_reliability(run: Run) -> None:
+    """The per-step guards, the failure report, the straggler report and the test-only faults."""
+    config, groups = run.config, run.groups
+    run.guard = StepGuard.build(config.training, groups, print_rank_0, partial(_last_checkpoint, run))
+    run.failure_report = FailureReport.connect(groups.global_rank, groups.world_size, datetime.timedelta(
+        minutes=config.parallel.distributed_timeout_minutes))
+    run.straggler = StragglerReport(config.logging, groups) if config.logging.log_straggler else None
+    run.faults = FaultInjector.from_environment(groups.global_rank)
+    if run.faults is not None:
+        run.forward_step_func = run.faults.wrap(run.forward_step_func)
+
+
+def _last_checkpoint(run: Run) -> Optional[str]:
+    """The directory of the newest checkpoint this run saved or loaded, if any."""
+    options, checkpointer = run.config.checkpoint, run.checkpointer
+    if checkpointer is not None and checkpointer.last_saved_iteration is not None:
+        return checkpoint_dir(options.save or options.load, checkpointer.last_saved_iteration)
+    return None
 
 
 def _find_checkpoint(config: Config) -> tuple[list, Optional[tuple]]:
@@ -144,9 +178,15 @@ def reduce_reported(run: Run, reported: list) -> dict:
 def train_step(run: Run, data_iterators: list) -> tuple[dict, bool, Optional[float]]:
     for chunk in run.chunks:
         chunk.zero_grad_buffer()
+    if run.straggler is not None:
+        run.straggler.start()
     reported = _forward_backward(run, data_iterators, forward_only=False)
+    if run.straggler is not None:
+        run.straggler.stop()
+    if run.guard is not None:
+        run.guard.observe_losses(reported)
     finalize_model_grads(run.chunks, run.groups)
-    applied, grad_norm = run.optimizer.step()
+    applied, grad_norm = run.optimizer.step(run.guard)
     if applied:
         run.scheduler.step()
     return reduce_reported(run, reported), applied, grad_norm
@@ -186,11 +226,15 @@ def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = 
     tensorboard = TensorBoardWriter(log.tensorboard_dir if groups.is_logging_rank else None)
     flops = flops_per_iteration(run.model_config, run.global_batch_size, t.seq_length)
     tokens = run.global_batch_size * t.seq_length
-    window = {"time": 0.0, "iters": 0, "losses": {}}
+    window = {"time": 0.0, "iters": 0, "loss_iters": 0, "losses": {}}
     profiler = StepProfiler(log, groups.global_rank, groups.device)
     for chunk in run.chunks:
         chunk.module.train()
     while state.iteration < t.train_iters:
+        if state.iteration in t.iterations_to_skip:
+            train_iterators = _skip_iteration(run, train_dataset, state)
+            continue
+        _set_iteration(run, state.iteration + 1)
         profiler.before_step(state.iteration)
         utils.reset_peak_memory(groups.device)
         utils.synchronize(groups.device)
@@ -203,15 +247,19 @@ def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = 
         state.consumed_train_samples += run.global_batch_size
         if not applied:
             state.skipped_iterations += 1
-            if grad_norm is not None:
+            if grad_norm is not None or (run.guard is not None and run.guard.vetoed):
                 state.nan_iterations += 1
         window["time"] += elapsed
         window["iters"] += 1
-        for name, value in losses.items():
-            window["losses"][name] = window["losses"].get(name, 0.0) + value
+        if run.guard is None or not run.guard.vetoed:  # a NaN/Inf step's loss stays out of the average
+            window["loss_iters"] += 1
+            for name, value in losses.items():
+                window["losses"][name] = window["losses"].get(name, 0.0) + value
         if state.iteration % log.log_interval == 0 or state.iteration == t.train_iters:
             _log_iteration(run, state, window, flops, tokens, grad_norm, tensorboard)
-            window = {"time": 0.0, "iters": 0, "losses": {}}
+            window = {"time": 0.0, "iters": 0, "loss_iters": 0, "losses": {}}
+            if run.straggler is not None:
+                _log_straggler(run, state.iteration)
         if valid_dataset is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
             _log_evaluation(run, valid_dataset, state, "iteration " + str(state.iteration), tensorboard)
         state.exit_reason = _save_and_check_exit(run, state, exits)
@@ -220,6 +268,29 @@ def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = 
             break
     tensorboard.close()
     return state
+
+
+def _set_iteration(run: Run, iteration: int) -> None:
+    """The iteration about to run (1-based, as logged), for the guards' and faults' messages."""
+    for hook in (run.guard, run.faults):
+        if hook is not None:
+            hook.iteration = iteration
+
+
+def _skip_iteration(run: Run, train_dataset, state: TrainState):
+    """--iterations-to-skip: the step's samples are consumed untrained (Megatron's dummy step); the
+    data iterators restart past them. Returns the new iterators."""
+    state.iteration += 1
+    state.consumed_train_samples += run.global_batch_size
+    run.printer(f"> iteration {state.iteration} skipped (--iterations-to-skip): its {run.global_batch_size} "
+                "samples are not trained on")
+    return _loaders(run, train_dataset, state.consumed_train_samples)
+
+
+def _log_straggler(run: Run, iteration: int) -> None:
+    report = run.straggler.report(iteration)
+    if report is not None:
+        print(report, flush=True)
 
 
 def _save_and_check_exit(run: Run, state: TrainState, exits: Optional[ExitConditions]) -> Optional[str]:
@@ -241,7 +312,7 @@ def _log_iteration(run: Run, state: TrainState, window: dict, flops: float, toke
     tflops = flops / (seconds * 1e12 * groups.world_size)
     tokens_per_gpu = tokens / seconds / groups.world_size
     peak_gb = utils.peak_memory_bytes(groups.device) / 1e9
-    losses = {name: value / iters for name, value in window["losses"].items()}
+    losses = {name: value / window["loss_iters"] for name, value in window["losses"].items()}
     lr = run.scheduler.get_lr()
     if groups.is_logging_rank:
         print(iteration_line(iteration=state.iteration, train_iters=run.config.training.train_iters,
@@ -276,33 +347,39 @@ def _ppl(loss: float) -> float:
     return math.exp(min(20.0, loss))
 
 
+def _final_save(run: Run, state: TrainState) -> None:
+    options = run.config.checkpoint
+    if options.save and state.iteration > 0 and run.checkpointer.last_saved_iteration != state.iteration:
+        run.checkpointer.save(run, state, run.vocab_size)
+    if run.checkpointer is not None:
+        run.checkpointer.wait()
+
+
 def pretrain(config: Config, *, forward_step_func: Callable, datasets_provider: Callable,
              vocab_size: int) -> TrainState:
     """Validate, initialize, build, load a checkpoint, load data, train, save, and evaluate at the
-    end (as Megatron does)."""
+    end (as Megatron does). A failure after start-up names its cause on every rank (see `failures`
+    and `oom`)."""
     run = setup(config, forward_step_func, vocab_size)
     state = TrainState()
-    if run.checkpoint_to_load is not None:
-        state = run.checkpointer.load(run, *run.checkpoint_to_load, TrainState)
-    t = config.training
-    evaluations = t.train_iters // t.eval_interval + 1
-    num_samples = (t.train_iters * run.global_batch_size,
-                   evaluations * t.eval_iters * run.global_batch_size,
-                   t.eval_iters * run.global_batch_size)
-    train_ds, valid_ds, test_ds = datasets_provider(config, run.groups, num_samples)
-    exits = ExitConditions(t, run.groups, _JOB_START_TIME)
-    try:
-        state = train(run, train_ds, valid_ds, state, exits)
-    finally:
-        exits.restore()
-    options = config.checkpoint
-    if options.save and state.iteration > 0 and run.checkpointer.last_saved_iteration != state.iteration:
-        run.checkpointer.save(run, state, vocab_size)
-    if run.checkpointer is not None:
-        run.checkpointer.wait()
-    if (state.exit_reason is None and valid_ds is not None and t.eval_iters > 0
-            and state.iteration % t.eval_interval != 0):
-        _log_evaluation(run, valid_ds, state, "the end of training", TensorBoardWriter(None))
-    if torch.distributed.is_initialized():
-        comm.barrier()
+    with Watch(run.failure_report, lambda: state.iteration), MemoryWatch(run, lambda: state.iteration):
+        if run.checkpoint_to_load is not None:
+            state = run.checkpointer.load(run, *run.checkpoint_to_load, TrainState)
+        t = config.training
+        evaluations = t.train_iters // t.eval_interval + 1
+        num_samples = (t.train_iters * run.global_batch_size,
+                       evaluations * t.eval_iters * run.global_batch_size,
+                       t.eval_iters * run.global_batch_size)
+        train_ds, valid_ds, test_ds = datasets_provider(config, run.groups, num_samples)
+        exits = ExitConditions(t, run.groups, _JOB_START_TIME)
+        try:
+            state = train(run, train_ds, valid_ds, state, exits)
+        finally:
+            exits.restore()
+        _final_save(run, state)
+        if (state.exit_reason is None and valid_ds is not None and t.eval_iters > 0
+                and state.iteration % t.eval_interval != 0):
+            _log_evaluation(run, valid_ds, state, "the end of training", TensorBoardWriter(None))
+        if torch.distributed.is_initialized():
+            comm.barrier()
     return state

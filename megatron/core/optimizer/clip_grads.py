@@ -1,14 +1,11 @@
-"""Global gradient norm across tensor/pipeline (and optionally data) ranks, and clipping.
+"""This rank's share of the global gradient norm, and clipping by the global norm.
 
-Each rank sums the squares of the gradients it owns, weighting replicated slices by 1/replicas
+The optimizer sums the shares over its norm groups (tensor/pipeline, and data ranks when the state
+is sharded). Each rank sums the squares of the gradients it owns, weighting replicated slices by 1/replicas
 (`TPLayout.unique_square_norm`) and skipping the last stage's copy of tied embeddings, so that the
 sum over the model-parallel group counts every logical parameter exactly once.
 """
-import math
-
 import torch
-
-from megatron.core.distributed import comm
 
 
 def local_square_norm(params: list, grads: list) -> torch.Tensor:
@@ -36,14 +33,6 @@ def local_square_norm(params: list, grads: list) -> torch.Tensor:
         device = grads[0].device if grads else torch.device("cpu")
         return torch.zeros((), dtype=torch.float32, device=device)
     return total
-
-
-def global_grad_norm(params: list, grads: list, groups_to_sum: list) -> float:
-    """sqrt of the squared norm summed over `groups_to_sum` (each a process group or None)."""
-    square = local_square_norm(params, grads).reshape(1)
-    for group in groups_to_sum:
-        comm.all_reduce(square, group)
-    return math.sqrt(square.item())
 
 
 def clip_grads(grads: list, grad_norm: float, max_norm: float) -> None:

@@ -122,14 +122,12 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
     def norm_groups(self) -> list:
         return [self.groups.mp, self.groups.dp_cp]
 
-    def _grad_norm(self, grads: list) -> float:
+    def _local_grad_square(self, grads: list) -> torch.Tensor:
         square = torch.zeros(1, dtype=torch.float32, device=self.groups.device)
         for piece, grad in zip(self.pieces, grads):
             if not getattr(piece.param, "shared_embedding", False):
                 square += piece_square_norm(piece.param, grad, piece.start).to(square.device)
-        for group in self.norm_groups():
-            comm.all_reduce(square, group)
-        return square.sqrt().item()
+        return square
 
     def _master_copies(self) -> list:
         return [p.master for p in self.pieces if p.master.data_ptr() != p.model_shard.data_ptr()]

@@ -25,3 +25,7 @@ class LoggingConfig:
     """Global ranks to profile."""
     profile_dir: Optional[str] = None
     """Where PyTorch profiler traces go; default --tensorboard-dir, else ./profiles."""
+    log_straggler: bool = False
+    """At each log interval, report the spread of per-rank step times and name the slowest ranks."""
+    straggler_minmax_count: int = 1
+    """With --log-straggler: how many of the slowest and fastest ranks to name."""
