@@ -64,6 +64,16 @@ def build_tokenizer(config: Config):
                  tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size)
 
 
+def _tokenizer_record(config: Config, tokenizer):
+    from megatron.core.datasets.tokenizer_record import tokenizer_record
+
+    d = config.data
+    if tokenizer is None:
+        return None
+    return tokenizer_record(tokenizer, d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
+                            tokenizer_model=d.tokenizer_model)
+
+
 def datasets_provider(config: Config, groups, num_samples: tuple, tokenizer=None, vocab_size: int = 0):
     from megatron.core.datasets import GPTDatasetConfig, build_gpt_datasets
 
@@ -74,7 +84,7 @@ def datasets_provider(config: Config, groups, num_samples: tuple, tokenizer=None
         test_data_path=d.test_data_path or None, data_cache_path=d.data_cache_path, mock=d.mock_data,
         vocab_size=vocab_size, eod_token=tokenizer.eod if tokenizer is not None else None,
         reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
-        eod_mask_loss=d.eod_mask_loss)
+        eod_mask_loss=d.eod_mask_loss, tokenizer_record=_tokenizer_record(config, tokenizer))
     return build_gpt_datasets(dataset_config, num_samples=num_samples, is_builder_rank=groups.global_rank == 0,
                               barrier=comm.barrier)
 

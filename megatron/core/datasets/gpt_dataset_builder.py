@@ -11,6 +11,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, SampleOptions
 from megatron.core.datasets.index_cache import resolve_cache_dir
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.mock_dataset import MockGPTDataset
+from megatron.core.datasets.tokenizer_record import check_record
 
 SPLIT_NAMES = ("train", "valid", "test")
 # Each blended component builds this fraction more samples than it contributes (Megatron's mid-level surplus).
@@ -51,6 +52,8 @@ class GPTDatasetConfig:
     """Stop attention across EOD tokens; samples then carry a boolean attention_mask [1, s, s]."""
     eod_mask_loss: bool = False
     """Zero the loss mask at EOD tokens."""
+    tokenizer_record: Optional[dict] = None
+    """The run's tokenizer (`tokenizer_record.tokenizer_record`): datasets that record another one are an error."""
 
     def __post_init__(self):
         if self.seq_length < 1:
@@ -188,6 +191,7 @@ class _Builder:
             except FileNotFoundError as error:
                 raise FileNotFoundError(f"{flag}: {error}") from None
             check_vocab(dataset, self.config.vocab_size)
+            check_record(prefix, self.config.tokenizer_record)
             self.indexed[prefix] = dataset
         return self.indexed[prefix]
 
