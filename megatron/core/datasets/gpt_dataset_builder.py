@@ -190,8 +190,8 @@ class _Builder:
                 dataset = IndexedDataset(prefix)
             except FileNotFoundError as error:
                 raise FileNotFoundError(f"{flag}: {error}") from None
+            check_record(prefix, self.config.tokenizer_record)  # names both tokenizers: more telling, so first
             check_vocab(dataset, self.config.vocab_size)
-            check_record(prefix, self.config.tokenizer_record)
             self.indexed[prefix] = dataset
         return self.indexed[prefix]
 
