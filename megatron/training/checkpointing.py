@@ -201,13 +201,14 @@ class CheckpointSaveError(RuntimeError):
     """A save failed (on any rank); the message says what survives and what to do."""
 
 
-def _root_cause(error: BaseException) -> BaseException:
-    """The first rank's own exception inside torch.distributed.checkpoint's CheckpointException."""
+def _root_cause(error: BaseException, rank: int) -> tuple:
+    """(rank, exception): the first failing rank's own exception inside torch.distributed.checkpoint's
+    CheckpointException (which every rank raises), else this rank's."""
     failures = getattr(error, "failures", None)
     if isinstance(failures, dict) and failures:
         first = failures[min(failures)]
-        return first[0] if isinstance(first, tuple) else first
-    return error
+        return min(failures), first[0] if isinstance(first, tuple) else first
+    return rank, error
 
 
 class Checkpointer:
@@ -296,13 +297,13 @@ class Checkpointer:
     def _write(self, state: ShardedState, common: dict, incomplete: str, final: str, start: float) -> None:
         """Writes, then commits on rank 0. A failure on any rank (a full disk: ENOSPC) is agreed by
         every rank, the partial directory is removed, and the previous checkpoint stays the latest."""
-        failure = None
+        failure, failed_rank = None, self.groups.global_rank
         try:
             _storage().save_state(state, incomplete, process_group=self.group)
         except BaseException as error:  # CheckpointException (a BaseException), on every rank when one rank's write fails
             if isinstance(error, (KeyboardInterrupt, SystemExit)):
                 raise
-            failure = _root_cause(error)
+            failed_rank, failure = _root_cause(error, failed_rank)
         if failure is None and self.groups.global_rank == 0:
             try:
                 self._commit(common, incomplete, final, start)
@@ -311,7 +312,7 @@ class Checkpointer:
         if self._any_rank_failed(failure is not None):
             if self.groups.global_rank == 0:
                 shutil.rmtree(incomplete, ignore_errors=True)
-            raise CheckpointSaveError(self._save_failure(common["iteration"], final, failure))
+            raise CheckpointSaveError(self._save_failure(common["iteration"], final, failure, failed_rank))
 
     def _commit(self, common: dict, incomplete: str, final: str, start: float) -> None:
         """Rank 0: common.json, the rename to iter_N, then the tracker (see the module docstring)."""
@@ -338,17 +339,17 @@ class Checkpointer:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item() > 0)
 
-    def _save_failure(self, iteration: int, final: str, failure: Optional[BaseException]) -> str:
+    def _save_failure(self, iteration: int, final: str, failure: Optional[BaseException], rank: int) -> str:
         tracker = os.path.join(self.options.save, TRACKER_FILE)
         previous = read_tracker(self.options.save)
         kept = (f"{tracker} still names iteration {previous}, which is complete" if previous is not None
                 else "no earlier checkpoint exists")
-        cause = f"{failure}" if failure is not None else "it failed on another rank (see that rank's error)"
+        cause = f"on rank {rank}: {failure}" if failure is not None else "on another rank (see that rank's error)"
         hint = ("free space (or keep fewer checkpoints with --ckpt-keep-latest) and resume with --load "
                 f"{self.options.save}" if isinstance(failure, OSError) and failure.errno == errno.ENOSPC
                 else f"fix the cause and resume with --load {self.options.save}")
-        return (f"saving the checkpoint of iteration {iteration} to {final} failed on rank {self.groups.global_rank}: "
-                f"{cause}. The partial checkpoint was removed and {kept}; {hint}")
+        return (f"saving the checkpoint of iteration {iteration} to {final} failed {cause}. The partial checkpoint was "
+                f"removed and {kept}; {hint}")
 
     def _remove_old_checkpoints(self, newest: int) -> None:
         keep = self.options.ckpt_keep_latest

@@ -47,10 +47,12 @@ def out_of_memory_message(error: BaseException, run, iteration: int) -> str:
     estimate = figures["parameters"] + figures["gradients"] + figures["optimizer_state"]
     peak = utils.peak_memory_bytes(groups.device)
     capacity = utils.memory_capacity_bytes(groups.device)
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return (f"out of memory on rank {groups.global_rank} ({groups.device}) in iteration {iteration}: {first_line[:200]}\n"
-            f"  start-up estimate: {estimate / _GIB:.2f} GiB (parameters {figures['parameters'] / _GIB:.2f}, gradients "
-            f"{figures['gradients'] / _GIB:.2f}, optimizer state {figures['optimizer_state'] / _GIB:.2f}; activations "
+    text = str(error).strip()
+    first_line = text[text.index("DefaultCPUAllocator: "):] if "DefaultCPUAllocator: " in text else text.split("\n")[0]
+    return (f"out of memory on rank {groups.global_rank} ({groups.device}) with {iteration} iterations completed: "
+            f"{first_line[:200]}\n"
+            f"  start-up estimate: {estimate / _GIB:.3f} GiB (parameters {figures['parameters'] / _GIB:.3f}, gradients "
+            f"{figures['gradients'] / _GIB:.3f}, optimizer state {figures['optimizer_state'] / _GIB:.3f}; activations "
             f"not included)\n"
             f"  measured peak: {peak / _GIB:.2f} GiB of {capacity / _GIB:.2f} GiB (the excess over the estimate is "
             f"activations and temporary buffers)\n"

@@ -8,7 +8,8 @@
 - SIGTERM to one rank: every rank stops after the same iteration, saves and exits 0; the resumed
   run equals the uninterrupted one;
 - torchrun --max-restarts with --save/--load: a worker killed mid-run, the job restarts from the
-  last checkpoint and ends equal to the uninterrupted run.
+  last checkpoint and ends equal to the uninterrupted run;
+- running out of memory prints the start-up estimate, the measured peak and the flags to change.
 
 Faults come from the test-only MEGATRON_TEST_FAULTS variable (megatron/training/fault_injection.py).
 """
@@ -206,3 +207,27 @@ def test_torchrun_max_restarts_resumes_from_the_last_checkpoint(tmp_path, uninte
     restarted = curves(tmp_path / "tb")
     for tag in TAGS:
         assert restarted[tag] == uninterrupted[tag], tag
+
+
+def test_out_of_memory_prints_the_estimate_the_peak_and_the_flags():
+    """A real allocation failure (the address space capped at 3 GiB; a micro-batch's logits alone
+    need 2 GiB): one message instead of the allocator's traceback, exit 1."""
+    import resource
+
+    def cap_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    args = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
+            "--max-position-embeddings", "256", "--micro-batch-size", "512", "--train-iters", "2", "--lr", "1e-3",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "4000", "--eval-iters", "0",
+            "--num-workers", "0"]
+    result = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py")] + args, capture_output=True, text=True,
+                            timeout=300, env=environment(), preexec_fn=cap_memory)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert re.search(r"error: out of memory on rank 0 \(cpu\) with 0 iterations completed: DefaultCPUAllocator: can't "
+                     r"allocate memory: you tried to allocate \d+ bytes.*\n  start-up estimate: 0.00\d GiB \(parameters "
+                     r".*\n  measured peak: \d+.\d\d GiB of \d+.\d\d GiB .*\n  to use less memory: --recompute-granularity "
+                     r"selective .*--micro-batch-size 256 .*--tensor-model-parallel-size 2 with --sequence-parallel",
+                     result.stderr), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+

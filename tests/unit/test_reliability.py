@@ -127,8 +127,9 @@ def test_out_of_memory_names_the_estimate_the_peak_and_the_flags():
         with MemoryWatch(run, lambda: 12):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     message = str(raised.value)
-    assert message.startswith("out of memory on rank 0 (cpu) in iteration 12: CUDA out of memory. Tried to allocate")
-    assert "start-up estimate: 2.00 GiB (parameters 0.00, gradients 0.00, optimizer state 2.00;" in message
+    assert message.startswith("out of memory on rank 0 (cpu) with 12 iterations completed: CUDA out of memory. Tried to "
+                              "allocate")
+    assert "start-up estimate: 2.000 GiB (parameters 0.000, gradients 0.000, optimizer state 2.000;" in message
     assert "measured peak: " in message
     for flag in ("--recompute-granularity selective", "--micro-batch-size 2", "--tensor-model-parallel-size 2 with "
                  "--sequence-parallel", "--pipeline-model-parallel-size 2", "--use-distributed-optimizer"):
