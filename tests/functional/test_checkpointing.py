@@ -349,6 +349,12 @@ def test_bad_checkpoints_fail_with_one_line(tmp_path, small_checkpoint):
     assert "Traceback" not in result.stderr
 
 
+def test_checkpoint_of_another_optimizer_is_refused(small_checkpoint):
+    message = _main_error(["--load", str(small_checkpoint), "--optimizer", "sgd"])
+    assert message.startswith(f"the checkpoint {small_checkpoint / 'iter_0000002'} was trained with --optimizer adam, "
+                              "this run uses --optimizer sgd; pass --no-load-optim to start the optimizer afresh")
+
+
 def test_use_checkpoint_args_takes_the_model_shape(small_checkpoint):
     output = ok(run_pretrain(["--load", str(small_checkpoint), "--use-checkpoint-args", "--hidden-size", "128",
                               "--train-iters", "3"], base=SINGLE))
