@@ -74,33 +74,41 @@ def enable_nccl_flight_recorder(save_dir: Optional[str]) -> str:
             f"{os.path.basename(prefix)})")
 
 
+_BACKEND_ERRORS = re.compile(r"gloo|NCCL|Connection (reset|closed)|[Tt]imed out|timeout caused pair closure")
+_COMM = os.path.join(_PACKAGE, "core", "distributed", "comm.py")
+
+
 def is_collective_failure(error: BaseException) -> bool:
     """A backend error from a collective (or from waiting on one), as opposed to a bug or bad input."""
     if isinstance(error, dist.DistError):
         return True
     if not isinstance(error, RuntimeError):
         return False
-    text = str(error)
-    return "gloo" in text or "NCCL" in text or any(
-        frame.filename.startswith(_TORCH_DISTRIBUTED) for frame in traceback.extract_tb(error.__traceback__))
+    frames = traceback.extract_tb(error.__traceback__)
+    innermost = frames[-1] if frames else None
+    return bool(_BACKEND_ERRORS.search(str(error))) or innermost is not None and (
+        innermost.filename.startswith(_TORCH_DISTRIBUTED) or innermost.filename == _COMM
+        or (innermost.line or "").rstrip().endswith(".wait()"))
 
 
 def where_it_failed(error: BaseException) -> str:
     """'all_reduce (megatron/core/optimizer/clip_grads.py:45 in global_grad_norm)': the collective
-    (the innermost torch.distributed call) and the innermost line of this framework that issued it."""
+    (the innermost torch.distributed call, or comm.py's) and the innermost line of this framework
+    outside comm.py that issued it."""
     frames = traceback.extract_tb(error.__traceback__)
     ours = [f for f in frames if f.filename.startswith(_PACKAGE)]
     theirs = [f for f in frames if f.filename.startswith(_TORCH_DISTRIBUTED) and not f.name.startswith("_")
               and f.name != "wrapper"]
     collective = theirs[-1].name if theirs else None
-    if ours:
-        frame = ours[-1]
-        place = f"{os.path.relpath(frame.filename, os.path.dirname(_PACKAGE))}:{frame.lineno} in {frame.name}"
-        if collective is None:
-            collective = "waiting on an asynchronous collective" if (frame.line or "").rstrip().endswith(".wait()") \
-                else "a collective"
-        return f"{collective} ({place})"
-    return collective or "a collective"
+    if not ours:
+        return collective or "a collective"
+    innermost = ours[-1]
+    if collective is None or collective == "wait":
+        waiting = (innermost.line or "").rstrip().endswith(".wait()")
+        collective = ("waiting on an asynchronous collective" if waiting else
+                      innermost.name if innermost.filename == _COMM else "a collective")
+    caller = ([f for f in ours if f.filename != _COMM] or ours)[-1]
+    return f"{collective} ({os.path.relpath(caller.filename, os.path.dirname(_PACKAGE))}:{caller.lineno} in {caller.name})"
 
 
 class FailureReport:

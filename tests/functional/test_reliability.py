@@ -2,7 +2,7 @@
 
 - a NaN in one rank's loss stops every rank at that iteration, naming the rank;
 - --skip-iter-on-nan skips NaN/Inf iterations, and the run equals one that skipped those batches
-  (--iterations-to-skip);
+  (--iterations-to-skip); --log-straggler names a rank made slow;
 - a rank killed mid-step (SIGKILL) or hung makes the other rank exit non-zero within
   --distributed-timeout-minutes + 30 s, naming the rank, its host and process id;
 - SIGTERM to one rank: every rank stops after the same iteration, saves and exits 0; the resumed
@@ -89,11 +89,16 @@ def test_nan_in_one_ranks_loss_stops_every_rank_at_that_iteration(tmp_path):
 def test_skip_iter_on_nan_equals_a_run_that_skipped_those_batches(tmp_path):
     """A NaN gradient on rank 0 at 3 and a NaN loss on rank 1 at 5 are skipped; the curve then
     equals a run told to skip iterations 3 and 5 (Megatron's numbering: --iterations-to-skip 2 4)."""
-    output = ok(run_job(["--skip-iter-on-nan", "--tensorboard-dir", str(tmp_path / "skip")],
-                        faults="nan-grad@3:0,nan-loss@5:1"))
+    output = ok(run_job(["--skip-iter-on-nan", "--tensorboard-dir", str(tmp_path / "skip"), "--log-straggler"],
+                        faults="nan-grad@3:0,nan-loss@5:1,slow@1:1"))
     assert "WARNING: iteration 3: NaN/Inf in the gradients on ranks 0, 1" in output
     assert "WARNING: iteration 5: NaN/Inf in the loss on rank 1 and in the gradients on ranks 0, 1" in output
     assert re.search(r"iteration +8/ +8 \|.*number of skipped iterations: +2 \| number of nan iterations: +2 \|", output)
+    # --log-straggler: rank 1 spends 0.2 s more in every micro-batch; it is named the slowest
+    reports = re.findall(r"straggler report at iteration (\d+) \(forward-backward time per rank, mean of the last "
+                         r"interval\): slowest rank (\d) ([\d.]+) ms \| fastest rank (\d) ([\d.]+) ms", output)
+    assert [(int(i), int(slow), int(fast)) for i, slow, _, fast, _ in reports] == [(i, 1, 0) for i in range(1, 9)]
+    assert all(float(slow) - float(fast) > 300 for _, _, slow, _, fast in reports)  # 2 micro-batches x 0.2 s
     reference = ok(run_job(["--iterations-to-skip", "2", "4", "--tensorboard-dir", str(tmp_path / "reference")]))
     assert "> iteration 3 skipped (--iterations-to-skip)" in reference
     skipped, wanted = curves(tmp_path / "skip"), curves(tmp_path / "reference")

@@ -9,7 +9,8 @@ import torch
 
 from megatron.core.parallel_state import single_process
 from megatron.training import fault_injection
-from megatron.training.failures import _first_line, is_collective_failure
+from megatron.core.distributed import comm
+from megatron.training.failures import _first_line, is_collective_failure, where_it_failed
 from megatron.training.guards import MIN_HISTORY, NonFiniteError, SpikeDetector, StepGuard
 from megatron.training.oom import DeviceOutOfMemory, MemoryWatch, memory_flags
 
@@ -108,6 +109,18 @@ def test_collective_errors_are_recognised_and_shortened():
     assert is_collective_failure(error)
     assert _first_line(error) == "RuntimeError: Read error [127.0.0.1]:35011: Connection reset by peer"
     assert not is_collective_failure(ValueError("bad flag")) and not is_collective_failure(RuntimeError("a bug"))
+
+
+def test_a_failed_wait_is_a_collective_failure_and_says_where():
+    class TimedOut:
+        def wait(self):
+            raise RuntimeError("Application timeout caused pair closure")
+
+    with pytest.raises(RuntimeError) as raised:
+        comm.PendingWork(TimedOut(), None).wait()
+    assert is_collective_failure(raised.value)
+    assert where_it_failed(raised.value).startswith("waiting on an asynchronous collective "
+                                                    "(megatron/core/distributed/comm.py:")
 
 
 def _oom_run(**training):
