@@ -189,7 +189,8 @@ def job(index: int, scenario: str, rng: random.Random, args, root: Path, referen
             code = run(command(args.iterations, checkpoint), env, log, deadline)
     text = log_path.read_text()
     result = {"scenario": scenario, "plan": what.get("faults") or f"{signal.Signals(what['signal']).name} to rank "
-              f"{what['rank']} at iteration {what['after']} + {what['delay']:.2f} s", "hung": code is None, "exit": code}
+              f"{what['rank']} at iteration {what['after']} + {what['delay']:.2f} s",
+              "hung": code is None, "exit": code}
     result["finished"] = code == 0 and f"training finished after {args.iterations} iterations" in text
     result["named"] = all(re.search(cause, text) for cause in what["causes"])
     result["checkpoints"], result["unloadable"] = load_all(checkpoint)

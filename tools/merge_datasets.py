@@ -58,8 +58,8 @@ def common_record(prefixes: Sequence[str]) -> Optional[dict]:
         return None
     for prefix, record in zip(prefixes[1:], records[1:]):
         if record != records[0]:
-            raise ValueError(f"{prefixes[0]} and {prefix} were written with different tokenizers ({record_path(prefixes[0])} "
-                             f"vs {record_path(prefix)}); merge datasets of one tokenizer only")
+            raise ValueError(f"{prefixes[0]} and {prefix} were written with different tokenizers "
+                             f"({record_path(prefixes[0])} vs {record_path(prefix)}); merge datasets of one tokenizer only")
     return records[0]
 
 

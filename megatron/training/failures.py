@@ -108,7 +108,8 @@ def where_it_failed(error: BaseException) -> str:
         collective = ("waiting on an asynchronous collective" if waiting else
                       innermost.name if innermost.filename == _COMM else "a collective")
     caller = ([f for f in ours if f.filename != _COMM] or ours)[-1]
-    return f"{collective} ({os.path.relpath(caller.filename, os.path.dirname(_PACKAGE))}:{caller.lineno} in {caller.name})"
+    path = os.path.relpath(caller.filename, os.path.dirname(_PACKAGE))
+    return f"{collective} ({path}:{caller.lineno} in {caller.name})"
 
 
 class FailureReport:
@@ -136,7 +137,8 @@ class FailureReport:
     def post(self, error: BaseException, iteration: int, collective: bool) -> dict:
         """Records this rank's failure in the store (a failure of its own, such as running out of
         memory, also as the cause the other ranks will name)."""
-        mine = {"iteration": iteration, "where": where_it_failed(error) if collective else "", "error": _first_line(error)}
+        mine = {"iteration": iteration, "where": where_it_failed(error) if collective else "",
+                "error": _first_line(error)}
         if not collective:
             self.store.set(f"cause/{self.rank}", f"{mine['error']} (with {iteration} iterations completed)")
         self.store.set(f"failed/{self.rank}", json.dumps(mine))
@@ -162,7 +164,8 @@ class FailureReport:
                     "hosted it (rank 0 without torchrun's agent store) is probably the one that died")
         text = f"rank {self.rank}: {mine['where']} failed with {iteration} iterations completed: {mine['error']}"
         if causes:
-            text += ". Failed on their own first: " + "; ".join(f"rank {r} ({hosts[r]}): {c}" for r, c in causes.items())
+            text += ". Failed on their own first: " + "; ".join(
+                f"rank {r} ({hosts[r]}): {cause}" for r, cause in causes.items())
         if silent:
             named = "; ".join(f"rank {r} ({hosts[r]})" for r in silent)
             text += (f". Not answering (dead or hung; they reported nothing within {self.grace_seconds:.0f} s): "

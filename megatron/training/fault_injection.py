@@ -111,7 +111,8 @@ def _faulty_loss(loss_func: Callable, kinds: set) -> Callable:
             reported = {name: value * float("nan") for name, value in reported.items()}
         if "spike" in kinds:
             loss = loss * 1000.0
-            reported = {name: value * torch.tensor([1000.0, 1.0], device=value.device) for name, value in reported.items()}
+            reported = {name: value * torch.tensor([1000.0, 1.0], device=value.device)  # [sum, count]
+                        for name, value in reported.items()}
         if "nan-grad" in kinds:
             loss = _NaNGradient.apply(loss)
         return loss, reported

@@ -65,7 +65,8 @@ def check_record(prefix: str, current: Optional[dict]) -> None:
     saved = read_record(prefix)
     if saved is None or current is None:
         return
-    differences = [key for key in ("tokenizer_type", "vocab_size", "eod", "files_sha256") if saved.get(key) != current[key]]
+    differences = [key for key in ("tokenizer_type", "vocab_size", "eod", "files_sha256")
+                   if saved.get(key) != current[key]]
     if not differences:
         return
 
