@@ -2,6 +2,7 @@
 detection, the test-only fault parser, failure messages and the out-of-memory report. The
 multi-rank behaviour runs in tests/functional/test_reliability.py."""
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from megatron.core.parallel_state import single_process
 from megatron.training import fault_injection
 from megatron.core.distributed import comm
-from megatron.training.failures import _first_line, is_collective_failure, where_it_failed
+from megatron.training.failures import _first_line, enable_nccl_flight_recorder, is_collective_failure, where_it_failed
 from megatron.training.guards import MIN_HISTORY, NonFiniteError, SpikeDetector, StepGuard
 from megatron.training.oom import DeviceOutOfMemory, MemoryWatch, memory_flags
 
@@ -149,3 +150,20 @@ def test_out_of_memory_names_the_estimate_the_peak_and_the_flags():
         assert flag in message
     assert memory_flags(_oom_run(recompute_granularity="full", micro_batch_size=1).config, run.groups)[0].startswith(
         "--tensor-model-parallel-size 2")
+
+
+def test_nccl_flight_recorder_is_switched_on_and_its_dumps_placed(tmp_path, monkeypatch):
+    """The variables PyTorch reads when it creates an NCCL group (the GPU path itself needs two GPUs)."""
+    names = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_BUFFER_SIZE",
+             "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    note = enable_nccl_flight_recorder(str(tmp_path / "ckpt"))
+    prefix = str(tmp_path / "ckpt" / "flight_recorder" / "nccl_trace_rank_")
+    assert [os.environ[name] for name in names] == [prefix, prefix, "2000", "2000", "1"]
+    assert (tmp_path / "ckpt" / "flight_recorder").is_dir()
+    assert f"writes its last 2000 collectives to {prefix}<rank>" in note
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", "/elsewhere/trace_")  # the user's choice wins
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "500")
+    assert "writes its last 500 collectives to /elsewhere/trace_<rank>" in enable_nccl_flight_recorder(None)
+
