@@ -127,11 +127,17 @@ class FailureReport:
         and registers this rank's host and process id."""
         if world_size == 1 or "MASTER_ADDR" not in os.environ:
             return None
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=30))
-        grace = min(30.0, max(5.0, timeout.total_seconds() / 10))
-        report = cls(dist.PrefixStore(attempt_prefix() + "failures/", store), rank, world_size, grace)
-        report.store.set(f"rank/{rank}", f"host {socket.gethostname()}, pid {os.getpid()}")
+        try:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=datetime.timedelta(seconds=30))
+            grace = min(30.0, max(5.0, timeout.total_seconds() / 10))
+            report = cls(dist.PrefixStore(attempt_prefix() + "failures/", store), rank, world_size, grace)
+            report.store.set(f"rank/{rank}", f"host {socket.gethostname()}, pid {os.getpid()}")
+        except (RuntimeError, ValueError, dist.DistError) as error:  # training goes on; failures are reported bare
+            if rank == 0:
+                print(f"NOTE: no failure reports naming dead or hung ranks: the job's key-value store at "
+                      f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT')} is unreachable ({error})", flush=True)
+            return None
         return report
 
     def post(self, error: BaseException, iteration: int, collective: bool) -> dict:
