@@ -84,6 +84,16 @@ def build_tokenizer(config: Config):
                  tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size)
 
 
+def _tokenizer_record(config: Config, tokenizer):
+    from megatron.core.datasets.tokenizer_record import tokenizer_record
+
+    d = config.data
+    if tokenizer is None:
+        return None
+    return tokenizer_record(tokenizer, implied_tokenizer_type(d), vocab_file=d.vocab_file, merge_file=d.merge_file,
+                            tokenizer_model=d.tokenizer_model)
+
+
 def gpt_dataset_config(config: Config, tokenizer=None, vocab_size: int = 0):
     from megatron.core.datasets import GPTDatasetConfig
 
@@ -95,7 +105,8 @@ def gpt_dataset_config(config: Config, tokenizer=None, vocab_size: int = 0):
         vocab_size=vocab_size, eod_token=tokenizer.eod if tokenizer is not None else None,
         reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
         eod_mask_loss=d.eod_mask_loss, mmap_bin_files=d.mmap_bin_files,
-        create_attention_mask=d.create_attention_mask_in_dataloader)
+        create_attention_mask=d.create_attention_mask_in_dataloader,
+        tokenizer_record=_tokenizer_record(config, tokenizer))
 
 
 def check_inputs(config: Config, tokenizer=None, vocab_size: int = 0) -> None:
@@ -130,8 +141,21 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from megatron.training.checkpointing import CheckpointSaveError
+    from megatron.training.failures import DistributedFailure
+    from megatron.training.guards import NonFiniteError
+    from megatron.training.oom import DeviceOutOfMemory
+
     try:
         main(sys.argv[1:])
+    except (NonFiniteError, DistributedFailure, DeviceOutOfMemory, CheckpointSaveError) as error:
+        # Training stopped for a reason the message names (a NaN, a dead or hung rank, memory, disk):
+        # the message, not a traceback, unless one is asked for.
+        if os.environ.get("MEGATRON_TRACEBACK") == "1":
+            raise
+        if not isinstance(error, NonFiniteError) or os.environ.get("RANK", "0") == "0":  # that one is agreed
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except (ValueError, FileNotFoundError) as error:
         # Configuration and input errors (bad flags, missing or malformed data files) say what and
         # how to fix in their message: print that line alone unless a traceback is asked for.

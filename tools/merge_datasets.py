@@ -4,7 +4,9 @@
         --output-prefix data/all_text_document
 
 `--input` takes dataset prefixes, or one directory whose every `*.idx` pair is merged in sorted
-name order (Megatron's form). All inputs must share a dtype (the same tokenizer).
+name order (Megatron's form). All inputs must share a dtype (the same tokenizer), and the
+tokenizer recorded beside them (`<prefix>.tokenizer.json`, when they have one), which the merged
+dataset then records too.
 """
 import argparse
 import os
@@ -15,6 +17,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 from megatron.core.datasets.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder, get_bin_path,  # noqa: E402
                                                     get_idx_path)
+from megatron.core.datasets.tokenizer_record import read_record, record_path, write_record  # noqa: E402
 
 
 def input_prefixes(inputs: Sequence[str]) -> List[str]:
@@ -34,6 +37,7 @@ def merge(prefixes: Sequence[str], output_prefix: str) -> IndexedDataset:
     for prefix in prefixes:
         if os.path.abspath(prefix) == os.path.abspath(output_prefix):
             raise ValueError(f"--output-prefix {output_prefix} is also an input; choose another name")
+    record = common_record(prefixes)
     builder = IndexedDatasetBuilder(get_bin_path(output_prefix), dtype=first.dtype)
     try:
         for prefix in prefixes:
@@ -42,7 +46,21 @@ def merge(prefixes: Sequence[str], output_prefix: str) -> IndexedDataset:
     except BaseException:
         builder.abort()
         raise
+    if record is not None:
+        write_record(output_prefix, record)
     return IndexedDataset(output_prefix)
+
+
+def common_record(prefixes: Sequence[str]) -> Optional[dict]:
+    """The tokenizer all inputs record (None when some record none); an error when two differ."""
+    records = [read_record(prefix) for prefix in prefixes]
+    if any(record is None for record in records):
+        return None
+    for prefix, record in zip(prefixes[1:], records[1:]):
+        if record != records[0]:
+            raise ValueError(f"{prefixes[0]} and {prefix} were written with different tokenizers "
+                             f"({record_path(prefixes[0])} vs {record_path(prefix)}); merge datasets of one tokenizer only")
+    return records[0]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

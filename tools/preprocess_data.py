@@ -5,7 +5,8 @@
         --append-eod --workers 2
 
 writes `data/corpus_text_document.bin/.idx` (one pair per `--json-keys` key; `_sentence` instead
-of `_document` with `--split-sentences`). Inputs: `.jsonl`, `.jsonl.gz`, plain text files (one
+of `_document` with `--split-sentences`), and beside them `.tokenizer.json`, which records the
+tokenizer so that training with another one is an error. Inputs: `.jsonl`, `.jsonl.gz`, plain text files (one
 document each) or directories of them. Lines that are not a JSON object with a string value for
 every key are skipped, counted and listed at the end (`--strict` stops at the first one).
 """
@@ -30,6 +31,7 @@ from megatron.core.datasets.document_reader import (RawBatch, describe_missing_k
                                                     read_batches, split_spans)
 from megatron.core.datasets.indexed_dataset import (IndexedDatasetBuilder, get_bin_path, get_idx_path,  # noqa: E402
                                                     optimal_dtype)
+from megatron.core.datasets.tokenizer_record import tokenizer_record, write_record  # noqa: E402
 from megatron.core.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
 # A sentence ends at . ! or ? (optionally followed by closing quotes/brackets) before whitespace.
@@ -375,6 +377,10 @@ def run(args: argparse.Namespace) -> RunSummary:
         for prefix in output_prefixes(args, args.output_prefix).values():
             remove_dataset(prefix)
         raise summary.no_documents_error(args)
+    record = tokenizer_record(tokenizer, args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
+                              tokenizer_model=args.tokenizer_model)
+    for prefix in output_prefixes(args, args.output_prefix).values():
+        write_record(prefix, record)  # which tokenizer wrote it: training checks it against its own
     report(args, summary, elapsed)
     return summary
 

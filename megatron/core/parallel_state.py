@@ -11,6 +11,7 @@ the group they need from it as an argument. There is no module-level group state
 A group of one rank is stored as `None` (see `distributed.comm`), so single-process code paths
 issue no collectives at all.
 """
+import datetime
 import itertools
 from dataclasses import dataclass, field
 from typing import Optional
@@ -108,8 +109,11 @@ def _rank_of(tp_r, cp_r, dp_r, pp_r, tp, cp, dp) -> int:
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                               context_parallel_size: int = 1, *,
-                              device: Optional[torch.device] = None) -> ParallelGroups:
-    """Builds every process group for the layout. Must be called by all ranks, in the same order."""
+                              device: Optional[torch.device] = None,
+                              timeout: Optional[datetime.timedelta] = None) -> ParallelGroups:
+    """Builds every process group for the layout. Must be called by all ranks, in the same order.
+    `timeout` bounds every collective on these groups (PyTorch's default otherwise: 30 minutes on
+    gloo, 10 on NCCL, whatever the default group was given)."""
     if not dist.is_initialized():
         check_sizes(1, tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size)
         if tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size != 1:
@@ -138,7 +142,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
             members.sort()
             if len(members) == 1:
                 continue
-            group = dist.new_group(members)
+            group = dist.new_group(members, timeout=timeout)
             if me in members:
                 mine, my_ranks = group, tuple(members)
         if len(my_ranks) == 1:
@@ -156,7 +160,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     if pp > 1:
         for tp_r, cp_r, dp_r in itertools.product(range(tp), range(cp), range(dp)):
             members = [_rank_of(tp_r, cp_r, dp_r, 0, tp, cp, dp), _rank_of(tp_r, cp_r, dp_r, pp - 1, tp, cp, dp)]
-            group = dist.new_group(members)
+            group = dist.new_group(members, timeout=timeout)
             if me in members:
                 embedding_group, embedding_ranks = group, tuple(members)
     if pp == 1:

@@ -1,4 +1,7 @@
 """Small shared helpers. The only module in `megatron.core` that names a device type."""
+import os
+import time
+
 import torch
 
 
@@ -42,6 +45,13 @@ def peak_memory_bytes(device: torch.device) -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_capacity_bytes(device: torch.device) -> int:
+    """Total memory of `device` (on CPU, the machine's physical memory)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -99,3 +109,37 @@ def available_memory(device: torch.device) -> float:
     import os
 
     return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+class IntervalTimer:
+    """Times intervals on `device` without synchronizing: CUDA events on a GPU (read later, once
+    the device has caught up), the host clock on CPU. `start()` / `stop()` bracket an interval;
+    `total_seconds()` (which waits for the device) sums the intervals since the last call."""
+
+    def __init__(self, device: torch.device):
+        self.on_device = device.type == "cuda"
+        self.pairs = []
+        self._start = None
+
+    def start(self) -> None:
+        if self.on_device:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.on_device:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        else:
+            end = time.perf_counter()
+        self.pairs.append((self._start, end))
+
+    def total_seconds(self) -> float:
+        if self.on_device:
+            total = sum(start.elapsed_time(end) for start, end in self.pairs) / 1000.0  # waits for the end events
+        else:
+            total = sum(end - start for start, end in self.pairs)
+        self.pairs = []
+        return total

@@ -25,6 +25,9 @@ from megatron.training.config import SECTIONS, Config
 IRREGULAR_FLAGS = {
     "add_bias_linear": ("--disable-bias-linear", "store_false",
                         "Disable the biases of the linear layers (as Llama); by default they have biases (as GPT)."),
+    "check_for_nan_in_loss_and_grad": ("--no-check-for-nan-in-loss-and-grad", "store_false",
+                                       "Do not stop (or, with --skip-iter-on-nan, skip the step) when the loss or the "
+                                       "gradient norm is NaN or Inf."),
     "fp8": ("--fp8-format", None, None),
     "gradient_accumulation_fusion": ("--gradient-accumulation-fusion", argparse.BooleanOptionalAction, None),
     "cross_entropy_loss_fusion": ("--cross-entropy-loss-fusion", argparse.BooleanOptionalAction, None),
@@ -94,7 +97,8 @@ def _add_field(group, field: dataclasses.Field, annotation, help_text: str) -> N
         group.add_argument(flag, action="store_true", **kwargs)
         return
     if kind is list or typing.get_origin(kind) is list:
-        group.add_argument(flag, nargs="*", default=default, **kwargs)
+        item = (typing.get_args(kind) or (str,))[0]
+        group.add_argument(flag, nargs="*", default=default, type=item, **kwargs)
         return
     if typing.get_origin(kind) is typing.Literal:
         choices = list(typing.get_args(kind))

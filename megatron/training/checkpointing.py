@@ -16,6 +16,8 @@ adds common.json, renames the directory to `iter_NNNNNNN` and only then rewrites
 complete checkpoint; leftovers of an interrupted save are removed by the next save.
 """
 import dataclasses
+import datetime
+import errno
 import json
 import os
 import re
@@ -24,6 +26,7 @@ import threading
 import time
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from megatron.core.checkpointing import CheckpointFormatError
@@ -197,6 +200,20 @@ def _directory_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
 
 
+class CheckpointSaveError(RuntimeError):
+    """A save failed (on any rank); the message says what survives and what to do."""
+
+
+def _root_cause(error: BaseException, rank: int) -> tuple:
+    """(rank, exception): the first failing rank's own exception inside torch.distributed.checkpoint's
+    CheckpointException (which every rank raises), else this rank's."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        return min(failures), first[0] if isinstance(first, tuple) else first
+    return rank, error
+
+
 class Checkpointer:
     """Saves and loads the run's checkpoints (see the module docstring)."""
 
@@ -212,7 +229,8 @@ class Checkpointer:
         self._pending_error: Optional[BaseException] = None
         # DCP plans and commits over a gloo group of every rank: also usable from the background
         # thread of an async save while training keeps its own groups busy.
-        self.group = dist.new_group(backend="gloo") if groups.world_size > 1 else None
+        timeout = datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes)
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if groups.world_size > 1 else None
 
     # -- saving --------------------------------------------------------------------------------
     def build_state(self, run) -> ShardedState:
@@ -282,23 +300,61 @@ class Checkpointer:
             self._pending_error = error
 
     def _write(self, state: ShardedState, common: dict, incomplete: str, final: str, start: float) -> None:
-        _storage().save_state(state, incomplete, process_group=self.group)
-        if self.groups.global_rank == 0:
-            write_json_atomically(os.path.join(incomplete, COMMON_FILE), common)
-            _fsync_directory(incomplete)
-            if os.path.exists(final):  # an older save of the same iteration (a re-run after resume)
-                stale = final + ".replaced"
-                shutil.rmtree(stale, ignore_errors=True)
-                os.rename(final, stale)
-                shutil.rmtree(stale, ignore_errors=True)
-            os.rename(incomplete, final)
-            _fsync_directory(os.path.dirname(final))
-            write_text_atomically(os.path.join(self.options.save, TRACKER_FILE), str(common["iteration"]))
-            self._remove_old_checkpoints(common["iteration"])
-            size = _directory_bytes(final)
-            self.print(f"> saved checkpoint of iteration {common['iteration']} to {final} "
-                       f"({size / 1e6:.1f} MB) in {time.perf_counter() - start:.2f} s")
-        self._barrier()
+        """Writes, then commits on rank 0. A failure on any rank (a full disk: ENOSPC) is agreed by
+        every rank, the partial directory is removed, and the previous checkpoint stays the latest."""
+        failure, failed_rank = None, self.groups.global_rank
+        try:
+            _storage().save_state(state, incomplete, process_group=self.group)
+        except BaseException as error:  # CheckpointException (a BaseException), on every rank when one rank's write fails
+            if isinstance(error, (KeyboardInterrupt, SystemExit)):
+                raise
+            failed_rank, failure = _root_cause(error, failed_rank)
+        if failure is None and self.groups.global_rank == 0:
+            try:
+                self._commit(common, incomplete, final, start)
+            except OSError as error:
+                failure = error
+        if self._any_rank_failed(failure is not None):
+            if self.groups.global_rank == 0:
+                shutil.rmtree(incomplete, ignore_errors=True)
+            raise CheckpointSaveError(self._save_failure(common["iteration"], final, failure, failed_rank))
+
+    def _commit(self, common: dict, incomplete: str, final: str, start: float) -> None:
+        """Rank 0: common.json, the rename to iter_N, then the tracker (see the module docstring)."""
+        write_json_atomically(os.path.join(incomplete, COMMON_FILE), common)
+        _fsync_directory(incomplete)
+        if os.path.exists(final):  # an older save of the same iteration (a re-run after resume)
+            stale = final + ".replaced"
+            shutil.rmtree(stale, ignore_errors=True)
+            os.rename(final, stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        os.rename(incomplete, final)
+        _fsync_directory(os.path.dirname(final))
+        write_text_atomically(os.path.join(self.options.save, TRACKER_FILE), str(common["iteration"]))
+        self._remove_old_checkpoints(common["iteration"])
+        size = _directory_bytes(final)
+        self.print(f"> saved checkpoint of iteration {common['iteration']} to {final} "
+                   f"({size / 1e6:.1f} MB) in {time.perf_counter() - start:.2f} s")
+
+    def _any_rank_failed(self, failed: bool) -> bool:
+        """Collective over the checkpoint group (it also ends the save on every rank together)."""
+        if self.group is None:
+            return failed
+        flag = torch.tensor([float(failed)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item() > 0)
+
+    def _save_failure(self, iteration: int, final: str, failure: Optional[BaseException], rank: int) -> str:
+        tracker = os.path.join(self.options.save, TRACKER_FILE)
+        previous = read_tracker(self.options.save)
+        kept = (f"{tracker} still names iteration {previous}, which is complete" if previous is not None
+                else "no earlier checkpoint exists")
+        cause = f"on rank {rank}: {failure}" if failure is not None else "on another rank (see that rank's error)"
+        hint = ("free space (or keep fewer checkpoints with --ckpt-keep-latest) and resume with --load "
+                f"{self.options.save}" if isinstance(failure, OSError) and failure.errno == errno.ENOSPC
+                else f"fix the cause and resume with --load {self.options.save}")
+        return (f"saving the checkpoint of iteration {iteration} to {final} failed {cause}. The partial checkpoint was "
+                f"removed and {kept}; {hint}")
 
     def _remove_old_checkpoints(self, newest: int) -> None:
         keep = self.options.ckpt_keep_latest

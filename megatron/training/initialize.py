@@ -10,6 +10,7 @@ from megatron.core import utils
 from megatron.core.parallel_state import ParallelGroups, initialize_model_parallel
 from megatron.core.tensor_parallel.random import RNGStatesTracker, build_tracker
 from megatron.training.config import Config
+from megatron.training.failures import attempt_store, enable_nccl_flight_recorder
 
 
 def resolve_backend(config: Config) -> str:
@@ -26,15 +27,18 @@ def initialize_distributed(config: Config) -> tuple[ParallelGroups, RNGStatesTra
     if utils.accelerator_available():  # the device follows the hardware, whatever the backend
         utils.set_accelerator_device(local_rank)
     limit_compile_threads()
+    timeout = datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes)
+    recorder_note = enable_nccl_flight_recorder(config.checkpoint.save) if backend == "nccl" else None
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(
-            minutes=config.parallel.distributed_timeout_minutes))
+        join_process_group(backend, world_size, timeout)
+        if recorder_note and dist.get_rank() == 0:
+            print(f"> {recorder_note}", flush=True)
     if backend == "gloo":
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
     device = utils.default_device()
     groups = initialize_model_parallel(config.parallel.tensor_model_parallel_size,
                                        config.parallel.pipeline_model_parallel_size,
-                                       config.parallel.context_parallel_size, device=device)
+                                       config.parallel.context_parallel_size, device=device, timeout=timeout)
     tracker = build_tracker(config.training.seed, groups.tp_rank, groups.pp_rank, device)
     return groups, tracker
 
@@ -51,6 +55,17 @@ def limit_compile_threads() -> None:
     inductor_config = sys.modules.get("torch._inductor.config")
     if inductor_config is not None:  # already imported: set it there too
         inductor_config.compile_threads = threads
+
+
+def join_process_group(backend: str, world_size: int, timeout: datetime.timedelta) -> None:
+    """init_process_group from torchrun's environment; under torchrun's agent store, on this restart
+    attempt's own keys (see `failures.attempt_store`)."""
+    store = attempt_store(timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world_size,
+                                timeout=timeout)
 
 
 def world_size_from_env() -> int:

@@ -1,10 +1,12 @@
 """The training loop: pretrain -> train (train_step, evaluate) with Megatron's log line."""
 import dataclasses
+import datetime
 import gc
 import logging
 import math
 import os
 import time
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -21,6 +23,7 @@ from megatron.training.checkpointing import (
     Checkpointer,
     apply_checkpoint_args,
     architecture,
+    checkpoint_dir,
     check_architecture,
     locate,
     read_common,
@@ -28,11 +31,16 @@ from megatron.training.checkpointing import (
 from megatron.training.config import Config
 from megatron.training.data import build_loader
 from megatron.training.exits import ExitConditions
+from megatron.training.failures import FailureReport, Watch
+from megatron.training.fault_injection import FaultInjector
+from megatron.training.guards import StepGuard
 from megatron.training.initialize import initialize_distributed, resolve_backend, world_size_from_env
 from megatron.training.logging import TensorBoardWriter, flops_per_iteration, iteration_line, tensorboard_scalars
 from megatron.training.memory import check_fits, estimate_report, memory_report, reducing_flags, theoretical_bytes
+from megatron.training.oom import MemoryWatch
 from megatron.training.profiling import StepProfiler
 from megatron.training.progress import ProgressLog
+from megatron.training.straggler import StragglerReport
 from megatron.training.validation import ConfigError, validate
 
 _JOB_START_TIME = time.time()  # --exit-duration-in-mins counts from here (module import ~ job start)
@@ -70,6 +78,10 @@ class Run:
     tensorboard: TensorBoardWriter = dataclasses.field(default_factory=lambda: TensorBoardWriter(None))
     progress: Optional[ProgressLog] = None
     attention_report: str = ""
+    guard: Optional[StepGuard] = None                  # NaN/Inf and spike checks of every step
+    failure_report: Optional[FailureReport] = None     # names dead or hung ranks (torchrun jobs)
+    straggler: Optional[StragglerReport] = None        # --log-straggler
+    faults: Optional[FaultInjector] = None             # test-only (MEGATRON_TEST_FAULTS)
 
 
 def print_rank_0(message: str) -> None:
@@ -112,9 +124,31 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int,
     print_rank_0(memory_report(config, chunks, optimizer, groups, figures=_largest_over_ranks(chunks, optimizer, groups)))
     checkpointer = (Checkpointer(config, groups, rng_tracker, print_rank_0)
                     if config.checkpoint.save or to_load is not None else None)
-    return Run(config, groups, model_config, chunks, optimizer, scheduler, forward_step_func, global_batch,
-               num_microbatches, print_rank_0, vocab_size, checkpointer, to_load, batches,
-               attention_report=attention_report)
+    run = Run(config, groups, model_config, chunks, optimizer, scheduler, forward_step_func, global_batch,
+              num_microbatches, print_rank_0, vocab_size, checkpointer, to_load, batches,
+              attention_report=attention_report)
+    _add_reliability(run)
+    return run
+
+
+def _add_reliability(run: Run) -> None:
+    """The per-step guards, the failure report, the straggler report and the test-only faults."""
+    config, groups = run.config, run.groups
+    run.guard = StepGuard.build(config.training, groups, print_rank_0, partial(_last_checkpoint, run))
+    run.failure_report = FailureReport.connect(groups.global_rank, groups.world_size, datetime.timedelta(
+        minutes=config.parallel.distributed_timeout_minutes))
+    run.straggler = StragglerReport(config.logging, groups) if config.logging.log_straggler else None
+    run.faults = FaultInjector.from_environment(groups.global_rank)
+    if run.faults is not None:
+        run.forward_step_func = run.faults.wrap(run.forward_step_func)
+
+
+def _last_checkpoint(run: Run) -> Optional[str]:
+    """The directory of the newest checkpoint this run saved or loaded, if any."""
+    options, checkpointer = run.config.checkpoint, run.checkpointer
+    if checkpointer is not None and checkpointer.last_saved_iteration is not None:
+        return checkpoint_dir(options.save or options.load, checkpointer.last_saved_iteration)
+    return None
 
 
 def _largest_over_ranks(chunks: list, optimizer, groups) -> dict:
@@ -261,12 +295,18 @@ def train_step(run: Run, data_iterator, num_microbatches: Optional[int] = None
     num_microbatches = num_microbatches or run.num_microbatches
     for chunk in run.chunks:
         chunk.zero_grad_buffer()
+    if run.straggler is not None:
+        run.straggler.start()
     reported = _forward_backward(run, data_iterator, forward_only=False, num_microbatches=num_microbatches)
+    if run.straggler is not None:
+        run.straggler.stop()
+    if run.guard is not None:
+        run.guard.observe_losses(reported)
     finalize_model_grads(run.chunks, run.groups)
     if run.config.training.calculate_per_token_loss:
         run.optimizer.scale_grads(_per_token_gradient_scale(run, reported))
     _empty_unused_memory(run, level=1)
-    applied, grad_norm = run.optimizer.step()
+    applied, grad_norm = run.optimizer.step(run.guard)
     if applied:
         run.scheduler.step(num_microbatches * run.config.training.micro_batch_size * run.groups.dp_size)
     _empty_unused_memory(run, level=2)
@@ -321,13 +361,18 @@ class _Window:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.steps = []
+        self.steps = []  # the local loss sums of the steps whose loss counts (not NaN/Inf-vetoed ones)
         self.flops = []
         self.tokens = []
         self.restart()
 
-    def add(self, losses: dict, flops: float, tokens: int) -> None:
-        self.steps.append(losses)
+    @property
+    def iterations(self) -> int:
+        return len(self.flops)
+
+    def add(self, losses: Optional[dict], flops: float, tokens: int) -> None:
+        if losses is not None:
+            self.steps.append(losses)
         self.flops.append(flops)
         self.tokens.append(tokens)
 
@@ -336,13 +381,13 @@ class _Window:
         counter; the steps before a restart are not timed, so the averages cover the steps since."""
         utils.synchronize(self.device)
         utils.reset_peak_memory(self.device)
-        self.timed_from = len(self.steps)
+        self.timed_from = self.iterations
         self.start = time.perf_counter()
 
     def timing(self) -> tuple[float, float, int]:
         """(seconds per step, FLOPs, tokens) of the timed steps."""
         utils.synchronize(self.device)
-        timed = max(1, len(self.steps) - self.timed_from)
+        timed = max(1, self.iterations - self.timed_from)
         return ((time.perf_counter() - self.start) / timed, sum(self.flops[self.timed_from:]),
                 sum(self.tokens[self.timed_from:]))
 
@@ -373,6 +418,10 @@ def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = 
         # (a parameter gather left in flight overlaps the next forward); the window is timed and its
         # losses reduced at log (and TensorBoard) intervals.
         global_batch = run.batches.global_batch_size_at(state.consumed_train_samples)
+        if state.iteration in t.iterations_to_skip:
+            train_iterator = _skip_iteration(run, train_dataset, state, global_batch)
+            continue
+        _set_iteration(run, state.iteration + 1)
         profiler.before_step(state.iteration)
         losses, applied, grad_norm = train_step(run, train_iterator, global_batch // run.batches.micro_batch_times_dp)
         state.iteration += 1
@@ -380,11 +429,12 @@ def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = 
         state.consumed_train_samples += global_batch
         if not applied:
             state.skipped_iterations += 1
-            if grad_norm is not None:
+            if grad_norm is not None or (run.guard is not None and run.guard.vetoed):
                 state.nan_iterations += 1
         flops = flops_per_iteration(run.model_config, global_batch, t.seq_length)
         state.floating_point_operations += flops
-        window.add(losses, flops, global_batch * t.seq_length)
+        vetoed = run.guard is not None and run.guard.vetoed  # a NaN/Inf step's loss stays out of the average
+        window.add(None if vetoed else losses, flops, global_batch * t.seq_length)
         to_tensorboard = log.tensorboard_dir is not None and state.iteration % log.tensorboard_log_interval == 0
         to_log = state.iteration % log.log_interval == 0 or state.iteration == t.train_iters
         if to_tensorboard or to_log:
@@ -394,6 +444,8 @@ def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = 
         if to_log:
             _log_iteration(run, state, window, statistics)
             window = _Window(groups.device)
+            if run.straggler is not None:
+                _log_straggler(run, state.iteration)
         _manual_gc(run, state.iteration)
         if valid_iterator is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
             _log_evaluation(run, valid_iterator, state, f"iteration {state.iteration}")
@@ -430,6 +482,29 @@ def _step_statistics(run: Run, global_batch: int, grad_norm: Optional[float]) ->
     return values
 
 
+def _set_iteration(run: Run, iteration: int) -> None:
+    """The iteration about to run (1-based, as logged), for the guards' and faults' messages."""
+    for hook in (run.guard, run.faults):
+        if hook is not None:
+            hook.iteration = iteration
+
+
+def _skip_iteration(run: Run, train_dataset, state: TrainState, global_batch: int):
+    """--iterations-to-skip: the step's samples are consumed untrained (Megatron's dummy step); the
+    data iterator restarts past them. Returns the new iterator."""
+    state.iteration += 1
+    state.consumed_train_samples += global_batch
+    run.printer(f"> iteration {state.iteration} skipped (--iterations-to-skip): its {global_batch} "
+                "samples are not trained on")
+    return _loader(run, train_dataset, state.consumed_train_samples)
+
+
+def _log_straggler(run: Run, iteration: int) -> None:
+    report = run.straggler.report(iteration)
+    if report is not None:
+        print(report, flush=True)
+
+
 def _save_and_check_exit(run: Run, state: TrainState, exits: Optional[ExitConditions]) -> Optional[str]:
     """Saves at --save-interval; returns why to stop now (saving first when --save is given)."""
     options = run.config.checkpoint
@@ -454,7 +529,7 @@ def _log_iteration(run: Run, state: TrainState, window: _Window, statistics: dic
     losses = reduce_reported(run, window.steps)
     if not groups.is_logging_rank:
         return
-    timed_steps = max(1, len(window.steps) - window.timed_from)
+    timed_steps = max(1, window.iterations - window.timed_from)
     world = groups.world_size
     tflops = flops / (seconds * timed_steps * 1e12 * world)
     tokens_per_gpu = tokens / (seconds * timed_steps) / world
@@ -539,27 +614,28 @@ def pretrain(config: Config, *, forward_step_func: Callable, datasets_provider: 
     Megatron does)."""
     run = setup(config, forward_step_func, vocab_size, check_inputs)
     state = TrainState()
-    if run.checkpoint_to_load is not None:
-        state = run.checkpointer.load(run, *run.checkpoint_to_load, TrainState)
-    t = config.training
-    train_ds, valid_ds, test_ds = datasets_provider(config, run.groups, dataset_sizes(config, run.batches))
-    exits = ExitConditions(t, run.groups, _JOB_START_TIME)
-    run.tensorboard = TensorBoardWriter(config.logging.tensorboard_dir if run.groups.is_logging_rank else None)
-    run.progress = ProgressLog(config, run.groups, _JOB_START_TIME)
-    run.progress.start(state)
-    try:
-        state = train(run, train_ds, valid_ds, state, exits)
-        options = config.checkpoint
-        if options.save and state.iteration > 0 and run.checkpointer.last_saved_iteration != state.iteration:
-            _save(run, state)
-        if run.checkpointer is not None:
-            run.checkpointer.wait()
-        run.progress.finished(state)
-        _final_evaluations(run, state, _valid_iterator(run, valid_ds, state), test_ds)
-    finally:
-        exits.restore()
-        run.tensorboard.close()
-        gc.enable()
-    if torch.distributed.is_initialized():
-        comm.barrier()
+    with Watch(run.failure_report, lambda: state.iteration), MemoryWatch(run, lambda: state.iteration):
+        if run.checkpoint_to_load is not None:
+            state = run.checkpointer.load(run, *run.checkpoint_to_load, TrainState)
+        t = config.training
+        train_ds, valid_ds, test_ds = datasets_provider(config, run.groups, dataset_sizes(config, run.batches))
+        exits = ExitConditions(t, run.groups, _JOB_START_TIME)
+        run.tensorboard = TensorBoardWriter(config.logging.tensorboard_dir if run.groups.is_logging_rank else None)
+        run.progress = ProgressLog(config, run.groups, _JOB_START_TIME)
+        run.progress.start(state)
+        try:
+            state = train(run, train_ds, valid_ds, state, exits)
+            options = config.checkpoint
+            if options.save and state.iteration > 0 and run.checkpointer.last_saved_iteration != state.iteration:
+                _save(run, state)
+            if run.checkpointer is not None:
+                run.checkpointer.wait()
+            run.progress.finished(state)
+            _final_evaluations(run, state, _valid_iterator(run, valid_ds, state), test_ds)
+        finally:
+            exits.restore()
+            run.tensorboard.close()
+            gc.enable()
+        if torch.distributed.is_initialized():
+            comm.barrier()
     return state

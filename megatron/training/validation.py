@@ -104,6 +104,7 @@ def validate(config: Config, world_size: int) -> list:
     _validate_data(config, notes)
     _validate_schedule(config)
     _validate_checkpointing(config, notes)
+    _validate_reliability(config)
     return notes
 
 
@@ -169,6 +170,19 @@ def _validate_rampup(t, dp: int) -> None:
              f"--rampup-batch-size START ({start}) and INCREMENT ({increment}) must be multiples of --micro-batch-size "
              f"({t.micro_batch_size}) x data-parallel size ({dp}) = {step}, so that every batch size of the ramp splits "
              "into micro-batches")
+
+
+def _validate_reliability(config: Config) -> None:
+    t, p, log = config.training, config.parallel, config.logging
+    _require(p.distributed_timeout_minutes > 0,
+             f"--distributed-timeout-minutes must be positive, got {p.distributed_timeout_minutes}")
+    _require(not t.skip_iter_on_nan or t.check_for_nan_in_loss_and_grad,
+             "--skip-iter-on-nan needs the NaN/Inf check: drop --no-check-for-nan-in-loss-and-grad")
+    _require(t.max_skipped_iters >= 0, f"--max-skipped-iters must be >= 0, got {t.max_skipped_iters}")
+    _require(t.spike_factor > 1, f"--spike-factor must be above 1, got {t.spike_factor}")
+    _require(log.straggler_minmax_count >= 1, f"--straggler-minmax-count must be >= 1, got {log.straggler_minmax_count}")
+    negative = [i for i in t.iterations_to_skip if i < 0]
+    _require(not negative, f"--iterations-to-skip takes iteration numbers >= 0, got {negative}")
 
 
 def _validate_checkpointing(config: Config, notes: list) -> None:

@@ -5,8 +5,10 @@ flush) inside the save of one iteration, at a chosen point:
 
 points: mid-data (after the first tensor of the data files is written), after-data (data files and
 index written, the commit not begun), at-rename (instead of renaming iter_N.incomplete to iter_N),
-at-tracker (instead of replacing the tracker file).
+at-tracker (instead of replacing the tracker file). One point does not kill but fills the disk:
+enospc (the second tensor written raises OSError ENOSPC, as a full disk does).
 """
+import errno
 import os
 import runpy
 import sys
@@ -30,6 +32,15 @@ def save_state_then_die(state, directory, **kwargs):
             real_write_item(*args, **kw)
             os._exit(9)
         dcp_filesystem._write_item = write_one_then_die
+    if WHERE == "enospc":
+        written = []
+
+        def write_one_then_fill_the_disk(*args, **kw):
+            if written:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            written.append(real_write_item(*args, **kw))
+        dcp_filesystem._write_item = write_one_then_fill_the_disk
+        return real_save_state(state, directory, **kwargs)
     real_save_state(state, directory, **kwargs)
     os._exit(9)
 
@@ -44,7 +55,7 @@ def die_instead_of(real):
     return replacement
 
 
-if WHERE in ("mid-data", "after-data"):
+if WHERE in ("mid-data", "after-data", "enospc"):
     storage.save_state = save_state_then_die
 os.rename = die_instead_of(os.rename)
 os.replace = die_instead_of(os.replace)

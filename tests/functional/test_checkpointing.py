@@ -268,6 +268,23 @@ def test_crash_inside_a_save_keeps_a_complete_checkpoint(tmp_path, where, uninte
     assert curves(tmp_path / "tb")["lm loss"] == {i: uninterrupted["lm loss"][i] for i in (3, 4, 5, 6)}
 
 
+def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
+    """ENOSPC while the data files of iteration 4 are written: one error line naming the save and
+    what survives, exit 1, the partial directory removed, the tracker on iteration 2, which loads."""
+    checkpoint = tmp_path / "ckpt"
+    result = subprocess.run([sys.executable, str(Path(__file__).with_name("crash_during_save.py")), "enospc", "4"]
+                            + SINGLE + ["--save", str(checkpoint), "--save-interval", "2"],
+                            capture_output=True, text=True, env=pretrain_env(), timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert (f"error: saving the checkpoint of iteration 4 to {checkpoint / 'iter_0000004'} failed on rank 0: [Errno 28] "
+            f"No space left on device. The partial checkpoint was removed and "
+            f"{checkpoint / 'latest_checkpointed_iteration.txt'} still names iteration 2, which is complete; free space "
+            f"(or keep fewer checkpoints with --ckpt-keep-latest) and resume with --load {checkpoint}") in result.stderr
+    assert "Traceback" not in result.stderr
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert _check_tracker_loads(checkpoint) == 2
+
+
 def test_retention_async_save_and_finetune(tmp_path, uninterrupted):
     """--ckpt-keep-latest 2 keeps the newest two; --async-save writes the same checkpoints (the
     resumed curve is exact); --finetune loads weights only and restarts at iteration 0."""
@@ -333,6 +350,12 @@ def test_bad_checkpoints_fail_with_one_line(tmp_path, small_checkpoint):
     result = run_pretrain(["--load", str(broken)], base=SINGLE)
     assert result.returncode == 2 and f"error: {shard} is truncated" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_checkpoint_of_another_optimizer_is_refused(small_checkpoint):
+    message = _main_error(["--load", str(small_checkpoint), "--optimizer", "sgd"])
+    assert message.startswith(f"the checkpoint {small_checkpoint / 'iter_0000002'} was trained with --optimizer adam, "
+                              "this run uses --optimizer sgd; pass --no-load-optim to start the optimizer afresh")
 
 
 def test_use_checkpoint_args_takes_the_model_shape(small_checkpoint):

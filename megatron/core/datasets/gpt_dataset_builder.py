@@ -11,6 +11,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, SampleOptions
 from megatron.core.datasets.index_cache import resolve_cache_dir
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.mock_dataset import MockGPTDataset
+from megatron.core.datasets.tokenizer_record import check_record
 
 SPLIT_NAMES = ("train", "valid", "test")
 # Each blended component builds this fraction more samples than it contributes (Megatron's mid-level surplus).
@@ -56,6 +57,8 @@ class GPTDatasetConfig:
     create_attention_mask: bool = True
     """`--no-create-attention-mask-in-dataloader`: samples carry no attention mask (causal attention),
     even with reset_attention_mask."""
+    tokenizer_record: Optional[dict] = None
+    """The run's tokenizer (`tokenizer_record.tokenizer_record`): datasets that record another one are an error."""
 
     def __post_init__(self):
         if self.seq_length < 1:
@@ -193,6 +196,7 @@ class _Builder:
                 dataset = IndexedDataset(prefix, mmap=self.config.mmap_bin_files)
             except FileNotFoundError as error:
                 raise FileNotFoundError(f"{flag}: {error}") from None
+            check_record(prefix, self.config.tokenizer_record)  # names both tokenizers: more telling, so first
             check_vocab(dataset, self.config.vocab_size)
             self.indexed[prefix] = dataset
         return self.indexed[prefix]

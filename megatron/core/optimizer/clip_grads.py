@@ -1,6 +1,7 @@
-"""Global gradient norm across tensor/pipeline (and optionally data) ranks, and clipping.
+"""This rank's share of the global gradient norm, and clipping by the global norm.
 
-Each rank sums the squares of the gradients it owns, weighting replicated slices by 1/replicas
+The optimizer sums the shares over its norm groups (tensor/pipeline, and data ranks when the state
+is sharded). Each rank sums the squares of the gradients it owns, weighting replicated slices by 1/replicas
 (see `TPLayout`) and skipping the last stage's copy of tied embeddings, so that the sum over the
 model-parallel group counts every logical parameter exactly once. The gradients are cut into runs
 of one weight (views, no copies: a whole gradient unless a fused parameter mixes parts replicated
@@ -10,8 +11,6 @@ per weight.
 import math
 
 import torch
-
-from megatron.core.distributed import comm
 
 
 def weighted_runs(param, start: int, numel: int) -> list:
@@ -63,14 +62,6 @@ def square_norm(entries: list, device: torch.device) -> torch.Tensor:
 def local_square_norm(params: list, grads: list, device: torch.device) -> torch.Tensor:
     """This rank's share of the squared global norm (fp32 scalar tensor on `device`)."""
     return square_norm(weighted_grads(params, grads), device)
-
-
-def global_grad_norm(params: list, grads: list, groups_to_sum: list, device: torch.device) -> float:
-    """sqrt of the squared norm summed over `groups_to_sum` (each a process group or None)."""
-    square = local_square_norm(params, grads, device).reshape(1)
-    for group in groups_to_sum:
-        comm.all_reduce(square, group)
-    return math.sqrt(square.item())
 
 
 def clip_grads(grads: list, grad_norm: float, max_norm: float) -> None:

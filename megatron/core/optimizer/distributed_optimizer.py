@@ -104,12 +104,9 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
     def norm_groups(self) -> list:
         return [self.groups.mp, self.groups.dp_cp]
 
-    def _grad_norm(self, grads: list) -> float:
+    def _local_grad_square(self, grads: list) -> torch.Tensor:
         entries = weighted_grads([p.param for p in self.pieces], grads, [p.start for p in self.pieces])
-        square = square_norm(entries, self.groups.device).reshape(1)
-        for group in self.norm_groups():
-            comm.all_reduce(square, group)
-        return square.sqrt().item()
+        return square_norm(entries, self.groups.device)
 
     def _master_copies(self) -> list:
         return [p.master for p in self.pieces if p.master.data_ptr() != p.model_shard.data_ptr()]

@@ -5,13 +5,14 @@ The model's parameters may be bf16/fp16; their gradients live in fp32 `param.mai
 `main_grad` view itself (no copy). A step: unscale (fp16) -> detect inf/NaN on every rank alike ->
 global-norm clip -> inner step -> copy masters back into the model's dtype.
 """
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from megatron.core.distributed import comm
-from megatron.core.optimizer.clip_grads import clip_grads, global_grad_norm
+from megatron.core.optimizer.clip_grads import clip_grads, local_square_norm
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.parallel_state import ParallelGroups
 
@@ -121,17 +122,30 @@ class MixedPrecisionOptimizer:
         return [self.groups.mp]
 
     @torch.no_grad()
-    def step(self) -> tuple[bool, Optional[float]]:
-        """Returns (update applied, gradient norm before clipping)."""
+    def step(self, guard=None) -> tuple[bool, Optional[float]]:
+        """Returns (update applied, gradient norm before clipping). `guard` (optional; see
+        `megatron.training.guards.StepGuard`) may veto the update: it gets this rank's share of the
+        squared norm, returns device values of its own, and they are read to the host in the same
+        transfer as the norm, so a guard adds no synchronization."""
         grads = self.grads()
         if self.grad_scaler is not None:
             torch._foreach_mul_(grads, 1.0 / self.grad_scaler.scale.item())
             found_inf = self._found_inf(grads)
             self.grad_scaler.update(found_inf)
             if found_inf:
+                if guard is not None:
+                    guard.allow(None, guard.flags(None).tolist())
                 return False, None
-        grad_norm = self._grad_norm(grads)
-        if not torch.isfinite(torch.tensor(grad_norm)):
+        local_square = self._local_grad_square(grads).reshape(1)
+        extra = guard.flags(local_square) if guard is not None else None
+        square = local_square.clone()
+        for group in self.norm_groups():
+            comm.all_reduce(square, group)
+        values = (square if extra is None else torch.cat([square, extra.to(square.device)])).tolist()
+        grad_norm = math.sqrt(values[0])  # the step's one read to the host
+        if guard is not None and not guard.allow(grad_norm, values[1:]):
+            return False, grad_norm
+        if not math.isfinite(grad_norm):
             return False, grad_norm
         clip_grads(grads, grad_norm, self.config.clip_grad)
         self._apply_update(grads)
@@ -148,8 +162,16 @@ class MixedPrecisionOptimizer:
             master.grad = None
         self._copy_masters_to_model()
 
+    def _local_grad_square(self, grads: list) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm (summed over `norm_groups`)."""
+        return local_square_norm(self.model_params, grads, self.groups.device)
+
     def _grad_norm(self, grads: list) -> float:
-        return global_grad_norm(self.model_params, grads, self.norm_groups(), self.groups.device)
+        """The global norm of `grads` (one tensor per stepped parameter), summed over `norm_groups`."""
+        square = self._local_grad_square(grads).reshape(1)
+        for group in self.norm_groups():
+            comm.all_reduce(square, group)
+        return math.sqrt(square.item())
 
     @torch.no_grad()
     def scale_grads(self, factor: float) -> None:

@@ -43,3 +43,7 @@ class LoggingConfig:
     """Append job start, each checkpoint and the end of training, with throughput and tokens so far, to --save/progress.txt."""
     logging_level: Optional[int] = None
     """Level of Python's root logger (10 debug, 20 info, 30 warning, ...)."""
+    log_straggler: bool = False
+    """At each log interval, report the spread of per-rank step times and name the slowest ranks."""
+    straggler_minmax_count: int = 1
+    """With --log-straggler: how many of the slowest and fastest ranks to name."""

@@ -35,8 +35,8 @@ class ParallelConfig:
     """Average gradients inside the collective instead of pre-scaling by 1/DP."""
     distributed_backend: Optional[Literal["nccl", "gloo"]] = None
     """Communication backend; default nccl when a GPU is present, else gloo."""
-    distributed_timeout_minutes: int = 10
-    """Timeout of collective operations, in minutes."""
+    distributed_timeout_minutes: float = 10
+    """Timeout of every collective (all process groups, NCCL and gloo), in minutes (0.5 = 30 s): a rank that dies or hangs makes the others stop within it, naming it."""
     context_parallel_size: int = 1
     """Context-parallel size: ranks that split each sequence (2 chunks per rank, load-balanced for causal attention)."""
     cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = "p2p"

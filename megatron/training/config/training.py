@@ -61,6 +61,20 @@ class TrainingConfig:
     """Release cached, unused device memory: 1 after each forward-backward (and evaluation step), 2 also after each optimizer step."""
     dry_run: bool = False
     """Check the flags for WORLD_SIZE processes, print the layout and the memory estimate per GPU, and exit without building anything."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Stop every rank when the loss or the gradient norm is NaN or Inf on any rank, naming the iteration, the ranks and which; --no-check-for-nan-in-loss-and-grad turns the check off."""
+    skip_iter_on_nan: bool = False
+    """With the NaN/Inf check: skip such iterations (no update; counted as skipped and NaN iterations in the log line) instead of stopping (this framework's own flag)."""
+    max_skipped_iters: int = 5
+    """With --skip-iter-on-nan: stop once more than this many iterations in a row were NaN/Inf (this framework's own flag)."""
+    check_for_large_grads: bool = False
+    """Report a gradient norm --spike-factor times above the largest of the previous 100 iterations, with the iteration and the last checkpoint."""
+    check_for_spiky_loss: bool = False
+    """Report a rank's loss --spike-factor times above the largest of its previous 100 iterations, with the iteration and the last checkpoint."""
+    spike_factor: float = 10.0
+    """How far above its recent history a loss or gradient norm is a spike (this framework's own flag; Megatron's factor is 10)."""
+    iterations_to_skip: list[int] = field(default_factory=list)
+    """Skip these iterations entirely: their data is consumed, nothing is trained on it (Megatron's numbering: N skips the step that starts after N completed iterations)."""
 
 
 @dataclass

@@ -120,7 +120,8 @@ def test_partitions_give_identical_output(tmp_path, corpus_file, gpt2_dataset, g
                   "--partitions", 3, "--log-interval", 100, *gpt2_args)
     for suffix in (".bin", ".idx"):
         assert open(f"{tmp_path}/parts_text_document{suffix}", "rb").read() == open(gpt2_dataset + suffix, "rb").read()
-    assert sorted(os.listdir(tmp_path)) == ["parts_text_document.bin", "parts_text_document.idx"]
+    assert sorted(os.listdir(tmp_path)) == ["parts_text_document.bin", "parts_text_document.idx",
+                                            "parts_text_document.tokenizer.json"]
     assert "docs/s" in result.stderr and "MB/s" in result.stderr
 
 
@@ -185,3 +186,70 @@ def test_no_line_has_the_key_names_the_keys_found(tmp_path, documents, jsonl_wri
     assert result.stderr.strip().splitlines()[-1].startswith("error: --json-keys content title: no line of --input "
                                                              f"{source} has the key 'title' with a string value")
     assert not [name for name in os.listdir(tmp_path) if name.startswith("out")]
+
+
+def test_dataset_records_its_tokenizer_and_training_with_another_is_an_error(tmp_path, gpt2_dataset, gpt2_args, bpe_dir,
+                                                                              sentencepiece_model, jsonl_writer,
+                                                                              documents, tool):
+    """preprocess_data.py writes <prefix>.tokenizer.json; the same tokenizer (a copy elsewhere too)
+    passes, another one (type, vocabulary or files) fails before any index is built, naming both;
+    merging datasets of two tokenizers is refused."""
+    import json
+    import shutil
+
+    from megatron.core.datasets import GPTDatasetConfig, check_data_inputs
+    from megatron.core.datasets.tokenizer_record import tokenizer_record
+    from megatron.core.tokenizers import build_tokenizer
+
+    bpe = build_tokenizer("GPT2BPETokenizer", vocab_file=os.path.join(bpe_dir, "vocab.json"),
+                          merge_file=os.path.join(bpe_dir, "merges.txt"))
+    saved = json.load(open(gpt2_dataset + ".tokenizer.json"))
+    assert saved["tokenizer_type"] == "GPT2BPETokenizer" and len(saved["files_sha256"]) == 64
+    assert (saved["vocab_size"], saved["eod"]) == (bpe.vocab_size, bpe.eod)
+
+    def check(record):
+        check_data_inputs(GPTDatasetConfig(seq_length=16, seed=1, data_path=[gpt2_dataset], tokenizer_record=record))
+
+    copy = tmp_path / "copy"
+    shutil.copytree(bpe_dir, copy)
+    same = build_tokenizer("GPT2BPETokenizer", vocab_file=str(copy / "vocab.json"), merge_file=str(copy / "merges.txt"))
+    check(tokenizer_record(same, "GPT2BPETokenizer", vocab_file=str(copy / "vocab.json"),
+                           merge_file=str(copy / "merges.txt")))
+    other = build_tokenizer("Llama2Tokenizer", tokenizer_model=sentencepiece_model)
+    with pytest.raises(ValueError) as raised:
+        check(tokenizer_record(other, "Llama2Tokenizer", tokenizer_model=sentencepiece_model))
+    assert str(raised.value).startswith(f"{gpt2_dataset} was written with the tokenizer GPT2BPETokenizer (vocabulary "
+                                        f"{bpe.vocab_size}, end-of-document id {bpe.eod}, files sha256 ")
+    assert f"and this run uses Llama2Tokenizer (vocabulary {other.vocab_size}" in str(raised.value)
+    assert "they differ in tokenizer_type, vocab_size, eod, files_sha256" in str(raised.value)
+    with open(copy / "merges.txt", "a") as handle:  # the same type and size, other merges
+        handle.write("a b\n")
+    edited = build_tokenizer("GPT2BPETokenizer", vocab_file=str(copy / "vocab.json"), merge_file=str(copy / "merges.txt"))
+    with pytest.raises(ValueError, match="they differ in files_sha256"):
+        check(tokenizer_record(edited, "GPT2BPETokenizer", vocab_file=str(copy / "vocab.json"),
+                               merge_file=str(copy / "merges.txt")))
+    pretrain = _pretrain_main()
+    with pytest.raises(ValueError, match=f"{gpt2_dataset} was written with the tokenizer GPT2BPETokenizer .* this run "
+                                         "uses Llama2Tokenizer"):
+        pretrain(["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
+                  "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--data-path", gpt2_dataset,
+                  "--data-cache-path", str(tmp_path / "cache"), "--tokenizer-type", "Llama2Tokenizer",
+                  "--tokenizer-model", sentencepiece_model, "--num-workers", "0", "--eval-iters", "0"])
+    source = jsonl_writer(tmp_path / "l.jsonl", documents[:5])
+    tool("preprocess_data.py", "--input", source, "--output-prefix", tmp_path / "llama", "--tokenizer-type",
+         "Llama2Tokenizer", "--tokenizer-model", sentencepiece_model)
+    merged = tool("merge_datasets.py", "--input", gpt2_dataset, tmp_path / "llama_text_document", "--output-prefix",
+                  tmp_path / "mixed", check=False)
+    assert merged.returncode != 0 and "were written with different tokenizers" in merged.stderr
+
+
+def _pretrain_main():
+    """pretrain_gpt.main, run in this process."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir, "pretrain_gpt.py")
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
