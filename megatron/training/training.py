@@ -34,7 +34,7 @@ from megatron.training.exits import ExitConditions
 from megatron.training.failures import FailureReport, Watch
 from megatron.training.fault_injection import FaultInjector
 from megatron.training.guards import StepGuard
-from megatron.training.initialize import initialize_distributed, resolve_backend, world_size_from_env
+from megatron.training.initialize import initialize_distributed, world_size_from_env
 from megatron.training.logging import TensorBoardWriter, flops_per_iteration, iteration_line, tensorboard_scalars
 from megatron.training.memory import check_fits, estimate_report, memory_report, reducing_flags, theoretical_bytes
 from megatron.training.oom import MemoryWatch
@@ -205,7 +205,7 @@ def dry_run(config: Config, vocab_size: int, check_inputs: Optional[Callable] = 
           f"x DP {dp}; {t.train_iters} iterations; padded vocabulary {model_config.vocab_size}", flush=True)
     estimate, text = memory_estimate(config, model_config, world_size)
     print(text, flush=True)
-    device = utils.default_device(resolve_backend(config))
+    device = utils.default_device()
     _check_fits(config, model_config, world_size, device)
     print(f"> dry run: the flags are valid for {world_size} processes; nothing was built", flush=True)
 

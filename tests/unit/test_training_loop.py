@@ -148,7 +148,7 @@ def test_mmap_and_attention_mask_flags_reach_the_samples(tmp_path, documents_pre
     config = parse_args(flags)
     tokenizer = pretrain_gpt.build_tokenizer(config)
     train, _, _ = pretrain_gpt.datasets_provider(config, _OneRank(), (16, 0, 0), tokenizer, tokenizer.vocab_size)
-    assert ("attention_mask" in train[0]) is mask
+    assert ("document_ids" in train[0]) is mask  # document-aware attention (no s x s mask is built)
     assert isinstance(train.indexed_dataset._bin, np.memmap) is mmap
 
 
