@@ -114,7 +114,8 @@ def test_checkpoint_holds_logical_tensors_written_once(saved_at_tp2_pp2_dp2):
             assert volume == int(np.prod(value.size)), key  # no box saved twice, none missing
     common = json.loads((checkpoint / "iter_0000003" / "common.json").read_text())
     assert common["iteration"] == 3 and common["train_state"]["consumed_train_samples"] == 24
-    assert common["optimizer"]["num_applied_steps"] == 3 and common["optimizer"]["scheduler"]["num_steps"] == 3
+    # the scheduler counts samples, as Megatron-LM's: 3 iterations of global batch 8
+    assert common["optimizer"]["num_applied_steps"] == 3 and common["optimizer"]["scheduler"]["num_steps"] == 24
     assert (checkpoint / "latest_checkpointed_iteration.txt").read_text() == "6"
 
 

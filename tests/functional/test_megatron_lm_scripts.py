@@ -9,6 +9,7 @@ The flag names and every other value are the scripts' own.
 """
 import json
 import re
+import shutil
 import subprocess
 
 import pytest
@@ -81,14 +82,20 @@ def test_gpt3_175b_flag_set(tmp_path, gpt2_dataset, bpe_dir):
     sizes = [int(v) for v in re.findall(r"global batch size: +(\d+)", result.stdout)]
     assert sizes[0] == 2 and sizes[-1] == 8 and len(sizes) == len(losses(result.stdout))
     # --load of an empty directory starts afresh; the tokenizer comes from --vocab-file/--merge-file
-    assert notes(result.stdout) == ["--load", "--attention-backend", "--vocab-file"]
+    assert notes(result.stdout) == ["--load", "--vocab-file"]
     assert json.loads((tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text()) == len(sizes)
 
 
 def test_llama3_8b_flag_set(tmp_path, bpe_dir, gpt2_dataset):
     """Every flag of the bf16, real-data branch; the run trains, profiles iterations 5-6, saves,
     and a second run with the same command resumes from its checkpoint."""
-    data = ["--data-path", gpt2_dataset, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", bpe_dir,
+    # The same BPE files read through Hugging Face: a copy of the data without this framework's
+    # tokenizer record (as data written by Megatron-LM's own tools has none), which would otherwise
+    # refuse the other tokenizer type.
+    prefix = tmp_path / "corpus_text_document"
+    for suffix in (".bin", ".idx"):
+        shutil.copyfile(gpt2_dataset + suffix, str(prefix) + suffix)
+    data = ["--data-path", str(prefix), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", bpe_dir,
             "--data-cache-path", str(tmp_path / "cache"), "--split", "'99,1,0'",
             "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers", "1",
             "--vocab-size", "128256"]
@@ -99,8 +106,8 @@ def test_llama3_8b_flag_set(tmp_path, bpe_dir, gpt2_dataset):
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert len(losses(result.stdout)) == 8
     assert "decoupled learning rate" in result.stdout and "throughput per GPU" in result.stdout
-    assert notes(result.stdout) == ["--load", "--use-mcore-models", "--attention-backend",
-                                    "--cross-entropy-loss-fusion", "--profile"]
+    assert notes(result.stdout) == ["--load", "--use-mcore-models", "--profile"]
+    assert "attention: --attention-backend fused (CUDNN_ATTENTION, EFFICIENT_ATTENTION) needs a GPU" in result.stdout
     assert list((tmp_path / "tb").glob("trace_rank0_iters5-6.json"))
     again = torchrun(2, flags[:flags.index("--train-samples") + 1] + ["96"] + flags[flags.index("--train-samples") + 2:])
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]

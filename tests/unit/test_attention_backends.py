@@ -49,8 +49,14 @@ def test_unknown_backend_names_the_flag():
 def test_resolution_on_cpu_names_what_runs():
     shape = dict(batch=1, heads=4, groups=2, seq=16, head_dim=8, dtype=torch.float32, device=torch.device("cpu"))
     assert resolve_attention_backend("auto", **shape) == ("auto", "attention: SDPA, kernel chosen by PyTorch (CPU)")
-    backend, line = resolve_attention_backend("fused", **shape)
-    assert backend == "fused" and "CUDNN_ATTENTION, EFFICIENT_ATTENTION" in line
+    backend, line = resolve_attention_backend("fused", **shape)  # GPU-only kernels: what the CPU has runs
+    assert backend == "auto" and "fused (CUDNN_ATTENTION, EFFICIENT_ATTENTION) needs a GPU" in line
+    assert resolve_attention_backend("math", **shape)[0] == "math"
+    assert resolve_attention_backend("flash", **shape)[0] == "flash"  # the CPU flash kernel
+    q = torch.randn(1, 4, 16, 8)
+    k, v = torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
+    for name in ("flash", "math", "auto"):  # each choice the CPU resolves to runs there
+        CoreAttention(SimpleNamespace(attention_backend=name, attention_dropout=0.0), None)(q, k, v)
     backend, line = resolve_attention_backend("flash_attn", **shape)
     if backend == "flash":
         assert "flash-attn not installed" in line

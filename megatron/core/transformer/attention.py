@@ -38,6 +38,7 @@ SDPA_KERNELS = {
 }
 ATTENTION_BACKENDS = ("auto", *SDPA_KERNELS, "flash_attn")
 PROBED = ("cudnn", "flash", "efficient")  # what --attention-backend auto times on GPU
+CPU_KERNELS = (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH)  # the SDPA kernels PyTorch has on the CPU
 
 
 def flash_attn_available() -> bool:
@@ -153,6 +154,11 @@ def resolve_attention_backend(requested: str, *, batch: int, heads: int, groups:
         return "flash_attn", f"attention: flash-attn package ({module.__name__})"
     if requested != "auto":
         kernels = ", ".join(k.name for k in SDPA_KERNELS[requested])
+        if not utils.is_accelerator(device) and not set(SDPA_KERNELS[requested]) & set(CPU_KERNELS):
+            # Megatron-LM's scripts ask for GPU kernels (fused: cuDNN or memory-efficient) that the
+            # CPU does not have: run what it has rather than fail.
+            return "auto", (f"attention: --attention-backend {requested} ({kernels}) needs a GPU; "
+                            "SDPA, kernel chosen by PyTorch (CPU)")
         return requested, f"attention: --attention-backend {requested} -> SDPA {kernels}"
     if not utils.is_accelerator(device):
         return "auto", "attention: SDPA, kernel chosen by PyTorch (CPU)"
