@@ -8,7 +8,8 @@ model from the same seed for STEPS optimizer steps on the same global batch of 4
 rank takes 2), AdamW with clipping active, weights in the low precision, gradients and master
 weights in fp32; fp16 runs scale the loss by a dynamic scale of 2^12.
 
-Exact check, after every step, on every rank and every shard: each low-precision weight the model
+Exact checks. Each step's gradient norm is the norm of the gathered fp32 gradients (computed here,
+each logical tensor once). After every step, on every rank and every shard: each low-precision weight the model
 computes with equals its fp32 master rounded to that precision. The masters are gathered by the
 test (each rank's pieces, all-gathered over the data-parallel group, must cover every element once),
 not by the optimizer's own code. FSDP2 holds only fp32 shards, so its bf16 weights are read where
@@ -49,6 +50,7 @@ from megatron.core.optimizer.distributed_optimizer import DistributedOptimizer
 from megatron.core.parallel_state import initialize_model_parallel, single_process
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from tests.distributed.harness import run_distributed
+from tests.distributed.parity import assert_norm_is_the_full_gradients_norm
 from tests.distributed.test_pipeline_parallel import (
     CLIP,
     HIDDEN,
@@ -305,6 +307,9 @@ def test_low_precision_layout_matches_the_single_process_run(name, dtype):
         result = results[scenario.name]
         assert result["applied"] == reference["applied"] == [True] * STEPS, (rank, result["applied"])
         assert result["loss_scales"] == reference["loss_scales"], rank
+        for step, scale in enumerate(result["loss_scales"]):  # gathered before unscaling
+            unscaled = [{key: grad / scale for key, grad in r[scenario.name]["grads"][step].items()} for r in per_rank]
+            assert_norm_is_the_full_gradients_norm(result["norms"][step], unscaled, (rank, step))
         for step in range(STEPS):
             if result["last_stage"]:
                 first = result["dp_rank"] * scenario.n

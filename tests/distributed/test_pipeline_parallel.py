@@ -27,6 +27,7 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.tensor_parallel.random import build_tracker
 from megatron.core.transformer.config import TransformerConfig
 from tests.distributed.harness import run_distributed
+from tests.distributed.parity import assert_norm_is_the_full_gradients_norm
 
 SEED, SEQ, MICRO_BATCH, HIDDEN, VOCAB, STEPS, RTOL, CLIP = 1234, 16, 2, 32, 128, 3, 1e-5, 0.05
 
@@ -331,6 +332,10 @@ def _check(scenario: Scenario, ranks: list, reference: dict) -> None:
                 assert error <= RTOL, (name, step, key, result["pp_rank"], error.item())
                 seen.add(key)
     assert seen == set(reference["grads"][0]), (name, "parameters not covered", set(reference["grads"][0]) ^ seen)
+    for step in range(STEPS):
+        for result in ranks:
+            assert_norm_is_the_full_gradients_norm(result["norms"][step], [r["grads"][step] for r in ranks],
+                                                   (name, step, result["pp_rank"]))
 
 
 def run_and_check(world_size: int, scenarios: list, extras: tuple = ()) -> dict:

@@ -22,11 +22,11 @@ def learning_rate(c: LRScheduleConfig, step: int) -> float:
         return c.init_lr + (c.max_lr - c.init_lr) * step / c.warmup_steps
     if c.decay_style == "constant":
         return c.max_lr
+    if step > c.decay_steps:  # every decaying style, inverse-square-root included (as Megatron)
+        return c.min_lr
     if c.decay_style == "inverse-square-root":
         warmup = max(c.warmup_steps, 1)
         return max(c.min_lr, c.max_lr * math.sqrt(warmup) / math.sqrt(max(step, 1)))
-    if step > c.decay_steps:
-        return c.min_lr
     decay_span = max(c.decay_steps - c.warmup_steps, 1)
     ratio = (step - c.warmup_steps) / decay_span
     if c.decay_style == "linear":
