@@ -30,13 +30,14 @@ from megatron.core.parallel_state import single_process
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.fusions import rotary as apply_rotary
 from megatron.core.transformer.rope import RotaryEmbedding, inverse_frequencies
+from tests.optional import require_module
 
 # ---------------------------------------------------------------------------------------------
 # RoPE against transformers
 
 
 def _transformers_llama(head_dim: int, theta: float, scaling: dict = None):
-    transformers = pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[test]'")
+    transformers = require_module("transformers")
     rope = {"rope_type": "default", "rope_theta": theta}
     if scaling is not None:
         rope = {"rope_type": "llama3", "rope_theta": theta, **scaling}
@@ -68,6 +69,7 @@ ROPE_CASES = {
 
 @pytest.mark.parametrize("case", sorted(ROPE_CASES))
 def test_inverse_frequencies_equal_transformers(case):
+    require_module("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -87,6 +89,7 @@ def test_inverse_frequencies_equal_transformers(case):
 
 
 def test_rotated_queries_and_keys_equal_transformers():
+    require_module("transformers")
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
     head_dim, theta = 32, 500000.0

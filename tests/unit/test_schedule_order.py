@@ -32,8 +32,8 @@ from megatron.core.pipeline_parallel.schedules import (
     forward_backward_pipelining_with_interleaving,
     forward_backward_pipelining_without_interleaving,
 )
+from tests.optional import require_megatron_core, skip_unless_importable_by_megatron_core
 
-REFERENCE_DIR = os.environ.get("MEGATRON_CORE_REF", os.path.expanduser("~/.cache/megatron-core-ref"))
 SHAPE = (4, 1, 8)
 MODES = {"overlap": dict(overlap_p2p_comm=True), "blocking": dict(overlap_p2p_comm=False),
          "flush": dict(overlap_p2p_comm=True, overlap_p2p_comm_warmup_flush=True)}
@@ -145,20 +145,17 @@ def _specs() -> list:
 @pytest.fixture(scope="module")
 def megatron_core_orders(tmp_path_factory) -> dict:
     """{(P, rank, V, N, G, mode): steps} from Megatron-Core's schedules (mode "megatron" for its 1F1B)."""
-    if not os.path.isfile(os.path.join(REFERENCE_DIR, "megatron", "core", "pipeline_parallel", "schedules.py")):
-        pytest.skip(f"Megatron-Core reference not found in {REFERENCE_DIR}: run "
-                    f"`pip install --no-deps --target {REFERENCE_DIR} megatron-core` (or set MEGATRON_CORE_REF)")
+    reference_dir = require_megatron_core("megatron/core/pipeline_parallel/schedules.py")
     directory = tmp_path_factory.mktemp("schedules")
     specs = _specs()
     json.dump(specs, open(directory / "spec.json", "w"))
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    env.update(PYTHONPATH=REFERENCE_DIR, OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=reference_dir, OMP_NUM_THREADS="1")
     script = os.path.join(os.path.dirname(__file__), "megatron_core_schedules.py")
     result = subprocess.run([sys.executable, script, str(directory / "spec.json"), str(directory / "out.json")],
                             env=env, capture_output=True, text=True, timeout=600)
-    if result.returncode != 0 and "ModuleNotFoundError" in result.stderr:
-        last_line = result.stderr.strip().splitlines()[-1]
-        pytest.skip(f"Megatron-Core in {REFERENCE_DIR} cannot be imported here: {last_line}")
+    if result.returncode != 0:
+        skip_unless_importable_by_megatron_core(result.stderr)
     assert result.returncode == 0, result.stderr[-4000:]
     orders = {}
     for spec, steps in zip(specs, json.load(open(directory / "out.json"))):
