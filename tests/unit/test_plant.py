@@ -46,7 +46,8 @@ def test_a_caught_and_a_surviving_mutation(tmp_path):
     (checkout / "test_calc.py").write_text("from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n")
     subprocess.run(["git", "init", "-q", str(checkout)], check=True)
     listing = tmp_path / "mutations.txt"
-    listing.write_text("name: subtracts\nfile: calc.py\nfind: return a + b\nreplace: return a - b\ntests: test_calc.py\n\n"
+    listing.write_text("name: subtracts\nfile: calc.py\nfind: return a + b\nreplace: return a - b\n"
+                       "tests: test_calc.py\n\n"
                        "name: commutes\nfile: calc.py\nfind: return a + b\nreplace: return b + a\ntests: test_calc.py\n"
                        "why: equivalent\n")
     result = subprocess.run([sys.executable, str(SCRIPT), str(listing), "--root", str(checkout)],

@@ -123,7 +123,8 @@ def copy_repository(root: str, destination: str) -> None:
 
 
 def test_environment(copy: str) -> dict:
-    return dict(os.environ, PYTHONPATH=copy + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONDONTWRITEBYTECODE="1")
+    return dict(os.environ, PYTHONPATH=copy + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                PYTHONDONTWRITEBYTECODE="1")
 
 
 def check_copy_is_imported(copy: str) -> None:
