@@ -1,6 +1,7 @@
 """Shared pieces of the parity tests: a tiny model, deterministic batches, a training run that
 returns losses and full (gathered) gradients, and the single-process reference run."""
 import dataclasses
+import math
 
 import torch
 
@@ -101,12 +102,38 @@ def reference_steps(config: TransformerConfig, batches: list, micro_batch_size: 
     return train_steps(config, single_process(), batches, micro_batch_size, **kwargs)
 
 
+# The norm the optimizer reports against the norm of the gathered full gradients: the same fp32
+# values summed in another order (a few roundings of 2^-24 each), so 1e-6 relative. A replicated
+# tensor counted twice, or a shard left out, moves it by far more (the norm weights of one layer
+# counted twice moved this model's norm by 9e-5).
+GRAD_NORM_RTOL = 1e-6
+
+
+def norm_of_full_gradients(per_rank_grads: list) -> float:
+    """The global gradient norm computed by hand from full (gathered) gradients: `per_rank_grads` is
+    one {key: full gradient} per rank; a key several ranks hold (data-parallel replicas, the two
+    copies of a tied embedding) is counted once. No replication weights, no shards."""
+    unique = {}
+    for grads in per_rank_grads:
+        for key, grad in grads.items():
+            unique.setdefault(key, grad)
+    return math.sqrt(sum(float(grad.double().pow(2).sum()) for grad in unique.values()))
+
+
+def assert_norm_is_the_full_gradients_norm(norm: float, per_rank_grads: list, context=()) -> None:
+    expected = norm_of_full_gradients(per_rank_grads)
+    assert abs(norm - expected) <= GRAD_NORM_RTOL * expected, (*context, norm, expected, norm / expected - 1)
+
+
 def assert_runs_match(run: list, reference: list, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     """Losses, gradient norms and every gathered gradient of every step, then the final weights.
+    Each step's gradient norm also equals the norm of the gathered gradients (GRAD_NORM_RTOL).
 
     `atol` covers elements near zero, where summation order alone moves the relative error.
     """
     for step, (got, want) in enumerate(zip(run[:-1], reference[:-1])):
+        flat = {(name, part): grad for name, parts in got["grads"].items() for part, grad in parts.items()}
+        assert_norm_is_the_full_gradients_norm(got["grad_norm"], [flat], ("step", step))
         assert abs(got["loss"] - want["loss"]) <= rtol * abs(want["loss"]), (step, got["loss"], want["loss"])
         assert abs(got["grad_norm"] - want["grad_norm"]) <= rtol * abs(want["grad_norm"]), (
             step, got["grad_norm"], want["grad_norm"])

@@ -38,6 +38,7 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.tensor_parallel.random import build_tracker
 from megatron.core.transformer.config import TransformerConfig
 from tests.distributed.harness import run_distributed
+from tests.distributed.parity import assert_norm_is_the_full_gradients_norm
 
 SEED, SEQ, MICRO_BATCH, HIDDEN, VOCAB, STEPS, RTOL = 1234, 16, 2, 32, 128, 3, 1e-5
 
@@ -315,6 +316,11 @@ def _check(scenario: Scenario, per_rank: list, reference: dict) -> None:
             torch.testing.assert_close(weight, reference["params"][key], rtol=RTOL, atol=1e-7,
                                        msg=lambda m: f"{name}: final weight {key}: {m}")
     assert any(r["losses"][0] is not None for r in per_rank), (name, "no rank reported a loss")
+    if all(r["grads"] for r in per_rank):
+        for step in range(STEPS):
+            for result in per_rank:
+                assert_norm_is_the_full_gradients_norm(result["norms"][step], [r["grads"][step] for r in per_rank],
+                                                       (name, step))
     seen = set().union(*(r["params"] for r in per_rank))
     assert seen == set(reference["params"]), (name, "parameters not covered")
 

@@ -6,12 +6,14 @@ gradient reduce-scatter in fp32 or, with --grad-reduce-in-bf16, in bf16; the sta
 against sharding a model built whole; and the settings it refuses. PyTorch's `fully_shard` runs on
 a CPU device mesh over gloo with torch 2.13, so this runs on CPU. (FSDP2 with pipeline parallelism:
 tests/distributed/test_pipeline_parallel.py and the functional test.)"""
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.ddp import validate_data_parallel
-from megatron.core.distributed.fsdp import FullyShardedDataParallel
+from megatron.core.distributed.fsdp import FullyShardedDataParallel, shard_row_start
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.distributed_optimizer import FSDPOptimizer
@@ -159,3 +161,17 @@ def test_fsdp2_startup_holds_one_over_dp_of_the_model():
 def test_fsdp2_refuses_the_distributed_optimizer():
     with pytest.raises(ValueError, match="--use-torch-fsdp2 and --use-distributed-optimizer"):
         validate_data_parallel(use_torch_fsdp2=True, use_distributed_optimizer=True)
+
+
+def test_shard_rows_follow_torch_chunk_when_data_ranks_do_not_divide_the_rows():
+    """FSDP2 shards dim 0 like torch.chunk (ceil(rows / ranks) per rank, the last ones shorter or
+    empty); initialization, checkpoints and partial-replica sums find a rank's rows with
+    shard_row_start. The model tests' dimensions divide evenly, so the uneven cases are here."""
+    for rows in range(1, 12):
+        for ranks in range(1, 6):
+            chunks = torch.arange(rows).chunk(ranks)
+            for rank in range(ranks):
+                groups = SimpleNamespace(dp_cp_size=ranks, dp_cp_rank=rank)
+                start = shard_row_start(torch.empty(rows, 2), groups)
+                expected = int(chunks[rank][0]) if rank < len(chunks) else rows
+                assert start == expected, (rows, ranks, rank)

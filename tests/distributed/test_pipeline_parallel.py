@@ -27,6 +27,7 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.tensor_parallel.random import build_tracker
 from megatron.core.transformer.config import TransformerConfig
 from tests.distributed.harness import run_distributed
+from tests.distributed.parity import assert_norm_is_the_full_gradients_norm
 
 SEED, SEQ, MICRO_BATCH, HIDDEN, VOCAB, STEPS, RTOL, CLIP = 1234, 16, 2, 32, 128, 3, 1e-5, 0.05
 
@@ -133,7 +134,7 @@ def _forward_step(data_iterator, model):
     return output, loss_func
 
 
-def _optimizer_config(**overrides) -> OptimizerConfig:
+def optimizer_config(**overrides) -> OptimizerConfig:
     return OptimizerConfig(lr=1e-3, weight_decay=0.01, clip_grad=CLIP, adam_eps=1e-4, **overrides)
 
 
@@ -156,7 +157,7 @@ def _reduced_grads(chunk) -> dict:
     return grads
 
 
-def _gathered_grads(chunks, groups) -> dict:
+def gathered_grads(chunks, groups) -> dict:
     """{global name[.part]: full gradient} of every parameter on this rank (collective over TP, DP)."""
     grads = {}
     for chunk in chunks:
@@ -193,7 +194,7 @@ def _train(scenario: Scenario, chunks, groups, optimizer, *, virtual, tensor_sha
                             **common)
         finalize_model_grads(chunks, groups)
         losses.append([r["lm loss"].item() for r in reported])
-        grads.append(_gathered_grads(chunks, groups))
+        grads.append(gathered_grads(chunks, groups))
         applied, norm = optimizer.step()
         assert applied
         norms.append(norm)
@@ -206,7 +207,8 @@ def _train(scenario: Scenario, chunks, groups, optimizer, *, virtual, tensor_sha
 def _layout(scenario: Scenario, groups) -> tuple:
     split = dict(first_stage_layers=scenario.first, last_stage_layers=scenario.last,
                  account_for_embedding=scenario.account[0], account_for_loss=scenario.account[1])
-    virtual = validate_pipeline(scenario.layers, scenario.pp, num_virtual_stages_per_rank=scenario.virtual,
+    virtual = validate_pipeline(scenario.layers, scenario.pp,
+                                num_virtual_stages_per_rank=scenario.virtual if scenario.pp > 1 else None,
                                 num_microbatches=scenario.n, microbatch_group_size=scenario.group, **split)
     return virtual, stage_layer_numbers(scenario.layers, scenario.pp, groups.pp_rank, virtual_size=virtual, **split)
 
@@ -246,7 +248,7 @@ def _activation_shape(scenario: Scenario) -> tuple:
 def _run_scenario(scenario: Scenario) -> dict:
     groups = initialize_model_parallel(scenario.tp, scenario.pp)
     virtual, layer_lists, chunks = build_chunks(scenario, groups)
-    optimizer = get_megatron_optimizer(_optimizer_config(), chunks, groups)
+    optimizer = get_megatron_optimizer(optimizer_config(), chunks, groups)
     result = _train(scenario, chunks, groups, optimizer, virtual=virtual, tensor_shape=_activation_shape(scenario))
     return dict(result, tp_rank=groups.tp_rank, dp_rank=groups.dp_rank, pp_rank=groups.pp_rank,
                 layers=layer_lists, last_stage=groups.is_last_stage)
@@ -281,7 +283,7 @@ def _reference(scenario: Scenario) -> dict:
     model.initialize_parameters(SEED)
     chunks = [DistributedDataParallel(model, groups)]
     schedule = get_forward_backward_func(1)
-    optimizer = get_megatron_optimizer(_optimizer_config(), chunks, groups)
+    optimizer = get_megatron_optimizer(optimizer_config(), chunks, groups)
     dp, n = scenario.dp, scenario.n
 
     def all_ranks(step):
@@ -295,7 +297,7 @@ def _reference(scenario: Scenario) -> dict:
         reported = schedule(data_iterator=all_ranks(step), forward_only=False, **common)
         finalize_model_grads(chunks, groups)
         losses.append([r["lm loss"].item() for r in reported])
-        grads.append(_gathered_grads(chunks, groups))
+        grads.append(gathered_grads(chunks, groups))
         norms.append(optimizer.step()[1])
     with torch.no_grad():
         evaluated = [r["lm loss"].item() for r in schedule(data_iterator=all_ranks(STEPS), forward_only=True,
@@ -330,6 +332,10 @@ def _check(scenario: Scenario, ranks: list, reference: dict) -> None:
                 assert error <= RTOL, (name, step, key, result["pp_rank"], error.item())
                 seen.add(key)
     assert seen == set(reference["grads"][0]), (name, "parameters not covered", set(reference["grads"][0]) ^ seen)
+    for step in range(STEPS):
+        for result in ranks:
+            assert_norm_is_the_full_gradients_norm(result["norms"][step], [r["grads"][step] for r in ranks],
+                                                   (name, step, result["pp_rank"]))
 
 
 def run_and_check(world_size: int, scenarios: list, extras: tuple = ()) -> dict:
@@ -357,7 +363,7 @@ def fp16_inf_skips_on_every_stage() -> list:
     scenario = Scenario("fp16", pp=2, dp=2, n=2, wrapper="distopt all overlaps", dtype=torch.float16)
     groups = initialize_model_parallel(1, 2)
     virtual, _, chunks = build_chunks(scenario, groups)
-    optimizer = get_megatron_optimizer(_optimizer_config(fp16=True, initial_loss_scale=2.0 ** 16, hysteresis=1),
+    optimizer = get_megatron_optimizer(optimizer_config(fp16=True, initial_loss_scale=2.0 ** 16, hysteresis=1),
                                        chunks, groups)
     schedule = get_forward_backward_func(groups.pp_size, virtual)
     outcomes = []

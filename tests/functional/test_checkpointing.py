@@ -31,6 +31,7 @@ from tests.functional.test_pretrain_gpt import (
     run_pretrain,
     tensorboard_scalars,
 )
+from tests.optional import require_module
 
 LLAMA = [
     "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
@@ -173,6 +174,8 @@ def uninterrupted(tmp_path_factory):
 
 
 def _start(args: list, nproc: int = 1) -> subprocess.Popen:
+    if "--tensorboard-dir" in args:
+        require_module("tensorboard")
     return subprocess.Popen(pretrain_command(nproc) + SINGLE + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=pretrain_env(), start_new_session=True)
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.optional import require_executable, require_module
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY_LLAMA = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
@@ -34,12 +36,16 @@ def pretrain_env() -> dict:
 
 
 def run_pretrain(extra: list, nproc: int = 1, timeout: int = 300, base: list = TINY_LLAMA) -> subprocess.CompletedProcess:
+    """Skips (with the install command) a run that logs to TensorBoard when tensorboard is absent."""
+    if "--tensorboard-dir" in base + extra:
+        require_module("tensorboard")
     return subprocess.run(pretrain_command(nproc) + base + extra, capture_output=True, text=True, timeout=timeout,
                           env=pretrain_env())
 
 
 def tensorboard_scalars(directory, tag: str) -> dict:
     """{iteration: value} of one TensorBoard scalar (float32, exactly as computed)."""
+    require_module("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(directory))
@@ -114,7 +120,8 @@ def test_pytorch_profiler_writes_a_chrome_trace(tmp_path):
 def _launch_script(tmp_path, **overrides):
     env = dict(os.environ, TOTAL_ITERS="3", BS="4", MBS="1", SEQ_LENGTH="32", NPROC="2", TEE_OUTPUT="0",
                MASTER_PORT="29533", EXTRA_ARGS="--num-workers 0 --log-interval 1", OMP_NUM_THREADS="1",
-               LOG_DIR=str(tmp_path / "logs"), QUICKSTART_DIR=str(tmp_path / "none"))
+               LOG_DIR=str(tmp_path / "logs"), QUICKSTART_DIR=str(tmp_path / "none"),
+               PATH=require_executable("torchrun"))
     env.update(overrides)
     env.pop("CUDA_VISIBLE_DEVICES", None)
     return subprocess.run(["bash", str(ROOT / "examples/llama/train_llama3.sh")], capture_output=True, text=True,

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+from tests.optional import require_module
+
+transformers = require_module("transformers")
+safetensors_torch = require_module("safetensors.torch")
 
 from tests.functional.test_pretrain_gpt import ROOT, run_pretrain  # noqa: E402
 from tests.unit.test_hf_parity import gpt2_config, llama_config, randomize  # noqa: E402

@@ -3,7 +3,9 @@ scaling) and GPT-2. Tiny configs built here (no downloads), random weights, fp32
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from tests.optional import require_module
+
+transformers = require_module("transformers")
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402

@@ -25,8 +25,8 @@ from megatron.core.checkpointing.safe_pickle import MegatronObject, load_pickled
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.hf_mapping import load_logical_into_model
 from megatron.core.parallel_state import single_process
+from tests.optional import require_megatron_core, require_module
 
-REFERENCE_DIR = os.environ.get("MEGATRON_CORE_REF", os.path.expanduser("~/.cache/megatron-core-ref"))
 WRITER = Path(__file__).with_name("megatron_lm_reference.py")
 WORLD_SIZE = 4
 ITERATION = 7
@@ -36,20 +36,14 @@ CHECKPOINTS = [(model, fmt, layout) for model, layouts in LAYOUTS.items() for fm
                for layout in layouts]
 
 
-def _reference_available() -> bool:
-    return os.path.isfile(os.path.join(REFERENCE_DIR, "megatron", "core", "dist_checkpointing", "serialization.py"))
-
-
 @pytest.fixture(scope="session")
 def megatron_checkpoints(tmp_path_factory):
     """Megatron-Core's checkpoints and logits, written once per session (4 processes, ~30-60 s)."""
-    if not _reference_available():
-        pytest.skip(f"Megatron-Core reference not found in {REFERENCE_DIR}: run "
-                    f"`pip install --no-deps --target {REFERENCE_DIR} megatron-core` (or set MEGATRON_CORE_REF)")
-    pytest.importorskip("psutil", reason="Megatron-Core's torch_dist writer needs psutil: pip install psutil")
+    reference_dir = require_megatron_core("megatron/core/dist_checkpointing/serialization.py")
+    require_module("psutil", install="pip install psutil (Megatron-Core's torch_dist writer needs it)")
     out = tmp_path_factory.mktemp("megatron_lm")
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    env.update(PYTHONPATH=REFERENCE_DIR, WORLD_SIZE=str(WORLD_SIZE), OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=reference_dir, WORLD_SIZE=str(WORLD_SIZE), OMP_NUM_THREADS="1")
     logs = [out / f"rank{rank}.log" for rank in range(WORLD_SIZE)]
     processes = []
     for rank, log in enumerate(logs):
@@ -65,7 +59,7 @@ def megatron_checkpoints(tmp_path_factory):
     if any(codes):
         text = "\n".join(log.read_text()[-3000:] for log, code in zip(logs, codes) if code)
         if "ModuleNotFoundError" in text:
-            pytest.skip(f"Megatron-Core in {REFERENCE_DIR} cannot run here: {text.strip().splitlines()[-1]}")
+            pytest.skip(f"Megatron-Core in {reference_dir} cannot run here: {text.strip().splitlines()[-1]}")
         pytest.fail(f"Megatron-Core fixture writer failed (exit codes {codes}):\n{text}")
     return out
 

@@ -30,7 +30,7 @@ def learning_rate(c: LRScheduleConfig, step: float, max_lr: Optional[float] = No
         return c.init_lr + (max_lr - c.init_lr) * step / c.warmup_steps
     if c.decay_style == "constant":
         return max_lr
-    if step > c.decay_steps:
+    if step > c.decay_steps:  # every decaying style, inverse-square-root included (as Megatron)
         return min_lr
     if c.decay_style == "inverse-square-root":
         warmup = max(c.warmup_steps, 1)

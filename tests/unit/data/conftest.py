@@ -7,11 +7,10 @@ import sys
 
 import pytest
 
+from tests.optional import require_megatron_core, require_module, skip_unless_importable_by_megatron_core
+
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir))
 TOOLS = os.path.join(REPO_ROOT, "tools")
-# Megatron-Core, the reference, installed apart from our `megatron` package (its top-level name is ours too):
-# `pip install --no-deps --target DIR megatron-core`, DIR = $MEGATRON_CORE_REF, else ~/.cache/megatron-core-ref.
-REFERENCE_DIR = os.environ.get("MEGATRON_CORE_REF", os.path.expanduser("~/.cache/megatron-core-ref"))
 
 WORDS = ("the quick brown fox jumps over a lazy dog while naïve café owners in Zürich count 12 345 6789 "
          "apples; def print(x): return x ** 2 # comment \t tabs and 日本語 テキスト emoji 😀🚀 don't we'll "
@@ -52,17 +51,15 @@ def run_tool(script: str, *args, check: bool = True, env=None) -> subprocess.Com
 def megatron_core():
     """`megatron_core(script, *args)` runs a Python script with only Megatron-Core on PYTHONPATH, never
     importing it here; tests using it skip, with the install command, when it is absent."""
-    if not os.path.isfile(os.path.join(REFERENCE_DIR, "megatron", "core", "datasets", "indexed_dataset.py")):
-        pytest.skip(f"Megatron-Core reference not found in {REFERENCE_DIR}: run "
-                    f"`pip install --no-deps --target {REFERENCE_DIR} megatron-core` (or set MEGATRON_CORE_REF)")
+    reference_dir = require_megatron_core("megatron/core/datasets/indexed_dataset.py")
 
     def run(script, *args, timeout: int = 600) -> subprocess.CompletedProcess:
         env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-        env["PYTHONPATH"] = REFERENCE_DIR
+        env["PYTHONPATH"] = reference_dir
         result = subprocess.run([sys.executable, str(script), *[str(a) for a in args]], cwd=os.path.dirname(str(script)),
                                 env=env, capture_output=True, text=True, timeout=timeout)
-        if result.returncode != 0 and "ModuleNotFoundError" in result.stderr:
-            pytest.skip(f"Megatron-Core in {REFERENCE_DIR} cannot be imported here: {result.stderr.strip().splitlines()[-1]}")
+        if result.returncode != 0:
+            skip_unless_importable_by_megatron_core(result.stderr)
         assert result.returncode == 0, result.stderr[-4000:]
         return result
 
@@ -82,6 +79,7 @@ def corpus_file(tmp_path_factory, documents):
 @pytest.fixture(scope="session")
 def bpe_dir(tmp_path_factory, corpus_file):
     """Byte-level BPE (GPT-2 regex): vocab.json, merges.txt, tokenizer.json, tokenizer_config.json."""
+    require_module("tokenizers")
     directory = tmp_path_factory.mktemp("bpe")
     run_tool("train_tokenizer.py", "--input", corpus_file, "--output-dir", directory, "--type", "bpe", "--vocab-size", 600)
     return str(directory)
@@ -89,6 +87,7 @@ def bpe_dir(tmp_path_factory, corpus_file):
 
 @pytest.fixture(scope="session")
 def sentencepiece_model(tmp_path_factory, corpus_file):
+    require_module("sentencepiece")
     directory = tmp_path_factory.mktemp("spm")
     run_tool("train_tokenizer.py", "--input", corpus_file, "--output-dir", directory, "--type", "sentencepiece",
              "--vocab-size", 500, "--threads", 1)

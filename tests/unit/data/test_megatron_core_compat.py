@@ -15,7 +15,9 @@ import pytest
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
-tokenizers_lib = pytest.importorskip("tokenizers")
+from tests.optional import require_module
+
+tokenizers_lib = require_module("tokenizers")
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys, warnings

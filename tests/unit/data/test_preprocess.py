@@ -4,13 +4,11 @@ import json
 import os
 
 import numpy as np
-import pytest
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+from tests.optional import require_module
 
-tokenizers_lib = pytest.importorskip("tokenizers")
-sentencepiece = pytest.importorskip("sentencepiece")
-transformers = pytest.importorskip("transformers")
+tokenizers_lib = require_module("tokenizers")
 
 
 def sequences(prefix):
@@ -29,6 +27,7 @@ def test_gpt2_round_trip_two_workers(gpt2_dataset, documents, bpe_dir):
 
 
 def test_huggingface_round_trip(tmp_path, corpus_file, documents, bpe_dir, tool):
+    transformers = require_module("transformers")
     tool("preprocess_data.py", "--input", corpus_file, "--output-prefix", tmp_path / "hf", "--tokenizer-type",
          "HuggingFaceTokenizer", "--tokenizer-model", bpe_dir, "--append-eod", "--workers", 1)
     reference = transformers.AutoTokenizer.from_pretrained(bpe_dir)
@@ -37,6 +36,7 @@ def test_huggingface_round_trip(tmp_path, corpus_file, documents, bpe_dir, tool)
 
 
 def test_llama2_round_trip(tmp_path, corpus_file, documents, sentencepiece_model, tool):
+    sentencepiece = require_module("sentencepiece")
     tool("preprocess_data.py", "--input", corpus_file, "--output-prefix", tmp_path / "sp", "--tokenizer-type",
          "Llama2Tokenizer", "--tokenizer-model", sentencepiece_model, "--append-eod", "--workers", 2)
     reference = sentencepiece.SentencePieceProcessor(model_file=sentencepiece_model)

@@ -8,6 +8,7 @@ import pytest
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.tokenizers import build_tokenizer
+from tests.optional import require_module
 
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir))
 
@@ -31,6 +32,7 @@ def test_build_corpus_is_deterministic_and_capped(tmp_path):
 
 
 def test_quickstart_prepare(tmp_path):
+    require_module("tokenizers")  # prepare.sh trains a BPE tokenizer
     work = tmp_path / "qs"
     result = run_script("examples/quickstart/prepare.sh", {"WORK_DIR": work, "MAX_MB": 0.4, "VOCAB_SIZE": 1024, "WORKERS": 2})
     assert result.returncode == 0, result.stderr
@@ -86,6 +88,7 @@ def test_train_tokenizer_without_sentencepiece_names_the_package(tmp_path, corpu
 
 
 def test_train_tokenizer_json_keys_missing_key_and_progress(tmp_path, documents, jsonl_writer, tool):
+    require_module("tokenizers")
     source = jsonl_writer(tmp_path / "content.jsonl", documents[:250], key="content")
     result = tool("train_tokenizer.py", "--input", source, "--output-dir", tmp_path / "none", "--vocab-size", 300, check=False)
     assert result.returncode == 1

@@ -6,9 +6,11 @@ import pytest
 
 from megatron.core.tokenizers import GPT2BPETokenizer, build_tokenizer
 
-tokenizers_lib = pytest.importorskip("tokenizers")
-transformers = pytest.importorskip("transformers")
-sentencepiece = pytest.importorskip("sentencepiece")
+from tests.optional import require_module
+
+tokenizers_lib = require_module("tokenizers")
+transformers = require_module("transformers")
+sentencepiece = require_module("sentencepiece")
 
 EXTRA_TEXTS = ["", " ", "  leading and trailing  ", "line\n\nbreaks\r\n\ttabs", "<|endoftext|> is plain text here",
                "unseen characters: ∮ ⅋ 𝔘 ñ", "x's we'll THEY'RE 1234567890", "😀" * 5]
