@@ -220,7 +220,7 @@ def test_masked_loss_gradients_and_reported_average_equal_cross_entropy_with_ign
     reported = []
     for tokens, labels, mask in micro_batches:
         model.zero_grad()
-        loss, values = pretrain_gpt.loss_func(mask, None, model(tokens, positions, labels=labels))
+        loss, values = pretrain_gpt.loss_func(mask, None, False, model(tokens, positions, labels=labels))
         loss.backward()
         ours = {name: p.grad.clone() for name, p in model.named_parameters()}
         model.zero_grad()

@@ -4,6 +4,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tests.optional import require_module
