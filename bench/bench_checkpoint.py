@@ -1,7 +1,7 @@
 """Checkpoint save and load: time, bytes, and how long an async save blocks training.
 
     python bench/bench_checkpoint.py --size tiny
-    python bench/bench_checkpoint.py --size 1b --skip-async      # ~1.1B parameters, fp32 + Adam: ~13 GB on disk
+    python bench/bench_checkpoint.py --size 1b --skip-async      # 0.85B parameters, fp32 + Adam: 10.2 GB on disk
     python bench/bench_checkpoint.py --size 350m                 # async vs sync (needs a second copy in memory)
 
 One process on the CPU (or the current GPU). The model's weights and Adam moments are filled with
