@@ -92,7 +92,7 @@ def is_collective_failure(error: BaseException) -> bool:
 
 
 def where_it_failed(error: BaseException) -> str:
-    """'all_reduce (megatron/core/optimizer/clip_grads.py:45 in global_grad_norm)': the collective
+    """'all_reduce (megatron/core/optimizer/optimizer.py:143 in step)': the collective
     (the innermost torch.distributed call, or comm.py's) and the innermost line of this framework
     outside comm.py that issued it."""
     frames = traceback.extract_tb(error.__traceback__)
