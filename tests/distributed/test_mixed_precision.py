@@ -42,9 +42,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed import comm
 from megatron.core.distributed.ddp import finalize_model_grads
-from megatron.core.distributed.fsdp import FullyShardedDataParallel
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.distributed_optimizer import DistributedOptimizer
 from megatron.core.parallel_state import initialize_model_parallel, single_process
@@ -58,6 +56,7 @@ from tests.distributed.test_pipeline_parallel import (
     SEQ,
     VOCAB,
     Scenario,
+    _forward_step,
     build_chunks,
     gathered_grads,
     optimizer_config,
@@ -94,17 +93,6 @@ def _global_batch(step: int) -> list:
         batches.append(dict(tokens=tokens[:, :-1], labels=tokens[:, 1:],
                             positions=torch.arange(SEQ).expand(MICRO_BATCH, SEQ)))
     return batches
-
-
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["positions"], labels=batch["labels"])
-
-    def loss_func(per_token_loss):
-        loss = per_token_loss.float().mean()
-        return loss, {"lm loss": loss.detach()}
-
-    return output, loss_func
 
 
 # ---------------------------------------------------------------------------------------------

@@ -128,7 +128,7 @@ def _forward_step(data_iterator, model):
     output = model(batch["tokens"], batch["positions"], labels=batch["labels"])
 
     def loss_func(per_token_loss):
-        loss = per_token_loss.mean()
+        loss = per_token_loss.float().mean()  # fp32 mean also for the bf16/fp16 runs (test_mixed_precision)
         return loss, {"lm loss": loss.detach()}
 
     return output, loss_func
