@@ -65,11 +65,10 @@ def run_config(flags: list):
     if not any(flag in flags for flag in ("--data-path", "--train-data-path", "--mock-data")):
         flags = flags + ["--mock-data"]  # the data does not change the plan
     config = parse_args(flags)
-    vocab_size = config.data.vocab_size
-    if vocab_size is None and config.data.tokenizer_type not in (None, "NullTokenizer"):
-        import pretrain_gpt
+    import pretrain_gpt
 
-        vocab_size = pretrain_gpt.build_tokenizer(config).vocab_size
+    tokenizer = pretrain_gpt.build_tokenizer(config)  # as the run builds it (NullTokenizer adds an end token)
+    vocab_size = tokenizer.vocab_size if tokenizer is not None else config.data.vocab_size
     if vocab_size is None:
         raise SystemExit("error: no vocabulary size: pass --vocab-size N (or the tokenizer flags with its files)")
     return config, vocab_size

@@ -135,3 +135,36 @@ def test_dry_run_prints_layout_and_plan(capsys, monkeypatch):
     assert "> layout: 4 processes = TP 2 x CP 1 x PP 2 x DP 1; global batch 8 = 4 micro-batches of 2" in out
     assert "1 node(s) x 4 A100 SXM 80GB" in out and "memory per GPU (pipeline stage 0 of 2" in out
     assert "nothing was built" in out and "parameters on" not in out
+
+
+def _script_flags(env: dict) -> list:
+    """The pretrain_gpt.py flags examples/llama/train_llama3.sh builds for `env` (DRY_RUN=1 prints
+    the command), with --bf16 as it adds on a GPU machine."""
+    import os
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(["bash", str(root / "examples/llama/train_llama3.sh")], capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, DRY_RUN="1", **env))
+    assert result.returncode == 0, result.stderr
+    command = next(line for line in result.stdout.splitlines() if "pretrain_gpt.py" in line)
+    flags = shlex.split(command.split("pretrain_gpt.py", 1)[1])
+    return flags + ([] if "--bf16" in flags else ["--bf16"])
+
+
+@pytest.mark.parametrize("env, world", [
+    (dict(TP="2", MBS="1", BS="64", SEQ_LENGTH="8192", MODEL_SIZE="8", NPROC="8"), 8),
+    (dict(MODEL_SIZE="70", MBS="1", BS="64", SEQ_LENGTH="8192", RECOMPUTE="1", NNODES="4", NPROC="8"), 32),
+])
+def test_readme_llama_commands_plan_to_fit_on_h100(env, world, capsys, monkeypatch):
+    """README's Llama 3 8B command and its 70B Slurm command (4 nodes, MBS 1, 16 per node, seq 8192,
+    full recomputation) dry-run to a fitting plan for H100 80GB on a machine without a GPU."""
+    flags = _script_flags(env)
+    _no_machine_memory(monkeypatch)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    pretrain_gpt.main(flags + ["--dry-run"])
+    out = capsys.readouterr().out
+    assert "verdict: fits on H100 SXM 80GB" in out and "nothing was built" in out

@@ -155,3 +155,20 @@ def test_single_h100_peer_measurements(preset):
     implementation's eager path (--no-torch-compile --no-cross-entropy-loss-fusion) does."""
     plan = h100_prediction(preset, fused_elementwise=False, cross_entropy_fusion=False)
     assert abs(plan.time.mfu / H100_PEERS[preset][2] - 1) <= TOLERANCE, plan.time.mfu
+
+
+@pytest.mark.parametrize("preset, changes, label", [
+    ("llama3-8b-8layers", {}, "llama3-8b-8layers, bf16"), ("llama3-8b-8layers", {"fp8": True}, "llama3-8b-8layers, FP8"),
+    ("llama3.2-1b", {}, "llama3.2-1b, bf16"), ("llama3.2-1b", {"fp8": True}, "llama3.2-1b, FP8")])
+def test_the_predictions_in_the_docs_are_the_planners(preset, changes, label):
+    """docs/planning.md prints the plan's predictions for the benchmark presets: they must stay what
+    the planner says."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "planning.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith(f"| {label} |"))
+    step, tflops, mfu, tokens, memory = [cell.strip() for cell in row.strip("|").split("|")[1:]]
+    plan = h100_prediction(preset, **changes)
+    assert step == f"{plan.time.seconds * 1e3:.0f} ms" and tflops == f"{plan.time.tflops_per_gpu:.0f}"
+    assert mfu == f"{plan.time.mfu:.1%}" and tokens == f"{plan.time.tokens_per_second_per_gpu:,.0f}"
+    assert memory == f"{plan.worst.total / 2 ** 30:.1f} GiB"

@@ -101,6 +101,7 @@ def layout_from_config(config, model_config, world_size: int) -> Layout:
         recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers,
         fp8=bool(m.fp8), fp8_layers=fp8_layers, fused_elementwise=not config.model.no_torch_compile,
         cross_entropy_fusion=m.cross_entropy_loss_fusion, cp_comm_type=p.cp_comm_type,
-        attention_kernel="math" if m.attention_backend in ("unfused", "local", "math") else "flash", overlap_grad_reduce=p.overlap_grad_reduce,
+        attention_kernel="math" if m.attention_backend in ("unfused", "local", "math") else "flash",
+        overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather, first_stage_layers=p.decoder_first_pipeline_num_layers,
         last_stage_layers=p.decoder_last_pipeline_num_layers)

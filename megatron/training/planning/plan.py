@@ -61,11 +61,17 @@ def make_plan(arch: Architecture, layout: Layout, cluster: Cluster, margin: floa
                 time=step_time(arch, layout, cluster), margin=margin)
 
 
-def plan_for_flags(config, vocab_size: int, world_size: int, cluster: Cluster, margin: float = MARGIN) -> Plan:
+def plan_for_flags(config, vocab_size: int, world_size: int, cluster: Cluster, margin: float = MARGIN,
+                   on_cpu: bool = False) -> Plan:
+    """The plan of a run with these flags on `world_size` GPUs of `cluster` (`on_cpu`: the memory of
+    the same run on CPU processes, whose kernels run eagerly and save some tensors wider)."""
     from megatron.training import builders
 
     model_config = builders.transformer_config(config, vocab_size)
-    return make_plan(architecture(model_config), layout_from_config(config, model_config, world_size), cluster, margin)
+    layout = layout_from_config(config, model_config, world_size)
+    if on_cpu:
+        layout = layout.replace(device="cpu", fused_elementwise=False)
+    return make_plan(architecture(model_config), layout, cluster, margin)
 
 
 def reducing_flags(plan: Plan) -> list:

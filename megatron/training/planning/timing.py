@@ -94,8 +94,10 @@ def _attention(arch: Architecture, lay: Layout, cluster: Cluster) -> tuple:
     return gemms + cluster.memory_seconds(6 * scores, 4), 2 * gemms + cluster.memory_seconds(10 * scores, 6)
 
 
-def _elementwise_forward(arch: Architecture, lay: Layout, cluster: Cluster, tokens: float) -> float:
-    """Norms, RoPE, the activation, residual adds and dropout: bytes read and written."""
+def _elementwise_forward(arch: Architecture, lay: Layout, cluster: Cluster, tokens: float, fp8: bool = False) -> float:
+    """Norms, RoPE, the activation, residual adds and dropout: bytes read and written (with FP8,
+    also each linear's input read in bf16 and written in FP8; backward, at twice the forward's
+    elementwise traffic, covers the gradients' casts)."""
     e, h = lay.compute_bytes, arch.hidden_size
     norm_tokens = tokens / lay.tp if lay.sp else tokens
     q_local = arch.query_size // lay.tp
@@ -109,6 +111,9 @@ def _elementwise_forward(arch: Architecture, lay: Layout, cluster: Cluster, toke
     kernels = 8
     if not lay.fused_elementwise:  # eager chains: each intermediate goes through HBM
         nbytes, kernels = 3 * nbytes, 30
+    if fp8:
+        nbytes += (e + 1) * tokens * (2 * h + q_local + f_local)
+        kernels += 4
     return cluster.memory_seconds(nbytes, kernels)
 
 
@@ -154,7 +159,7 @@ def layer_time(arch: Architecture, lay: Layout, cluster: Cluster, fp8: bool = Fa
         moved += _gather((2 if lay.grad_reduce_in_bf16 else 4) * weights, shards, bandwidth)
         fsdp = max(0.0, moved - 3 * gemm)
     return LayerTime(gemm_forward=gemm, attention_forward=attention[0], attention_backward=attention[1],
-                     elementwise_forward=_elementwise_forward(arch, lay, cluster, tokens),
+                     elementwise_forward=_elementwise_forward(arch, lay, cluster, tokens, fp8),
                      tp_forward=_tp_comm(arch, lay, cluster, tokens), tp_backward=_tp_comm(arch, lay, cluster, tokens),
                      cp_forward=cp[0], cp_backward=cp[1], fsdp_exposed=fsdp)
 
