@@ -115,7 +115,8 @@ def format_plan(plan: Plan) -> str:
     largest = sorted(worst.terms, key=worst.terms.get, reverse=True)[:2]
     lines.append(f"  largest terms: {', '.join(largest)}; verdict: {plan.verdict()}")
     t = plan.time
-    parts = ", ".join(f"{name} {seconds * 1e3:.0f}" for name, seconds in t.parts.items())
+    parts = ", ".join(f"{name} {seconds * 1e3:.0f}" if seconds >= 0.01 else f"{name} {seconds * 1e3:.1f}"
+                      for name, seconds in t.parts.items())
     lines.append(f"  step time (prediction): {t.seconds * 1e3:.0f} ms ({parts} ms); {t.tokens_per_second:,.0f} "
                  f"tokens/s, {t.tokens_per_second_per_gpu:,.0f} tokens/s/GPU, {t.tflops_per_gpu:.0f} TFLOP/s/GPU, "
                  f"MFU {t.mfu:.1%} (of {cluster.gpu.bf16_flops / 1e12:.0f} TFLOP/s bf16)")
