@@ -1,5 +1,6 @@
 """The plan's memory against short CPU training runs of pretrain_gpt.py, over a grid of layouts
-(one process; TP 2 with SP; PP 2; DP 2 with the distributed optimizer and full recomputation).
+(one process; TP 2 with SP; PP 2 at seq 512; DP 2 with the distributed optimizer and full
+recomputation).
 
 - Tensors: on every rank, the peak of the bytes held by live tensors over the whole run (start-up,
   two iterations, the optimizer's state created in the first) is the plan's total for that rank's
@@ -34,7 +35,8 @@ MINIMAL = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --vocab-size 
 GRID = {
     "one process": (1, []),
     "TP2 SP": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    "PP2": (2, ["--pipeline-model-parallel-size", "2"]),
+    # longer sequences: the first stage's two micro-batches in flight outweigh the optimizer's step
+    "PP2": (2, ["--pipeline-model-parallel-size", "2", "--seq-length", "512"]),
     "DP2 dist-opt full-recompute": (2, ["--use-distributed-optimizer", "--recompute-granularity", "full",
                                         "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
 }
