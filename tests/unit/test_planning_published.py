@@ -74,7 +74,7 @@ def _korthikanti_mfu(recompute: str, global_batch: int) -> float:
     lay = Layout(tp=8, pp=35, cp=1, dp=8, micro_batch_size=1, global_batch_size=global_batch, seq_length=SEQ,
                  precision="fp16", vpp=3, sequence_parallel=recompute == "selective", recompute_granularity=recompute,
                  recompute_method="uniform" if recompute == "full" else None, recompute_num_layers=1,
-                 attention_kernel="math", overlap_grad_reduce=True)
+                 attention_kernel="math", overlap_grad_reduce=True, overlap_p2p_comm=False)
     plan = make_plan(gpt3(layers, hidden, heads), lay, cluster("a100-80gb", nodes=280))
     assert plan.fits
     flops = 72 * global_batch * SEQ * layers * hidden ** 2 * (1 + SEQ / (6 * hidden) + VOCAB / (12 * hidden * layers))
@@ -101,7 +101,7 @@ PTD_P_TABLE_1 = [
 def ptd_p_prediction(heads, hidden, layers, tp, pp, gpus, batch) -> tuple:
     """(predicted teraFLOP/s per GPU by the paper's formula, the plan): their setup (fp16, full
     recomputation of every layer, attention scores materialized, gradients all-reduced under
-    backward), the micro-batch size and the interleaving the plan finds fastest, as they tuned them."""
+    backward, blocking pipeline transfers), the micro-batch size and the interleaving the plan finds fastest, as they tuned them."""
     arch = gpt3(layers, hidden, heads)
     target = cluster("a100-80gb", nodes=gpus // 8)
     dp = gpus // (tp * pp)
@@ -114,7 +114,8 @@ def ptd_p_prediction(heads, hidden, layers, tp, pp, gpus, batch) -> tuple:
                 continue
             lay = Layout(tp=tp, pp=pp, cp=1, dp=dp, micro_batch_size=mbs, global_batch_size=batch, seq_length=SEQ,
                          precision="fp16", vpp=vpp, recompute_granularity="full", recompute_method="uniform",
-                         recompute_num_layers=1, attention_kernel="math", overlap_grad_reduce=True)
+                         recompute_num_layers=1, attention_kernel="math", overlap_grad_reduce=True,
+                         overlap_p2p_comm=False)
             plan = make_plan(arch, lay, target)
             if plan.fits and (best is None or plan.time.seconds < best.time.seconds):
                 best = plan

@@ -38,6 +38,7 @@ class Layout:
     cross_entropy_fusion: bool = True
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    overlap_p2p_comm: bool = True           # pipeline sends/receives under compute (on by default here)
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
 
@@ -102,6 +103,6 @@ def layout_from_config(config, model_config, world_size: int) -> Layout:
         fp8=bool(m.fp8), fp8_layers=fp8_layers, fused_elementwise=not config.model.no_torch_compile,
         cross_entropy_fusion=m.cross_entropy_loss_fusion, cp_comm_type=p.cp_comm_type,
         attention_kernel="math" if m.attention_backend in ("unfused", "local", "math") else "flash",
-        overlap_grad_reduce=p.overlap_grad_reduce,
+        overlap_grad_reduce=p.overlap_grad_reduce, overlap_p2p_comm=p.overlap_p2p_comm,
         overlap_param_gather=p.overlap_param_gather, first_stage_layers=p.decoder_first_pipeline_num_layers,
         last_stage_layers=p.decoder_last_pipeline_num_layers)

@@ -23,7 +23,8 @@ reduce-scatter (n-1)/n), and what hides it here:
   bucket hides under the last micro-batch's backward; with --overlap-param-gather the gather hides
   under the first forward. FSDP2 gathers each layer's weights ahead of it and reduce-scatters its
   gradients after it, every micro-batch, hidden under the layer's compute where it fits.
-- PP: one [s, b, h] activation (1/TP with SP) each way per micro-batch per stage boundary; the
+- PP: one [s, b, h] activation (1/TP with SP) each way per micro-batch per stage boundary, all
+  exposed with --no-overlap-p2p-communication, else only the warm-up's and cool-down's; the
   bubble is (PP - 1) / VPP micro-batch times.
 """
 from dataclasses import dataclass, field
@@ -252,7 +253,9 @@ def step_time(arch: Architecture, lay: Layout, cluster: Cluster) -> StepTime:
             tokens = lay.micro_batch_size * lay.seq_length / lay.cp
             boundary = lay.compute_bytes * tokens * arch.hidden_size / (lay.tp if lay.sp else 1)
             span = lay.tp * lay.cp * lay.dp * 2
-            parts["PP send/receive"] = m * 2 * boundary / cluster.link_bandwidth(span)
+            # overlapped, only the warm-up's and the cool-down's transfers wait on the link
+            transfers = 2 * (lay.pp - 1) if lay.overlap_p2p_comm else 2 * m
+            parts["PP send/receive"] = transfers * boundary / cluster.link_bandwidth(span)
             parts["pipeline bubble"] = (lay.pp - 1) / lay.vpp * per_microbatch
         total = sum(parts.values())
         if best is None or total > best[0]:
