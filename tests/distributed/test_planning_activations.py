@@ -9,7 +9,6 @@ math attention kernels; and on 2 gloo processes with tensor parallelism (with an
 parallelism, key/value heads split and replicated) and context parallelism (each comm type).
 The plan must agree within 5% (it agrees exactly where every saved tensor is accounted for).
 """
-import dataclasses
 
 import pytest
 import torch

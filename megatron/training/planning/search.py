@@ -6,7 +6,7 @@ from typing import Callable
 
 from megatron.training.planning.hardware import Cluster
 from megatron.training.planning.layout import Layout
-from megatron.training.planning.plan import MARGIN, Plan, make_plan
+from megatron.training.planning.plan import MARGIN, make_plan
 
 SHARDING = ("distributed optimizer", "FSDP2", "DDP")
 RECOMPUTE = (None, "selective", "full")
