@@ -92,3 +92,12 @@ def stage_parameters(arch: Architecture, tp: int, num_layers: int, *, first: boo
 def total_parameters(arch: Architecture) -> int:
     """Elements of the whole model (tied embeddings counted once)."""
     return stage_parameters(arch, 1, arch.num_layers, first=True, last=True, pp=1)
+
+
+def flops_per_iteration(arch: Architecture, global_batch_size: int, seq_length: int) -> float:
+    """Megatron's model FLOPs per iteration, as the log line counts them (megatron/training/logging.py;
+    causal attention counted as half, recomputation not counted): 6 B s [L (m h f + 2 h q + 2 h k g + s q) + h V]."""
+    a, h = arch, arch.hidden_size
+    m = 3 if a.gated_linear_unit else 2
+    per_layer = m * h * a.ffn_hidden_size + 2 * h * a.query_size + 2 * h * a.kv_size + seq_length * a.query_size
+    return 6.0 * global_batch_size * seq_length * (a.num_layers * per_layer + h * a.vocab_size)

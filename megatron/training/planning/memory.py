@@ -215,7 +215,8 @@ def optimizer_temporaries(arch: Architecture, lay: Layout, layers: int, *, first
 
 
 def memory_per_stage(arch: Architecture, lay: Layout) -> list:
-    return [stage_memory(arch, lay, stage, layers) for stage, layers in enumerate(lay.layers_per_stage(arch.num_layers))]
+    stages = lay.layers_per_stage(arch.num_layers)
+    return [stage_memory(arch, lay, stage, layers) for stage, layers in enumerate(stages)]
 
 
 def worst_stage(arch: Architecture, lay: Layout) -> StageMemory:

@@ -76,7 +76,8 @@ def format_table(plans: list, tried: int, cluster: Cluster) -> str:
     for rank, plan in enumerate(plans, 1):
         lay = plan.layout
         sharding = "FSDP2" if lay.fsdp2 else ("distributed optimizer" if lay.distributed_optimizer else "DDP")
-        lines.append(f"{rank:>4} {lay.tp:>3} {lay.pp:>3} {lay.vpp:>3} {lay.cp:>3} {lay.dp:>5} {lay.micro_batch_size:>3}  "
+        lines.append(f"{rank:>4} {lay.tp:>3} {lay.pp:>3} {lay.vpp:>3} {lay.cp:>3} {lay.dp:>5} "
+                     f"{lay.micro_batch_size:>3}  "
                      f"{sharding:21s} {str(lay.recompute_granularity or 'none'):9s} "
                      f"{plan.worst.total / 2 ** 30:>10.1f} {plan.time.seconds * 1e3:>9.0f} "
                      f"{plan.time.tokens_per_second_per_gpu:>12,.0f} {plan.time.mfu:>6.1%}")

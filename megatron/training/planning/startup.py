@@ -46,7 +46,8 @@ def check_device_fits(estimate: float, available: float, where: str, hints: list
         return
     share = f"{processes} processes x {estimate / GIB:.3f} GiB" if processes > 1 else f"{estimate / GIB:.3f} GiB"
     raise ValueError(f"the model does not fit: {share} of parameters, gradients and optimizer state (before "
-                     f"activations), but {where} has {available / GIB:.3f} GiB free; reduce it with " + ", ".join(hints))
+                     f"activations), but {where} has {available / GIB:.3f} GiB free; reduce it with "
+                     + ", ".join(hints))
 
 
 def persistent_hints(config) -> list:

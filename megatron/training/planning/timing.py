@@ -29,8 +29,8 @@ reduce-scatter (n-1)/n), and what hides it here:
 """
 from dataclasses import dataclass, field
 
-from megatron.training.logging import flops_per_iteration
-from megatron.training.planning.architecture import Architecture, layer_parameters, stage_parameters
+from megatron.training.planning.architecture import (Architecture, flops_per_iteration, layer_parameters,
+                                                     stage_parameters)
 from megatron.training.planning.hardware import Cluster
 from megatron.training.planning.layout import Layout
 from megatron.training.planning.memory import fp8_layers
