@@ -116,6 +116,19 @@ launcher() {
   fi
 }
 
+# The GPU the dry run's plan is for (a tools/plan.py preset): this machine's kind, else H100 80GB.
+dry_run_gpu() {
+  local name=""
+  if [ "$HAS_GPU" = 1 ] && command -v nvidia-smi >/dev/null 2>&1; then
+    name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  fi
+  case "$name" in
+    *H200*) echo h200 ;;
+    *A100*) echo a100-80gb ;;
+    *) if [ "$HAS_GPU" = 1 ] && [ -e /dev/kfd ]; then echo mi300x; else echo h100-80gb; fi ;;
+  esac
+}
+
 run_training() {
   DP=$((WORLD / (TP * PP * CP)))
   if [ "$DP" -lt 1 ] || [ $((DP * TP * PP * CP)) -ne "$WORLD" ]; then
@@ -174,7 +187,8 @@ run_training() {
   if [ "${DRY_RUN:-0}" = 1 ]; then return 0; fi
   # The flags, data files and memory, checked for all WORLD processes in one process first: a
   # mistake is one message, not one per rank under torchrun.
-  if ! WORLD_SIZE=$WORLD LOCAL_WORLD_SIZE=$NPROC ${PYTHON:-python} "$ROOT/pretrain_gpt.py" "${FLAGS[@]}" --dry-run; then
+  if ! WORLD_SIZE=$WORLD LOCAL_WORLD_SIZE=$NPROC ${PYTHON:-python} "$ROOT/pretrain_gpt.py" "${FLAGS[@]}" --dry-run \
+       --dry-run-gpu "${DRY_RUN_GPU:-$(dry_run_gpu)}"; then
     echo "stopped before starting torchrun (the check above failed)" >&2
     exit 2
   fi

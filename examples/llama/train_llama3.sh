@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Train Llama 3 / 3.1 (or a tiny Llama on CPU) with pretrain_gpt.py under torchrun.
 #
-#   TP=2 MBS=2 BS=64 SEQ_LENGTH=8192 MODEL_SIZE=8 bash examples/llama/train_llama3.sh
+#   TP=2 MBS=1 BS=64 SEQ_LENGTH=8192 MODEL_SIZE=8 bash examples/llama/train_llama3.sh
 #   bash examples/llama/train_llama3.sh            # no GPU, no MODEL_SIZE: tiny model on CPU (gloo)
 #
 # Environment (defaults in brackets), with Megatron-LM for ROCm's meanings where it has them:
@@ -46,8 +46,10 @@
 #   LOG_DIR         logs, profiles and TunableOp results                   [logs]
 #   EXTRA_ARGS      any further pretrain_gpt.py flags                    []
 #   DRY_RUN         1: print the torchrun command and stop               [0]
-# Before torchrun starts, `pretrain_gpt.py --dry-run` checks the flags, the data files and the memory
-# for all NNODES x NPROC processes in one process, so a mistake is reported once.
+#   DRY_RUN_GPU     the GPU the pre-flight plan is for: h100-80gb, h200, a100-80gb, mi300x [this machine's, else h100-80gb]
+# Before torchrun starts, `pretrain_gpt.py --dry-run` checks the flags and the data files for all
+# NNODES x NPROC processes in one process, so a mistake is reported once, and prints the plan per GPU
+# (memory term by term, verdict, predicted step time: docs/planning.md).
 # At the end it prints the mean elapsed ms/iteration, TFLOP/s/GPU and tokens/s/GPU of the run.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)

@@ -39,9 +39,18 @@ def synchronize(device: torch.device) -> None:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak allocated bytes since the last reset; on CPU the process's peak resident set size."""
+    """Peak allocated bytes since the last reset; on CPU the process's peak resident set size
+    (VmHWM: that of this program only; getrusage's figure would carry over the peak of whatever
+    process forked it, a test runner for instance)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -16,8 +16,9 @@ the figures are read from this rank's tensors, so they show it. Activations, not
 about 1/CP of the CP=1 figure per rank (docs/parallelism.md).
 
 `LiveTensorBytes` measures what a piece of code really holds (tests and benchmarks use it on CPU).
-The functions at the end give the same figures from the flags alone, before anything is built
-(--dry-run, and the check that the model fits before it is allocated).
+The same figures from the flags alone, before anything is built, and the activations, come from the
+planner (`megatron/training/planning`: --dry-run, tools/plan.py, and the check that the model fits
+before it is allocated).
 """
 import weakref
 from typing import Optional
@@ -131,93 +132,3 @@ def _storages(leaves: list) -> list:
         if not local.is_meta:
             found.append(local.untyped_storage())
     return found
-
-
-# ---------------------------------------------------------------------------------------------
-# Before anything is built: the same figures from the flags alone (--dry-run, and the check that
-# the model fits before it is allocated).
-
-def layer_parameters(model_config, tp_size: int) -> int:
-    """Elements of one decoder layer's parameters on one tensor-parallel rank."""
-    c, t = model_config, tp_size
-    h, d, f = c.hidden_size, c.kv_channels, c.ffn_hidden_size
-    norm = 2 if c.normalization == "LayerNorm" else 1  # weight (+ bias)
-    q_local = c.num_attention_heads * d // t
-    kv_local = d * c.num_query_groups // min(t, c.num_query_groups)
-    qkv = h * (q_local + 2 * kv_local) + ((q_local + 2 * kv_local) if c.add_bias_linear or c.add_qkv_bias else 0)
-    proj = q_local * h + (h if c.add_bias_linear else 0)
-    fc1_out = (2 if c.gated_linear_unit else 1) * f // t  # gate and up projections with SwiGLU
-    mlp = h * fc1_out + f // t * h + ((fc1_out + h) if c.add_bias_linear else 0)
-    qk_norms = 2 * norm * d if c.qk_layernorm else 0
-    return 2 * norm * h + qkv + proj + qk_norms + mlp
-
-
-def stage_parameters(model_config, tp_size: int, num_layers: int, *, first: bool, last: bool, pp_size: int) -> int:
-    """Elements of one pipeline stage's parameters on one tensor-parallel rank."""
-    c = model_config
-    total = num_layers * layer_parameters(c, tp_size)
-    vocabulary = c.vocab_size // tp_size * c.hidden_size
-    if first:
-        total += vocabulary
-        if c.position_embedding_type == "learned_absolute":
-            total += c.max_position_embeddings * c.hidden_size
-    if last:
-        total += c.hidden_size * (2 if c.normalization == "LayerNorm" else 1)
-        if c.untie_embeddings_and_output_weights or pp_size > 1:
-            total += vocabulary  # the output layer (or the last stage's copy of the tied embedding)
-    return total
-
-
-def estimate_bytes(config, model_config, layers_per_stage: list, tp_size: int, dp_cp_size: int) -> list:
-    """Theoretical bytes per pipeline stage on one GPU: {"parameters", "gradients", "optimizer_state"}
-    as `theoretical_bytes` counts them (without bucket padding)."""
-    p, t, o = config.parallel, config.training, config.optimizer
-    compute = 2 if (t.bf16 or t.fp16) else 4
-    moments = {"adam": 2, "sgd": 1 if o.sgd_momentum else 0}[o.optimizer]
-    figures = []
-    for rank, layers in enumerate(layers_per_stage):
-        n = stage_parameters(model_config, tp_size, layers, first=rank == 0, last=rank == len(layers_per_stage) - 1,
-                             pp_size=len(layers_per_stage))
-        if p.use_torch_fsdp2:
-            shard = n / dp_cp_size
-            figures.append({"parameters": 4 * shard, "gradients": 4 * shard, "optimizer_state": 4 * moments * shard})
-            continue
-        masters = 4 if compute != 4 else 0
-        state = (masters + 4 * moments) * n
-        figures.append({"parameters": compute * n, "gradients": (2 if p.grad_reduce_in_bf16 else 4) * n,
-                        "optimizer_state": state / dp_cp_size if p.use_distributed_optimizer else state})
-    return figures
-
-
-def estimate_report(config, model_config, layers_per_stage: list, tp_size: int, dp_size: int, cp_size: int) -> tuple:
-    """(largest total bytes on one GPU, the report line) for the layout."""
-    figures = estimate_bytes(config, model_config, layers_per_stage, tp_size, dp_size * cp_size)
-    totals = [sum(f.values()) for f in figures]
-    worst = figures[totals.index(max(totals))]
-    stage = f" (pipeline stage {totals.index(max(totals))} of {len(figures)}, the largest)" if len(figures) > 1 else ""
-    text = (f"memory estimate per GPU{stage}: parameters {_gib(worst['parameters'])} | gradients "
-            f"{_gib(worst['gradients'])} | optimizer state {_gib(worst['optimizer_state'])} | total {_gib(max(totals))} "
-            "(activations not included)")
-    return max(totals), text
-
-
-def reducing_flags(config) -> list:
-    """The flags that would shrink the estimate, given the ones already set."""
-    p, t = config.parallel, config.training
-    hints = ["--tensor-model-parallel-size or --pipeline-model-parallel-size (split the model over more GPUs)"]
-    if not (p.use_distributed_optimizer or p.use_torch_fsdp2):
-        hints.append("--use-distributed-optimizer or --use-torch-fsdp2 (shard the optimizer state over the "
-                     "data-parallel ranks)")
-    if not (t.bf16 or t.fp16):
-        hints.append("--bf16 (halves the parameters)")
-    return hints + ["a smaller model"]
-
-
-def check_fits(estimate: float, available: float, where: str, hints: list, processes: int = 1) -> None:
-    """Raises ValueError with the estimate and the flags that reduce it (`hints`) when `processes`
-    processes of `estimate` bytes each do not fit in `available` bytes of `where`."""
-    if estimate * processes <= available:
-        return
-    share = f"{processes} processes x {_gib(estimate)}" if processes > 1 else _gib(estimate)
-    raise ValueError(f"the model does not fit: {share} of parameters, gradients and optimizer state (before "
-                     f"activations), but {where} has {_gib(available)} free; reduce it with " + ", ".join(hints))

@@ -14,7 +14,6 @@ import torch
 from megatron.core import utils
 from megatron.core.distributed import comm
 from megatron.core.distributed.ddp import finalize_model_grads
-from megatron.core.pipeline_parallel import layout
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.training import builders
 from megatron.training.arguments import format_config
@@ -36,8 +35,10 @@ from megatron.training.fault_injection import FaultInjector
 from megatron.training.guards import StepGuard
 from megatron.training.initialize import initialize_distributed, world_size_from_env
 from megatron.training.logging import TensorBoardWriter, flops_per_iteration, iteration_line, tensorboard_scalars
-from megatron.training.memory import check_fits, estimate_report, memory_report, reducing_flags, theoretical_bytes
+from megatron.training.memory import memory_report, theoretical_bytes
 from megatron.training.oom import MemoryWatch
+from megatron.training.planning.startup import (check_device_fits, persistent_bytes, persistent_hints,
+                                                print_dry_run_plan)
 from megatron.training.profiling import StepProfiler
 from megatron.training.progress import ProgressLog
 from megatron.training.straggler import StragglerReport
@@ -160,32 +161,23 @@ def _largest_over_ranks(chunks: list, optimizer, groups) -> dict:
     return {name: int(value) for name, value in zip(figures, values.tolist())}
 
 
-def memory_estimate(config: Config, model_config, world_size: int) -> tuple:
-    """(bytes, report line): parameters, gradients and optimizer state of the largest pipeline
-    stage on one GPU, from the flags alone."""
-    p = config.parallel
-    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
-    stages = layout.layers_per_rank(config.model.num_layers, pp, first_stage_layers=p.decoder_first_pipeline_num_layers,
-                                    last_stage_layers=p.decoder_last_pipeline_num_layers)
-    return estimate_report(config, model_config, stages, tp, world_size // (tp * pp * cp), cp)
-
-
 def _check_fits(config: Config, model_config, world_size: int, device: torch.device) -> None:
     """Stops before anything is allocated when the model's parameters, gradients and optimizer state
     exceed the free memory of this rank's GPU (or, on CPU, the RAM all local processes share)."""
-    estimate, _ = memory_estimate(config, model_config, world_size)
+    estimate = persistent_bytes(config, model_config, world_size)
     processes = 1 if device.type != "cpu" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     where = f"{device}" if device.type != "cpu" else "this machine's RAM"
     try:
-        check_fits(estimate, utils.available_memory(device), where, reducing_flags(config), processes)
+        check_device_fits(estimate, utils.available_memory(device), where, persistent_hints(config), processes)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 
 
 def dry_run(config: Config, vocab_size: int, check_inputs: Optional[Callable] = None) -> None:
     """--dry-run: the start-up checks of a WORLD_SIZE-process run (flags, input files, the checkpoint
-    to load, whether the model fits), in this one process; prints the layout and the memory estimate
-    per GPU. Builds nothing and joins no process group."""
+    to load), in this one process; prints the layout and the plan for --dry-run-gpu (memory per GPU
+    term by term with a verdict, predicted step time), and stops when the plan does not fit. Builds
+    nothing, joins no process group, and never looks at this machine's memory."""
     world_size = world_size_from_env()
     notes, to_load = _find_checkpoint(config)
     notes += validate(config, world_size)
@@ -203,10 +195,7 @@ def dry_run(config: Config, vocab_size: int, check_inputs: Optional[Callable] = 
     print(f"> layout: {world_size} processes = TP {tp} x CP {cp} x PP {pp} x DP {dp}; global batch "
           f"{batches.global_batch_size} = {batches.num_microbatches_at(math.inf)} micro-batches of {t.micro_batch_size} "
           f"x DP {dp}; {t.train_iters} iterations; padded vocabulary {model_config.vocab_size}", flush=True)
-    estimate, text = memory_estimate(config, model_config, world_size)
-    print(text, flush=True)
-    device = utils.default_device()
-    _check_fits(config, model_config, world_size, device)
+    print_dry_run_plan(config, vocab_size, world_size, ConfigError)
     print(f"> dry run: the flags are valid for {world_size} processes; nothing was built", flush=True)
 
 

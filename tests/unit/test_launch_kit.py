@@ -11,7 +11,7 @@ import pytest
 
 from megatron.training.arguments import parse_args
 from megatron.training.builders import transformer_config
-from megatron.training.memory import stage_parameters
+from megatron.training.planning.architecture import architecture, total_parameters
 from megatron.training.validation import validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ def test_gpt3_family(size, nodes, expected):
     config = parse_args(_flags(_command(result.stdout)))
     validate(config, 8 * nodes)
     model = transformer_config(config, 50257)
-    parameters = stage_parameters(model, 1, model.num_layers, first=True, last=True, pp_size=1)
+    parameters = total_parameters(architecture(model))
     assert abs(parameters / expected - 1) < 0.06, parameters
     assert config.training.rampup_batch_size and config.training.train_samples == 146484375
 

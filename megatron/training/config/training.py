@@ -60,7 +60,9 @@ class TrainingConfig:
     empty_unused_memory_level: Literal[0, 1, 2] = 0
     """Release cached, unused device memory: 1 after each forward-backward (and evaluation step), 2 also after each optimizer step."""
     dry_run: bool = False
-    """Check the flags for WORLD_SIZE processes, print the layout and the memory estimate per GPU, and exit without building anything."""
+    """Check the flags for WORLD_SIZE processes, print the layout and the plan for --dry-run-gpu (memory per GPU term by term with a verdict, predicted step time), and exit without building anything; stops with exit code 2 when the plan does not fit."""
+    dry_run_gpu: Literal["h100-80gb", "h200", "a100-80gb", "mi300x"] = "h100-80gb"
+    """With --dry-run: the GPU to plan for, with LOCAL_WORLD_SIZE GPUs per node (else 8) (this framework's own flag; tools/plan.py takes more targets)."""
     check_for_nan_in_loss_and_grad: bool = True
     """Stop every rank when the loss or the gradient norm is NaN or Inf on any rank, naming the iteration, the ranks and which; --no-check-for-nan-in-loss-and-grad turns the check off."""
     skip_iter_on_nan: bool = False

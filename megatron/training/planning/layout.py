@@ -1,0 +1,108 @@
+"""How a run is laid out and trained (everything the planner needs besides the architecture and
+the hardware), read from the training flags in one place."""
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron.core.pipeline_parallel import layout as pipeline_layout
+
+_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    micro_batch_size: int
+    global_batch_size: int
+    seq_length: int
+    precision: str = "bf16"                 # compute dtype: bf16, fp16 or fp32
+    vpp: int = 1                            # model chunks per pipeline rank (interleaved schedule)
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    fsdp2: bool = False
+    grad_reduce_in_bf16: bool = False
+    optimizer: str = "adam"
+    sgd_momentum: float = 0.9
+    recompute_granularity: Optional[str] = None   # None, "selective" or "full"
+    recompute_method: Optional[str] = None        # "uniform" or "block" (full)
+    recompute_num_layers: Optional[int] = None
+    fp8: bool = False
+    fp8_layers: Optional[int] = None        # layers run in FP8 (None: all, with fp8)
+    fused_elementwise: bool = True          # torch.compile'd RMSNorm/RoPE/SwiGLU (GPU default)
+    attention_kernel: str = "flash"         # flash (no s x s tensor) or math (scores saved)
+    cp_comm_type: str = "p2p"               # context parallelism: p2p (ring), all_gather, a2a, a2a+p2p
+    device: str = "gpu"                     # "cpu": PyTorch's CPU kernels save some tensors wider
+    cross_entropy_fusion: bool = True
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    overlap_p2p_comm: bool = True           # pipeline sends/receives under compute (on by default here)
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def compute_bytes(self) -> int:
+        return _BYTES[self.precision]
+
+    @property
+    def num_microbatches(self) -> int:
+        return max(1, self.global_batch_size // (self.micro_batch_size * self.dp))
+
+    @property
+    def sp(self) -> bool:
+        return self.sequence_parallel and self.tp > 1
+
+    def layers_per_stage(self, num_layers: int) -> list:
+        return pipeline_layout.layers_per_rank(num_layers, self.pp, first_stage_layers=self.first_stage_layers,
+                                               last_stage_layers=self.last_stage_layers)
+
+    def replace(self, **changes) -> "Layout":
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        parts = [f"TP{self.tp}", f"PP{self.pp}" + (f" x VPP{self.vpp}" if self.vpp > 1 else ""), f"CP{self.cp}",
+                 f"DP{self.dp}", f"mbs {self.micro_batch_size}"]
+        if self.sp:
+            parts.append("SP")
+        parts.append("FSDP2" if self.fsdp2 else ("dist-opt" if self.distributed_optimizer else "DDP"))
+        if self.recompute_granularity == "full":
+            parts.append(f"recompute full/{self.recompute_method}/{self.recompute_num_layers}")
+        elif self.recompute_granularity == "selective":
+            parts.append("recompute selective")
+        return " ".join(parts)
+
+
+def layout_from_config(config, model_config, world_size: int) -> Layout:
+    """The layout of a run with these flags on `world_size` GPUs (DP is what TP x PP x CP leaves).
+    On the target GPU the elementwise chains are compiled unless --no-torch-compile, whatever the
+    planning machine has."""
+    p, t, m = config.parallel, config.training, model_config
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    dp = max(1, world_size // (tp * pp * cp))
+    vpp = p.num_virtual_stages_per_pipeline_rank or 1
+    if p.num_layers_per_virtual_pipeline_stage:
+        vpp = max(1, m.num_layers // (pp * p.num_layers_per_virtual_pipeline_stage))
+    precision = "bf16" if t.bf16 else ("fp16" if t.fp16 else "fp32")
+    fp8_layers = None
+    if m.fp8 and m.first_last_layers_bf16:
+        fp8_layers = max(0, m.num_layers - m.num_layers_at_start_in_bf16 - m.num_layers_at_end_in_bf16)
+    return Layout(
+        tp=tp, pp=pp, cp=cp, dp=dp, micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size or t.micro_batch_size * dp, seq_length=t.seq_length,
+        precision=precision, vpp=vpp, sequence_parallel=p.sequence_parallel,
+        distributed_optimizer=p.use_distributed_optimizer, fsdp2=p.use_torch_fsdp2,
+        grad_reduce_in_bf16=p.grad_reduce_in_bf16, optimizer=config.optimizer.optimizer,
+        sgd_momentum=config.optimizer.sgd_momentum, recompute_granularity=t.recompute_granularity,
+        recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers,
+        fp8=bool(m.fp8), fp8_layers=fp8_layers, fused_elementwise=not config.model.no_torch_compile,
+        cross_entropy_fusion=m.cross_entropy_loss_fusion, cp_comm_type=p.cp_comm_type,
+        attention_kernel="math" if m.attention_backend in ("unfused", "local", "math") else "flash",
+        overlap_grad_reduce=p.overlap_grad_reduce, overlap_p2p_comm=p.overlap_p2p_comm,
+        overlap_param_gather=p.overlap_param_gather, first_stage_layers=p.decoder_first_pipeline_num_layers,
+        last_stage_layers=p.decoder_last_pipeline_num_layers)

@@ -1,0 +1,223 @@
+"""Memory per GPU, term by term, for an architecture, a layout and a pipeline stage.
+
+Persistent terms (held for the whole run): weights, gradients, optimizer state (fp32 masters and
+moments), FP8 weight copies, and FSDP2's gathered layers. Activations: the bytes autograd saves for
+backward per layer and micro-batch, in this implementation (counted tensor by tensor below, and
+checked against the saved-tensor hooks in tests/unit/test_planning_activations.py), times the
+micro-batches a pipeline stage holds at once. Transient terms: the logits and the loss, and the
+re-run of one recomputed group in backward.
+
+Notation: t tokens of one micro-batch on this rank (micro-batch x sequence / CP), e bytes per
+element of the compute dtype, h hidden size; the norms, residuals and dropout masks cover t/TP
+tokens with sequence parallelism, t without.
+"""
+from dataclasses import dataclass, field
+
+from megatron.training.planning.architecture import Architecture, stage_parameters
+from megatron.training.planning.layout import Layout
+
+GIB = 1024 ** 3
+FP32 = 4
+_CE_CHUNK_ELEMENTS = 1 << 26  # tensor_parallel.cross_entropy.DEFAULT_CHUNK_ELEMENTS
+
+
+def _norm_bytes(arch: Architecture, lay: Layout, tokens: float) -> float:
+    """What one norm saves for backward (its output, saved by the next linear, counted too)."""
+    e, h = lay.compute_bytes, arch.hidden_size
+    if arch.layernorm:  # the input, mean and rstd per token (fp32 on GPU, the input's dtype on CPU), the output
+        return e * h * tokens + 2 * (FP32 if lay.device == "gpu" else e) * tokens + e * h * tokens
+    if lay.fused_elementwise:  # compiled RMSNorm: the input and 1/rms per token, and the output
+        return e * h * tokens + FP32 * tokens + e * h * tokens
+    # eager RMSNorm: the fp32 input, 1/rms per token, the normalized value in the compute dtype
+    # (for the weight's multiply), and the output
+    return FP32 * h * tokens + FP32 * tokens + e * h * tokens + e * h * tokens
+
+
+def _attention_core_bytes(arch: Architecture, lay: Layout, tokens: float, heads: int, q_local: int) -> float:
+    """What the attention kernel saves beyond q, k and v: the log-sum-exp (flash: its output is the
+    storage the output projection saves), or the scaled q and k, the probabilities and the dropout
+    mask and output (math: s x s per head). PyTorch's CPU math kernel works in fp32 (and then
+    also keeps an fp32 copy of v) and keeps its dropout mask as an fp32 tensor."""
+    e = lay.compute_bytes
+    if lay.attention_kernel == "flash":
+        return FP32 * tokens * heads
+    seq = lay.seq_length // lay.cp
+    scores = heads * seq * tokens  # b x heads x s x s
+    dropout = arch.attention_dropout > 0
+    if lay.device == "cpu":
+        copies = 2 * FP32 * tokens * q_local + (FP32 * tokens * q_local if e != FP32 else 0)
+        return copies + FP32 * scores + (2 * FP32 * scores if dropout else 0)
+    return 2 * e * tokens * q_local + e * scores + ((1 + e) * scores if dropout else 0)
+
+
+def _dropout_mask_bytes(lay: Layout) -> int:
+    """Bytes per element of a dropout mask: a bool on GPU; on CPU PyTorch keeps the scaled noise in
+    the input's dtype."""
+    return 1 if lay.device == "gpu" else lay.compute_bytes
+
+
+def layer_activation_terms(arch: Architecture, lay: Layout, selective: bool = False) -> dict:
+    """{part: bytes} one decoder layer saves for backward for one micro-batch on one rank, without
+    full recomputation (`selective`: the attention core is re-run, its own saved tensors dropped)."""
+    a, e, h, tp = arch, lay.compute_bytes, arch.hidden_size, lay.tp
+    tokens = lay.micro_batch_size * lay.seq_length / lay.cp
+    norm_tokens = tokens / tp if lay.sp else tokens
+    heads = a.num_attention_heads // tp
+    q_local = heads * a.kv_channels
+    kv_local = a.kv_channels * a.num_query_groups // min(tp, a.num_query_groups)
+    f_local = a.ffn_hidden_size // tp
+    terms = {"norms": 2 * _norm_bytes(a, lay, norm_tokens),
+             "qkv": e * tokens * (q_local + 2 * kv_local)}  # one buffer; v (a view of it) keeps it alive
+    a2a = lay.cp > 1 and lay.cp_comm_type == "a2a"
+    if a.rope and not a2a:  # the rotated q and k are new tensors (a2a: only its exchanged q, k, v are kept)
+        terms["rope"] = e * tokens * (q_local + kv_local)
+    if not selective:
+        terms["attention"] = _attention_core_bytes(a, lay, tokens, heads, q_local)
+        if lay.cp > 1:  # the context-parallel kernels keep their output apart from the projection's input
+            terms["attention"] += e * tokens * q_local
+        if lay.attention_kernel == "math" and lay.device == "cpu" and e != FP32:
+            del terms["qkv"]  # the CPU math kernel saves its fp32 copies of q, k and v instead
+    terms["proj_input"] = e * tokens * q_local
+    if a.gated_linear_unit:  # fc1's [gate, up] output, silu(gate) (eager only), the product
+        terms["mlp"] = e * tokens * f_local * (3 if lay.fused_elementwise else 4)
+    else:  # fc1's output (the activation's input) and the activation's output
+        terms["mlp"] = 2 * e * tokens * f_local
+    if a.hidden_dropout > 0:  # two masks
+        terms["dropout"] = 2 * norm_tokens * h * _dropout_mask_bytes(lay)
+    return terms
+
+
+def layer_input_bytes(arch: Architecture, lay: Layout) -> float:
+    """A layer's input [s, b, h] on this rank (what full recomputation keeps)."""
+    tokens = lay.micro_batch_size * lay.seq_length / lay.cp
+    return lay.compute_bytes * arch.hidden_size * (tokens / lay.tp if lay.sp else tokens)
+
+
+def rope_table_bytes(arch: Architecture, lay: Layout) -> float:
+    """RoPE's cos and sin [s/cp, b, 1, rotary dim] in fp32, made once per micro-batch, saved by every layer."""
+    return 2 * FP32 * lay.micro_batch_size * lay.seq_length / lay.cp * arch.rotary_dim if arch.rope else 0.0
+
+
+def stage_layer_activations(arch: Architecture, lay: Layout, num_layers: int) -> tuple:
+    """(bytes saved by `num_layers` decoder layers for one micro-batch, bytes of the largest group
+    that is re-run at once in backward under full recomputation, or 0)."""
+    full_layer = sum(layer_activation_terms(arch, lay, lay.recompute_granularity == "selective").values())
+    if num_layers == 0:
+        return 0.0, 0.0
+    if lay.recompute_granularity != "full":
+        return num_layers * full_layer + rope_table_bytes(arch, lay), 0.0
+    count = lay.recompute_num_layers or 1
+    if lay.recompute_method == "block":
+        recomputed = min(count, num_layers)
+        kept = num_layers - recomputed
+        saved = recomputed * layer_input_bytes(arch, lay) + kept * full_layer
+        return saved + (rope_table_bytes(arch, lay) if kept else 0.0), full_layer
+    groups = -(-num_layers // count)
+    return groups * layer_input_bytes(arch, lay), min(count, num_layers) * full_layer
+
+
+def microbatches_in_flight(lay: Layout, stage: int) -> float:
+    """Micro-batches whose activations stage `stage` holds at its peak, in units of the stage's
+    whole layer set: 1F1B holds PP - stage (the first stage the most); the interleaved schedule
+    holds (PP - stage - 1) x 2 + (VPP - 1) x PP + 1 model-chunk micro-batches of 1/VPP of the layers."""
+    m = lay.num_microbatches
+    if lay.pp == 1:
+        return 1
+    if lay.vpp == 1:
+        return min(lay.pp - stage, m)
+    chunks = min((lay.pp - stage - 1) * 2 + (lay.vpp - 1) * lay.pp + 1, m * lay.vpp)
+    return chunks / lay.vpp
+
+
+def logits_and_loss_bytes(arch: Architecture, lay: Layout) -> float:
+    """The last stage's logits [s, b, V/tp] saved for the loss's backward, the loss's per-token
+    values, and its fp32 temporaries (one chunk at a time when fused; a full fp32 softmax if not)."""
+    tokens = lay.micro_batch_size * lay.seq_length / lay.cp
+    local = tokens * arch.vocab_size / lay.tp
+    logits = lay.compute_bytes * local + (FP32 + 8 + 1) * tokens  # + lse, targets, mask
+    if lay.cross_entropy_fusion:
+        return logits + 2 * FP32 * min(local, _CE_CHUNK_ELEMENTS)
+    return logits + 2 * FP32 * local
+
+
+def fp8_layers(arch: Architecture, lay: Layout) -> int:
+    if not lay.fp8:
+        return 0
+    return arch.num_layers if lay.fp8_layers is None else lay.fp8_layers
+
+
+@dataclass
+class StageMemory:
+    stage: int
+    layers: int
+    terms: dict = field(default_factory=dict)   # {name: bytes}
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+
+def persistent_terms(arch: Architecture, lay: Layout, layers: int, *, first: bool, last: bool) -> dict:
+    """Weights, gradients and optimizer state (masters and moments) of one stage on one GPU."""
+    n = stage_parameters(arch, lay.tp, layers, first=first, last=last, pp=lay.pp)
+    shards = lay.dp * lay.cp
+    moments = 2 if lay.optimizer == "adam" else (1 if lay.sgd_momentum else 0)
+    if lay.fsdp2:
+        shard = n / shards
+        gathered = 2 * lay.compute_bytes * n / max(1, layers) if layers else 0  # this layer and the next
+        return {"weights": FP32 * shard, "gradients": FP32 * shard, "optimizer state": FP32 * moments * shard,
+                "FSDP2 gathered layers": gathered}
+    masters = FP32 if lay.compute_bytes != FP32 else 0
+    state = (masters + FP32 * moments) * n
+    terms = {"weights": lay.compute_bytes * n, "gradients": (2 if lay.grad_reduce_in_bf16 else FP32) * n,
+             "optimizer state": state / shards if lay.distributed_optimizer else state}
+    fp8 = fp8_layers(arch, lay)
+    if fp8:  # the quantized weight and its transpose, cached per optimizer step (1 byte each)
+        terms["FP8 weight copies"] = 2 * (n - (stage_parameters(arch, lay.tp, 0, first=first, last=last, pp=lay.pp)))
+        terms["FP8 weight copies"] *= min(1.0, fp8 / arch.num_layers)
+    return terms
+
+
+def stage_memory(arch: Architecture, lay: Layout, stage: int, layers: int) -> StageMemory:
+    first, last = stage == 0, stage == lay.pp - 1
+    terms = persistent_terms(arch, lay, layers, first=first, last=last)
+    saved, regroup = stage_layer_activations(arch, lay, layers)
+    in_flight = microbatches_in_flight(lay, stage)
+    terms["activations"] = saved * in_flight
+    if lay.pp > 1:  # the received input of each micro-batch in flight, kept for its backward
+        terms["pipeline inputs"] = layer_input_bytes(arch, lay) * (0 if first else in_flight)
+    if regroup:
+        terms["recompute working set"] = regroup
+    if last:
+        terms["logits and loss"] = logits_and_loss_bytes(arch, lay)
+    if lay.device == "cpu":  # the step runs after backward has freed the activations: the larger counts
+        during_backward = sum(v for k, v in terms.items() if k in _BACKWARD_TERMS)
+        terms["optimizer step beyond activations"] = max(
+            0.0, optimizer_temporaries(arch, lay, layers, first=first, last=last) - during_backward)
+    return StageMemory(stage=stage, layers=layers, terms={k: v for k, v in terms.items() if v})
+
+
+_BACKWARD_TERMS = ("activations", "pipeline inputs", "recompute working set", "logits and loss")
+
+
+def optimizer_temporaries(arch: Architecture, lay: Layout, layers: int, *, first: bool, last: bool) -> float:
+    """On CPU, PyTorch's Adam steps one tensor at a time and holds two fp32 temporaries of it
+    (sqrt of the second moment, then its bias correction): twice the largest parameter stepped here.
+    On GPU the fused Adam keeps none."""
+    h, tp = arch.hidden_size, lay.tp
+    largest = arch.hidden_size * max(arch.ffn_hidden_size * (2 if arch.gated_linear_unit else 1) // tp,
+                                     (arch.query_size + 2 * arch.kv_size) // tp) if layers else 0
+    if first or (last and (not arch.tied_embeddings or lay.pp > 1)):
+        largest = max(largest, arch.vocab_size // tp * h)
+    if lay.fsdp2:
+        largest /= lay.dp * lay.cp
+    return 2 * FP32 * largest if lay.optimizer == "adam" else 0.0
+
+
+def memory_per_stage(arch: Architecture, lay: Layout) -> list:
+    stages = lay.layers_per_stage(arch.num_layers)
+    return [stage_memory(arch, lay, stage, layers) for stage, layers in enumerate(stages)]
+
+
+def worst_stage(arch: Architecture, lay: Layout) -> StageMemory:
+    return max(memory_per_stage(arch, lay), key=lambda s: s.total)
