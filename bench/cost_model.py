@@ -17,8 +17,9 @@ H100 ceilings below:
 - launches: kernels per step; not added to the time (each kernel runs longer than its launch, so
   launches overlap the GPU's work when the host runs ahead, as it does without a per-step sync).
 
-"before" is the code as it was before the one-pass loss backward, the FP8 casts done once and the
-clipping folded into the update; "after" is this version. Both are predictions.
+"before" is the code as it was before the one-pass loss backward, the FP8 casts done once, the
+residual add fused into the next norm and the clipping folded into the update; "after" is this
+version. Both are predictions.
 """
 import argparse
 import json
@@ -71,16 +72,18 @@ def attention_flops(p: dict) -> int:
     return 3 * forward // 2
 
 
-def glue_bytes(p: dict) -> float:
+def glue_bytes(p: dict, after: bool) -> float:
     """Elementwise traffic of one layer, one micro-batch, forward and backward (bf16, compiled
-    fusions): A = one [tokens, h] activation, F = one [tokens, f], R = the rotated q and k."""
+    fusions): A = one [tokens, h] activation, F = one [tokens, f], R = the rotated q and k. After:
+    the first residual add inside the next norm (forward 4A instead of 3A + 2A; backward, the
+    norm's gradient and the residual's summed in one 4A pass instead of 3A + 3A)."""
     tokens = p["micro"] * SEQ
     d = p["h"] // p["heads"]
     a, f, r = 2 * tokens * p["h"], 2 * tokens * p["f"], 2 * tokens * (p["h"] + d * p["groups"])
     copy = 2 * a if p["micro"] > 1 else 0  # the attention output's reshape copy at micro-batch > 1
     forward = 2 * a + 2 * r + copy + 3 * a + 2 * a + 3 * f + 3 * a        # norm, rope, add, norm, swiglu, add
     backward = 3 * a + 2 * r + 3 * a + 5 * f + 2 * 3 * a                  # norms, rope, swiglu, residual sums
-    return forward + backward
+    return forward + backward - (3 * a if after else 0)
 
 
 def fp8_cast_bytes(p: dict, after: bool) -> float:
@@ -113,7 +116,7 @@ def step_parts(name: str, precision: str, after: bool) -> dict:
     layer_rate = GEMM_FP8 if precision == "fp8" else GEMM_BF16
     gemm_seconds = m * (layers * layer_gemm / layer_rate + output_gemm / GEMM_BF16)
     attention = m * layers * attention_flops(p)
-    glue = m * layers * glue_bytes(p)
+    glue = m * layers * glue_bytes(p, after)
     loss = m * tokens * p["vocab"] * (2 + (4 if after else 12))  # forward read; backward one pass or three
     # Bytes per parameter: norm 4, clipping 8 (before only), AdamW 28 (+4 after), copy 6, zeroing 4.
     optimizer = parameters(p) * (46 if after else 50)
