@@ -89,10 +89,12 @@ def main() -> None:
         "step_ms": seconds * 1000, "tflops_per_gpu": tflops, "tokens_per_gpu": tokens,
         "mfu_bf16_peak": 100 * tflops / PEAK_TFLOPS["bf16"], "mfu_fp8_peak": 100 * tflops / PEAK_TFLOPS["fp8"],
         "peak_memory_gb": utils.peak_memory_bytes(device) / 1e9, "attention": run.attention_report,
+        "fast_paths": run.fast_paths,
     }
     print(f"preset: {args.preset} | device: {figures['device']} | torch {torch.__version__} | {precision}")
     print(f"global batch: {run.global_batch_size} x {seq} tokens ({args.micro_batches} micro-batches of {micro})")
     print(f"{run.attention_report}")
+    print(run.fast_paths)
     print(f"median step time (ms): {seconds * 1000:.1f}  (min {min(times) * 1000:.1f}, max {max(times) * 1000:.1f})")
     print(f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}")
     if device.type == "cuda":

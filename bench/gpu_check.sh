@@ -1,34 +1,54 @@
 #!/usr/bin/env bash
-# One command for whoever has a GPU: install, the GPU test lane, the benchmark presets in bf16 and
-# FP8, two A/Bs, and one Markdown report.
+# One command for whoever has a GPU: install, the benchmark presets in bf16 and FP8, each
+# optimization's off-switch as an A/B, the GPU test lane, and one Markdown report.
 #
-#   bash bench/gpu_check.sh [REPORT.md]          # or GPU_CHECK_REPORT=REPORT.md bash bench/gpu_check.sh
+#   bash bench/gpu_check.sh [--dry-run] [--tunableop] [REPORT.md]   # or GPU_CHECK_REPORT=REPORT.md
+#     --dry-run    print the plan (each run with its predicted duration on one H100) and exit
+#     --tunableop  also measure bf16 llama3-8b-8layers with PyTorch TunableOp (GEMMs tuned at start)
 #   GPU_CHECK_DRY_RUN=1 bash bench/gpu_check.sh  # CPU smoke run of every step (tiny preset, no install)
-#   GPU_CHECK_BUDGET (seconds, default 540), GPU_CHECK_MAX_RUNS (default all), PYTHON (default python3)
+#   GPU_CHECK_BUDGET (seconds, default 570), GPU_CHECK_MAX_RUNS (default all), PYTHON (default python3)
 #
 # Needs: a CUDA GPU with PyTorch (and Triton) installed; no internet (the project installs with
 # --no-deps --no-build-isolation, or runs from the source tree if that fails). Steps, in order, each
-# with a time limit so the whole run stays within GPU_CHECK_BUDGET seconds (default 540 = 9 min):
+# with a time limit so the whole run fits one 10-minute command (GPU_CHECK_BUDGET, default 570 s):
 #   1. pip install --no-build-isolation --no-deps -e .
-#   2. pytest -m gpu (tests/gpu; a small built-in runner if pytest is not installed)
-#   3. bench_pretrain.py: llama3-8b-8layers bf16, llama3.2-1b bf16, llama3-8b-8layers FP8 (hybrid,
-#      delayed and tensorwise), the --no-torch-compile and --no-gradient-accumulation-fusion A/Bs on
-#      llama3-8b-8layers, then (time permitting) llama3.2-1b FP8
+#   2. bench_pretrain.py, in the order of bench/gpu_plan.py: llama3-8b-8layers and llama3.2-1b in
+#      bf16, both in FP8 (hybrid, delayed), llama3-8b-8layers FP8 tensorwise, [--tunableop: bf16 with
+#      TunableOp,] then the --no-torch-compile, --no-gradient-accumulation-fusion and
+#      --no-cross-entropy-loss-fusion A/Bs on llama3-8b-8layers. Each run is limited to 1.5x its
+#      predicted duration (at least +30 s); a run that no longer fits is skipped and logged.
+#   3. pytest -m gpu (tests/gpu; a small built-in runner if pytest is not installed) with the time left
 #   4. bench/gpu_report.py writes the report: device, versions, the test lane's outcome and, per
-#      run, TFLOP/s/GPU, MFU, tokens/s/GPU, peak memory and the attention kernel that ran.
+#      run, TFLOP/s/GPU, MFU, tokens/s/GPU, peak memory and the fast paths that ran.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
-REPORT=${1:-${GPU_CHECK_REPORT:-$ROOT/gpu_check_report.md}}
+PLAN_ONLY=0
+PLAN_ARGS=()
+REPORT_ARG=""
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) PLAN_ONLY=1 ;;
+    --tunableop) PLAN_ARGS+=(--tunableop) ;;
+    -*) echo "bench/gpu_check.sh: unknown option $arg (options: --dry-run, --tunableop, then REPORT.md)" >&2; exit 2 ;;
+    *) REPORT_ARG=$arg ;;
+  esac
+done
+REPORT=${REPORT_ARG:-${GPU_CHECK_REPORT:-$ROOT/gpu_check_report.md}}
 DRY_RUN=${GPU_CHECK_DRY_RUN:-0}
-BUDGET=${GPU_CHECK_BUDGET:-540}
+BUDGET=${GPU_CHECK_BUDGET:-570}
 MAX_RUNS=${GPU_CHECK_MAX_RUNS:-99}   # benchmark runs to do at most (the smoke test does one)
-WORK=$(mktemp -d)
-START=$SECONDS
+LANE_MIN=60                          # seconds the test lane needs at least
 PYTHON=${PYTHON:-python3}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export CUDA_DEVICE_MAX_CONNECTIONS=1   # collectives issued before the GEMMs they overlap
 
+if [ "$PLAN_ONLY" = 1 ]; then
+  exec "$PYTHON" bench/gpu_plan.py --budget "$BUDGET" "${PLAN_ARGS[@]}"
+fi
+WORK=$(mktemp -d)
+export PYTORCH_TUNABLEOP_FILENAME="$WORK/tunableop_results%d.csv"   # read only by the --tunableop run
+START=$SECONDS
 left() { echo $((BUDGET - (SECONDS - START))); }
 log() { echo "[gpu_check $((SECONDS - START))s] $*" | tee -a "$WORK/steps.log"; }
 
@@ -42,46 +62,48 @@ else
   tail -5 "$WORK/install.log" | tee -a "$WORK/steps.log"
 fi
 
-# 2. the GPU test lane
-LANE_LIMIT=$(( $(left) < 200 ? $(left) : 200 ))
-if "$PYTHON" -c "import pytest" 2>/dev/null; then
-  timeout "$LANE_LIMIT" "$PYTHON" -m pytest -q -m gpu -rA tests/gpu > "$WORK/lane.log" 2>&1
-else
-  timeout "$LANE_LIMIT" "$PYTHON" bench/run_gpu_lane.py > "$WORK/lane.log" 2>&1
-fi
-log "GPU test lane exit status $? (limit ${LANE_LIMIT}s)"
-
-# 3. benchmarks: name | preset | extra flags
+# 2. benchmarks: name | preset | flags | warm-up steps | timed steps | predicted seconds | environment
 if [ "$DRY_RUN" = 1 ]; then
-  BENCH_ARGS=(--device cpu --steps 2 --warmup 1 --micro-batches 2); BIG=tiny; SMALL=tiny; PRECISION=(--bf16)
+  BENCH_ARGS=(--device cpu); PRECISION=(--bf16); PLAN_ARGS+=(--smoke)
 else
-  BENCH_ARGS=(); BIG=llama3-8b-8layers; SMALL=llama3.2-1b; PRECISION=()
+  BENCH_ARGS=(); PRECISION=()
 fi
-RUNS=(
-  "bf16|$BIG|"
-  "bf16|$SMALL|"
-  "fp8-delayed|$BIG|--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024 --fp8-amax-compute-algo max"
-  "fp8-tensorwise|$BIG|--fp8-format hybrid --fp8-recipe tensorwise"
-  "bf16-no-torch-compile|$BIG|--no-torch-compile"
-  "bf16-no-gradient-accumulation-fusion|$BIG|--no-gradient-accumulation-fusion"
-  "fp8-delayed|$SMALL|--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024 --fp8-amax-compute-algo max"
-  "fp8-tensorwise|$SMALL|--fp8-format hybrid --fp8-recipe tensorwise"
-)
+mapfile -t RUNS < <(cd bench && "$PYTHON" gpu_plan.py --lines "${PLAN_ARGS[@]}")
 index=0
 for run in "${RUNS[@]}"; do
-  IFS='|' read -r name preset flags <<< "$run"
+  IFS='|' read -r name preset flags warmup steps estimate env <<< "$run"
   index=$((index + 1))
   if [ "$index" -gt "$MAX_RUNS" ]; then break; fi
-  remaining=$(( $(left) - 15 ))
-  if [ "$remaining" -lt 45 ]; then log "skipped $name $preset: time budget spent"; continue; fi
-  limit=$(( remaining < 150 ? remaining : 150 ))
+  limit=$(( estimate * 3 / 2 > estimate + 30 ? estimate * 3 / 2 : estimate + 30 ))
+  if [ "$DRY_RUN" != 1 ] && [ $(( $(left) - LANE_MIN )) -lt "$limit" ]; then
+    log "skipped $name $preset: needs up to ${limit}s, $(( $(left) - LANE_MIN ))s left before the test lane"
+    continue
+  fi
+  micro=()
+  if [ "$DRY_RUN" = 1 ]; then micro=(--micro-batches 2); fi
   # shellcheck disable=SC2086
-  timeout "$limit" "$PYTHON" bench/bench_pretrain.py --preset "$preset" "${BENCH_ARGS[@]}" \
-      --json "$WORK/run$index.json" -- "${PRECISION[@]}" $flags > "$WORK/run$index.log" 2>&1
+  env $env timeout "$limit" "$PYTHON" bench/bench_pretrain.py --preset "$preset" \
+      "${BENCH_ARGS[@]}" "${micro[@]}" --warmup "$warmup" --steps "$steps" --json "$WORK/run$index.json" \
+      -- "${PRECISION[@]}" $flags > "$WORK/run$index.log" 2>&1
   status=$?
-  log "bench $name $preset: exit status $status (limit ${limit}s)"
+  log "bench $name $preset: exit status $status (limit ${limit}s, predicted ${estimate}s)"
   echo "$name|$preset|$flags|$status" >> "$WORK/runs.txt"
 done
+
+# 3. the GPU test lane, with the time left
+LANE_LIMIT=$(left)
+if [ "$DRY_RUN" != 1 ] && [ "$LANE_LIMIT" -lt "$LANE_MIN" ]; then
+  log "GPU test lane skipped: ${LANE_LIMIT}s left (needs ${LANE_MIN}s)"
+  echo "skipped: ${LANE_LIMIT}s of the budget left" > "$WORK/lane.log"
+else
+  LANE_LIMIT=$(( LANE_LIMIT < LANE_MIN ? LANE_MIN : LANE_LIMIT ))
+  if "$PYTHON" -c "import pytest" 2>/dev/null; then
+    timeout "$LANE_LIMIT" "$PYTHON" -m pytest -q -m gpu -rA tests/gpu > "$WORK/lane.log" 2>&1
+  else
+    timeout "$LANE_LIMIT" "$PYTHON" bench/run_gpu_lane.py > "$WORK/lane.log" 2>&1
+  fi
+  log "GPU test lane exit status $? (limit ${LANE_LIMIT}s)"
+fi
 
 # 4. the report
 "$PYTHON" bench/gpu_report.py --work "$WORK" --report "$REPORT" --dry-run "$DRY_RUN"

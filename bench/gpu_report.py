@@ -59,6 +59,18 @@ def _runs(work: Path) -> list:
     return rows + ([""] + failures if failures else [])
 
 
+def _fast_paths(work: Path) -> list:
+    """Each run's start-up line naming the implementation of every speed-critical path."""
+    lines = []
+    runs = (work / "runs.txt").read_text().splitlines() if (work / "runs.txt").exists() else []
+    for index, line in enumerate(runs, start=1):
+        name, preset = line.split("|")[:2]
+        figures_file = work / f"run{index}.json"
+        if figures_file.exists():
+            lines.append(f"- {name} {preset}: {json.loads(figures_file.read_text()).get('fast_paths', '(not recorded)')}")
+    return lines or ["(no run finished)"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--work", required=True)
@@ -71,6 +83,7 @@ def main() -> None:
             "Protocol: bench/bench_pretrain.py, seq 4096, 8 micro-batches per step, median of 8 steps after 3 "
             "warm-up steps; MFU against 989 (BF16) and 1979 (FP8) TFLOP/s dense.", "",
             "## GPU test lane (`pytest -m gpu`)", "", *_lane(work), "", "## Benchmarks", "", *_runs(work), "",
+            "## Fast paths (the start-up line of each run)", "", *_fast_paths(work), "",
             "## Steps", "", "```", *(work / "steps.log").read_text().splitlines(), "```", ""]
     Path(args.report).write_text("\n".join(text))
 

@@ -31,6 +31,7 @@ from megatron.training.config import Config
 from megatron.training.data import build_loader
 from megatron.training.exits import ExitConditions
 from megatron.training.failures import FailureReport, Watch
+from megatron.training.fast_paths import fast_paths_line
 from megatron.training.fault_injection import FaultInjector
 from megatron.training.guards import StepGuard
 from megatron.training.initialize import initialize_distributed, world_size_from_env
@@ -79,6 +80,7 @@ class Run:
     tensorboard: TensorBoardWriter = dataclasses.field(default_factory=lambda: TensorBoardWriter(None))
     progress: Optional[ProgressLog] = None
     attention_report: str = ""
+    fast_paths: str = ""                               # the start-up line naming each path that runs
     guard: Optional[StepGuard] = None                  # NaN/Inf and spike checks of every step
     failure_report: Optional[FailureReport] = None     # names dead or hung ranks (torchrun jobs)
     straggler: Optional[StragglerReport] = None        # --log-straggler
@@ -114,6 +116,9 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int,
     chunks = builders.build_model_chunks(config, groups, model_config, rng_tracker)
     chunks = builders.wrap_data_parallel(chunks, config, groups)
     optimizer, scheduler = builders.build_optimizer(config, chunks, groups)
+    fast_paths = fast_paths_line(model_config, no_torch_compile=config.model.no_torch_compile, device=groups.device,
+                                 attention_report=attention_report, optimizer=optimizer)
+    print_rank_0(f"> {fast_paths}")
     batches = batch_schedule(config.training, groups.dp_size)
     global_batch = batches.global_batch_size
     num_microbatches = batches.num_microbatches_at(math.inf)
@@ -127,7 +132,7 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int,
                     if config.checkpoint.save or to_load is not None else None)
     run = Run(config, groups, model_config, chunks, optimizer, scheduler, forward_step_func, global_batch,
               num_microbatches, print_rank_0, vocab_size, checkpointer, to_load, batches,
-              attention_report=attention_report)
+              attention_report=attention_report, fast_paths=fast_paths)
     _add_reliability(run)
     return run
 

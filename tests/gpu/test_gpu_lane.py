@@ -1,7 +1,8 @@
 """The GPU lane (`pytest -m gpu`, run by bench/gpu_check.sh): what only a GPU can show.
 
 Compiled fusions against eager on CUDA, the fused linear and loss against the reference, FP8 GEMMs
-against bf16, the attention backends and their start-up probe, document masks with compiled
+against bf16 (and the FP8 linear keeping its compiled cast input), clipping folded into the fused
+AdamW, the attention backends and their start-up probe, document masks with compiled
 FlexAttention, the GPU-only bug fixes (device with gloo, CPU seeding, loss scale on the device),
 and bf16/fp16 training steps of pretrain_gpt.py with NCCL at world size 1. Skipped without a GPU.
 """
@@ -126,6 +127,50 @@ def test_fp8_gemms_match_bf16_on_cuda(fp8_format, recipe):
                  grad.reshape(-1, 2048).float().t() @ x.reshape(-1, 1024).float(), math.hypot(grad_u, forward_u))):
             error = ((got.float() - want).norm() / want.norm()).item()
             assert error <= bound, (fp8_format, recipe, error)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_fp8_linear_keeps_its_compiled_cast_input_on_cuda(recipe):
+    """The compiled cast (amax, cast and transpose in one function) on CUDA: the weight gradient
+    from the FP8 transpose the forward kept equals the one from casting the bf16 input again, and
+    the FP8 casts of the step equal the eager ones."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.fp8 import DelayedScaling, FP8Linear, FP8Options, cast_to_fp8, compiled_cast_to_fp8
+
+    options = FP8Options("hybrid", recipe)
+    scaling = DelayedScaling(options) if recipe == "delayed" else None
+    linear = ColumnParallelLinear(1024, 2048, bias=False, tp_group=None, tp_size=1, tp_rank=0,
+                                  params_dtype=torch.bfloat16, device=CUDA, gradient_accumulation_fusion=False)
+    linear.fp8 = FP8Linear(options, scaling, compiled=True)
+    if scaling is not None:
+        scaling.allocate(CUDA)
+        linear.fp8.bind()
+    x = randn(4, 512, 1024, seed=1, dtype=torch.bfloat16).requires_grad_()
+    grad = randn(4, 512, 2048, seed=3, dtype=torch.bfloat16, scale=1e-3)
+    linear(x).backward(grad)
+    recast = linear.fp8.wgrad(grad.reshape(-1, 2048), x.detach().reshape(-1, 1024))
+    assert torch.equal(linear.weight.grad, recast)
+    x2d = x.detach().reshape(-1, 1024)
+    for got, want in zip(compiled_cast_to_fp8()(x2d, None, torch.float8_e4m3fn, 0, True),
+                         cast_to_fp8(x2d, None, torch.float8_e4m3fn, 0, True)):
+        assert torch.equal(got.float(), want.float())
+
+
+def test_clipping_folded_into_fused_adamw_on_cuda():
+    """The fused CUDA AdamW divides the gradients by its grad_scale: the same update as clipping first."""
+    params = [randn(256, 128, seed=i).requires_grad_() for i in range(2)]
+    copies = [p.detach().clone().requires_grad_() for p in params]
+    grads = [randn(256, 128, seed=10 + i) for i in range(2)]
+    folded = torch.optim.AdamW(params, lr=1e-2, fused=True)
+    plain = torch.optim.AdamW(copies, lr=1e-2, fused=True)
+    for p, c, g in zip(params, copies, grads):
+        p.grad, c.grad = g.clone(), g * 0.25
+    folded.grad_scale = torch.full((), 4.0, device=CUDA)
+    folded.step()
+    plain.step()
+    for p, c in zip(params, copies):
+        torch.testing.assert_close(p, c, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(params[0].grad, grads[0] * 0.25)  # the kernel writes the clipped gradient back
 
 
 def test_attention_backends_and_probe_on_cuda():

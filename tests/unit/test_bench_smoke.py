@@ -46,6 +46,7 @@ def test_gpu_check_dry_run_writes_the_report(tmp_path):
     text = report.read_text()
     assert "# GPU check (CPU dry run)" in text and "needs a CUDA GPU" in text
     assert "| bf16 | tiny |" in text and "attention" in text
+    assert "- bf16 tiny: fast paths: compile: off (CPU) | weight-gradient GEMM:" in text
 
 
 def test_memory_benchmark_runs_under_torchrun():

@@ -64,9 +64,14 @@ def local_square_norm(params: list, grads: list, device: torch.device) -> torch.
     return square_norm(weighted_grads(params, grads), device)
 
 
+def clip_coefficient(grad_norm: float, max_norm: float) -> float:
+    """The factor clipping multiplies the gradients by (1.0: no clipping)."""
+    if max_norm <= 0.0:
+        return 1.0
+    return min(1.0, max_norm / (grad_norm + 1.0e-6))
+
+
 def clip_grads(grads: list, grad_norm: float, max_norm: float) -> None:
-    if max_norm <= 0.0 or not grads:
-        return
-    coefficient = max_norm / (grad_norm + 1.0e-6)
-    if coefficient < 1.0:
+    coefficient = clip_coefficient(grad_norm, max_norm)
+    if grads and coefficient < 1.0:
         torch._foreach_mul_(grads, coefficient)

@@ -4,6 +4,12 @@ The model's parameters may be bf16/fp16; their gradients live in fp32 `param.mai
 (see distributed.ddp). The inner torch optimizer works on fp32 master copies whose `.grad` is the
 `main_grad` view itself (no copy). A step: unscale (fp16) -> detect inf/NaN on every rank alike ->
 global-norm clip -> inner step -> copy masters back into the model's dtype.
+
+Passes over the parameters' memory per step (counted in tests/unit/test_optimizer_passes.py): the
+gradient norm (one multi-tensor kernel), the fused AdamW update, which also applies the clipping
+(the clip coefficient is its `grad_scale`: the gradients are divided inside the same kernel), the
+copy of the masters into the model, and the zeroing of the gradient buffer before the next step.
+Without a fused kernel (SGD) the clipping is a pass of its own.
 """
 import math
 from dataclasses import dataclass
@@ -12,7 +18,7 @@ from typing import Optional
 import torch
 
 from megatron.core.distributed import comm
-from megatron.core.optimizer.clip_grads import clip_grads, local_square_norm
+from megatron.core.optimizer.clip_grads import clip_coefficient, clip_grads, local_square_norm
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.parallel_state import ParallelGroups
 
@@ -62,10 +68,11 @@ def param_groups(config: OptimizerConfig, pairs: list, keep_empty: bool = False)
 
 
 def build_inner_optimizer(config: OptimizerConfig, param_groups: list) -> torch.optim.Optimizer:
-    on_accelerator = any(p.device.type == "cuda" for g in param_groups for p in g["params"])
+    """AdamW is torch's fused kernel (one pass over each parameter's master, gradient and moments;
+    CUDA, ROCm and CPU all have it)."""
     if config.optimizer == "adam":
         return torch.optim.AdamW(param_groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                                 eps=config.adam_eps, fused=on_accelerator or None)
+                                 eps=config.adam_eps, fused=True)
     if config.optimizer == "sgd":
         return torch.optim.SGD(param_groups, lr=config.lr, momentum=config.sgd_momentum)
     raise ValueError(f"--optimizer must be adam or sgd, got {config.optimizer!r}")
@@ -147,10 +154,20 @@ class MixedPrecisionOptimizer:
             return False, grad_norm
         if not math.isfinite(grad_norm):
             return False, grad_norm
-        clip_grads(grads, grad_norm, self.config.clip_grad)
-        self._apply_update(grads)
+        coefficient = clip_coefficient(grad_norm, self.config.clip_grad)
+        if coefficient < 1.0 and not self._fused_update():
+            clip_grads(grads, grad_norm, self.config.clip_grad)
+        elif coefficient < 1.0:  # the fused kernel divides the gradients by its grad_scale
+            self.optimizer.grad_scale = torch.full((), 1.0 / coefficient, device=self.groups.device)
+        try:
+            self._apply_update(grads)
+        finally:
+            self.optimizer.grad_scale = None
         self.num_applied_steps += 1
         return True, grad_norm
+
+    def _fused_update(self) -> bool:
+        return all(group.get("fused") for group in self.optimizer.param_groups)
 
     def _apply_update(self, grads: list) -> None:
         """The inner optimizer's step on the masters with these (clipped) gradients, then the

@@ -73,10 +73,16 @@ def chunk_log_sum_exp(chunk: torch.Tensor, local_target: torch.Tensor, outside: 
 
 def chunk_softmax_grad_(chunk: torch.Tensor, lse: torch.Tensor, local_target: torch.Tensor,
                         outside: torch.Tensor, grad_loss: torch.Tensor) -> None:
-    """In place: chunk <- (softmax(chunk) - onehot(target)) * grad_loss, computed in fp32."""
+    """In place: chunk <- (softmax(chunk) - onehot(target)) * grad_loss, computed in fp32.
+
+    The one-hot is a comparison inside the same elementwise expression (`where`), not a
+    `scatter_add_` into the probabilities: compiled, this is one pass that reads the logits and
+    writes the gradient over them, with no fp32 [rows, V] buffer (a scatter makes inductor
+    materialize the probabilities in fp32 and pass over them three times)."""
     probs = (chunk.float() - lse.unsqueeze(-1)).exp()
-    probs.scatter_add_(-1, local_target.unsqueeze(-1), (outside.float() - 1.0).unsqueeze(-1))
-    chunk.copy_(probs * grad_loss.unsqueeze(-1))
+    vocab_ids = torch.arange(chunk.shape[-1], device=chunk.device)
+    is_target = (vocab_ids == local_target.unsqueeze(-1)) & ~outside.unsqueeze(-1)
+    chunk.copy_(torch.where(is_target, probs - 1.0, probs) * grad_loss.unsqueeze(-1))
 
 
 class _FusedCrossEntropy(torch.autograd.Function):

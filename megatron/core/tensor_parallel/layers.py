@@ -260,27 +260,33 @@ class _LinearFunction(torch.autograd.Function):
         if input_comm == GATHER_INPUT:
             total = x.new_empty((comm.size(group) * x.shape[0], *x.shape[1:]))
             comm.all_gather_into_tensor(total, x, group)
+        fp8_input = None  # FP8: the input's cast transpose, kept for the weight gradient instead of x
         if fp8 is not None:
-            y = fp8.forward(total, weight)
+            y, fp8_input = fp8.forward_keeping_input(total, weight, keep_input=input_comm != GATHER_INPUT)
             y = y + bias if bias is not None else y
         else:
             y = F.linear(total, weight, bias)
-        ctx.save_for_backward(x, weight)  # x: the local shard under sequence parallelism
+        if fp8_input is not None:
+            ctx.save_for_backward(None, weight, *fp8_input)
+        else:
+            ctx.save_for_backward(x, weight)  # x: the local shard under sequence parallelism
         ctx.group, ctx.input_comm, ctx.fp8 = group, input_comm, fp8
         ctx.fuse_wgrad, ctx.notify, ctx.has_bias = fuse_wgrad, notify, bias is not None
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
+        x, weight, *fp8_input = ctx.saved_tensors
         group, fp8 = ctx.group, ctx.fp8
         total, gather = x, None
         if ctx.input_comm == GATHER_INPUT and ctx.needs_input_grad[1]:
             total = x.new_empty((comm.size(group) * x.shape[0], *x.shape[1:]))
             gather = comm.all_gather_into_tensor(total, x, group, async_op=True)
+        # FP8: the output gradient is cast once, for both GEMMs.
+        grad_fp8 = fp8.quantize_grad(grad, transpose=ctx.needs_input_grad[1]) if fp8 is not None else None
         grad_input, reduction = None, None
         if ctx.needs_input_grad[0]:
-            grad_input = fp8.dgrad(grad, weight) if fp8 is not None else grad.matmul(weight)
+            grad_input = fp8.dgrad(grad, weight, grad_fp8) if fp8 is not None else grad.matmul(weight)
         if gather is not None:
             gather.wait()
         if grad_input is not None and ctx.input_comm == GATHER_INPUT:
@@ -292,20 +298,22 @@ class _LinearFunction(torch.autograd.Function):
         grad2d = grad.reshape(-1, grad.shape[-1])
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = _weight_gradient(ctx, grad2d, total.reshape(-1, total.shape[-1]), weight)
+            input2d = total.reshape(-1, total.shape[-1]) if total is not None else None
+            grad_weight = _weight_gradient(ctx, grad2d, input2d, weight, grad_fp8, fp8_input or None)
         grad_bias = grad2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if reduction is not None:
             reduction.wait()
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
-def _weight_gradient(ctx, grad2d, input2d, weight):
-    """dW = grad^T x, accumulated into `weight.main_grad` (returning None) when fused."""
+def _weight_gradient(ctx, grad2d, input2d, weight, grad_fp8=None, fp8_input=None):
+    """dW = grad^T x, accumulated into `weight.main_grad` (returning None) when fused. FP8: from
+    the cast output gradient and the input as the forward kept it (else `input2d`)."""
     fp8 = ctx.fp8
     if not ctx.fuse_wgrad:
-        return fp8.wgrad(grad2d, input2d) if fp8 is not None else grad2d.t().matmul(input2d)
+        return fp8.wgrad(grad2d, input2d, grad_fp8, fp8_input) if fp8 is not None else grad2d.t().matmul(input2d)
     if fp8 is not None:
-        weight.main_grad.add_(fp8.wgrad(grad2d, input2d))
+        weight.main_grad.add_(fp8.wgrad(grad2d, input2d, grad_fp8, fp8_input))
     else:
         accumulate_matmul_(weight.main_grad, grad2d.t(), input2d)
     if ctx.notify:

@@ -41,6 +41,14 @@ PROBED = ("cudnn", "flash", "efficient")  # what --attention-backend auto times 
 CPU_KERNELS = (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH)  # the SDPA kernels PyTorch has on the CPU
 
 
+def no_kernel_for(error: RuntimeError) -> bool:
+    """Whether `error` is SDPA saying that none of the allowed kernels takes these inputs (the one
+    failure a fallback answers; out-of-memory and every other error propagate)."""
+    message = str(error)
+    return not isinstance(error, torch.OutOfMemoryError) and (
+        "No available kernel" in message or "No viable backend" in message)  # CUDA's, CPU's wording
+
+
 def flash_attn_available() -> bool:
     return flash_attn_module() is not None
 
@@ -95,8 +103,13 @@ class CoreAttention(torch.nn.Module):
             if group > 1 and not self.expand_kv:
                 try:
                     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, enable_gqa=True, **mask)
-                except RuntimeError:  # this kernel takes no grouped k/v: expand them from now on
+                except RuntimeError as error:  # no kernel takes grouped k/v here: expand them from now on
+                    if not no_kernel_for(error):
+                        raise
                     self.expand_kv = True
+                    logger.warning("attention: no SDPA kernel takes grouped key/value heads on %s; "
+                                   "expanding them (repeat_interleave) from now on (%s)",
+                                   list(q.shape), str(error).splitlines()[0])
             if group > 1:
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, **mask)
@@ -175,25 +188,43 @@ def resolve_attention_backend(requested: str, *, batch: int, heads: int, groups:
     return best, f"attention: auto -> {best} (fwd+bwd probed on [{batch}, {heads}, {seq}, {head_dim}]: {probed})"
 
 
+def probe_inputs(batch, heads, groups, seq, head_dim, dtype, device):
+    """q, k, v [b, n, s, d] laid out as `SelfAttention` passes them (permuted views of [s, b, n, d]
+    tensors: q and k as the rotation writes them, v a view of the fused QKV output), and a dense
+    output gradient [b, nq, s, d] in the layout the output projection's backward returns."""
+    qkv = torch.randn(seq, batch, (heads + 2 * groups) * head_dim, device=device, dtype=dtype, requires_grad=True)
+    q, k, v = qkv.split((heads * head_dim, groups * head_dim, groups * head_dim), dim=-1)
+    q = q.reshape(seq, batch, heads, head_dim).contiguous()   # the rotation's output
+    k = k.reshape(seq, batch, groups, head_dim).contiguous()
+    v = v.view(seq, batch, groups, head_dim)
+    grad = torch.randn(seq, batch, heads, head_dim, device=device, dtype=dtype).permute(1, 2, 0, 3)
+    return (*(t.permute(1, 2, 0, 3) for t in (q, k, v)), grad)
+
+
 def _time_backend(name, batch, heads, groups, seq, head_dim, dtype, device, repeats: int = 3):
-    """Seconds per forward+backward of `name` on that shape, or None if it cannot run it."""
+    """Seconds per forward+backward of `name` on that shape and layout, or None (logged, with the
+    reason) if no kernel of `name` takes it."""
     from types import SimpleNamespace
 
     config = SimpleNamespace(attention_backend=name, attention_dropout=0.0)
     attention = CoreAttention(config, None)
-    q = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
-    k = torch.randn(batch, groups, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
-    v = torch.randn_like(k, requires_grad=True)
+    q, k, v, grad = probe_inputs(batch, heads, groups, seq, head_dim, dtype, device)
     try:
-        attention(q, k, v).sum().backward()  # warm-up (and the check that it runs)
+        attention(q, k, v).backward(grad)  # warm-up (and the check that it runs)
         utils.synchronize(device)
         start = time.perf_counter()
         for _ in range(repeats):
-            attention(q, k, v).sum().backward()
+            attention(q, k, v).backward(grad)
         utils.synchronize(device)
     except RuntimeError as error:
-        logger.info("attention probe: %s cannot run this shape (%s)", name, str(error).splitlines()[0])
+        if not no_kernel_for(error):
+            raise
+        logger.info("attention probe: %s cannot run [%d, %d, %d, %d] (%s)", name, batch, heads, seq, head_dim,
+                    str(error).splitlines()[0])
         return None
+    if attention.expand_kv and groups < heads:
+        logger.info("attention probe: %s runs [%d, %d, %d, %d] only with key/value heads expanded", name,
+                    batch, heads, seq, head_dim)
     return (time.perf_counter() - start) / repeats
 
 

@@ -9,15 +9,24 @@ Recipes (`--fp8-recipe`), i.e. how the scale that maps a tensor into the format'
 - `tensorwise` (current scaling): one scale per tensor from that tensor's own amax.
 - `delayed`: one scale per tensor from the amax history of earlier micro-batches
   (`--fp8-amax-history-len` entries, reduced by `--fp8-amax-compute-algo max|most_recent`). Each
-  quantization records its amax; the history rolls once per micro-batch, at the start of the
-  model's forward. Until the first roll (the first micro-batch) it scales like `tensorwise`.
+  quantization records its amax; the history rolls once per training micro-batch, at the start of
+  the model's forward (evaluation forwards neither record nor roll). A weight is quantized once per
+  optimizer step, and its amax enters the history on every roll of that step, so `max` over a
+  history shorter than the micro-batches of a step still sees it. Until the first roll (the first
+  micro-batch) it scales like `tensorwise`.
 - `rowwise`: one scale per row of each GEMM operand along the contracted dimension (per token for
   activations and gradients, per channel for weights), so a tensor is quantized once per GEMM it
   feeds, along that GEMM's axis. E4M3 only.
 
 Every recipe divides the scale by 2^`--fp8-margin`. Weights are quantized once per optimizer step
 (the cast and its transpose are cached and reused by every micro-batch until the weight changes).
-Activations are saved for backward in bf16 as in the bf16 path and quantized again there.
+With one scale per tensor (`tensorwise`, `delayed`) every tensor is quantized once: the forward
+casts its input together with the input's transpose (one kernel when compiled) and keeps the FP8
+transpose for the weight-gradient GEMM instead of the bf16 input, and the backward casts the output
+gradient once, with its transpose, for both the input- and the weight-gradient GEMM. Under sequence
+parallelism the input is kept as the local bf16 shard, re-gathered and cast in backward, as in bf16.
+`rowwise` scales each GEMM operand along that GEMM's contracted axis, so a tensor feeding two GEMMs
+is cast twice, and its input is kept in bf16.
 Megatron's `blockwise` and `mxfp8` recipes exist only as Transformer Engine kernels and are named
 errors here.
 """
@@ -92,11 +101,29 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     return (x.float() * scale).clamp(-limit, limit).to(dtype)
 
 
+def cast_to_fp8(x: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtype, margin: int,
+                transpose: bool, cast=quantize):
+    """One scale for the whole tensor: (x cast to `dtype`, its transpose made contiguous or None,
+    the scale used, amax of x). `scale` None: from x's own amax (current scaling). Compiled, the
+    amax, the cast and the transpose are one function (one kernel for the cast and the transpose)."""
+    amax = amax_of(x)
+    if scale is None:
+        scale = scale_from_amax(amax, dtype, margin)
+    q = cast(x, scale, dtype)
+    return q, (q.t().contiguous() if transpose else None), scale, amax
+
+
 @functools.lru_cache(maxsize=None)
 def compiled_quantize():
     """`quantize` as one fused kernel per cast (GPU). Shape-dynamic: one graph serves every linear's
     operands, instead of one recompilation per shape."""
     return torch.compile(quantize, dynamic=True)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_cast_to_fp8():
+    """`cast_to_fp8` compiled (GPU), shape-dynamic like `compiled_quantize`."""
+    return torch.compile(cast_to_fp8, dynamic=True)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
@@ -107,7 +134,7 @@ def amax_of(x: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
     """max |x| in fp32, over everything or along `dim` (kept)."""
     if dim is None:
         return torch.linalg.vector_norm(x, ord=math.inf, dtype=torch.float32)
-    return x.abs().amax(dim=dim, keepdim=True).float()
+    return torch.linalg.vector_norm(x, ord=math.inf, dim=dim, keepdim=True, dtype=torch.float32)
 
 
 def scaled_mm(a_q, b_q, a_scale, b_scale, out_dtype):
@@ -129,9 +156,10 @@ class DelayedScaling:
     def __init__(self, options: FP8Options):
         self.options = options
         self.num_slots = 0
-        self.history = self.amax = self.scale = None
+        self.history = self.amax = self.scale = self.weight_amax = None
         self.ready = False      # a scale from history exists (after the first roll)
         self._recorded = False  # amaxes were recorded since the last roll
+        self.recording = True   # False in evaluation forwards: they leave the history as it is
 
     def new_slots(self, count: int) -> int:
         first = self.num_slots
@@ -142,34 +170,47 @@ class DelayedScaling:
         self.history = torch.zeros(self.options.amax_history_len, self.num_slots, device=device)
         self.amax = torch.zeros(self.num_slots, device=device)
         self.scale = torch.ones(self.num_slots, device=device)
+        self.weight_amax = torch.zeros(self.num_slots, device=device)  # the cached weights' amaxes
         self.limits = torch.full((self.num_slots,), fp8_max(torch.float8_e4m3fn), device=device)
 
     def state_tensors(self) -> dict:
         """Everything a resumed run needs to scale exactly as this one would (checkpoints)."""
-        return {"history": self.history, "amax": self.amax, "scale": self.scale,
+        return {"history": self.history, "amax": self.amax, "scale": self.scale, "weight_amax": self.weight_amax,
                 "flags": torch.tensor([self.ready, self._recorded])}
 
     def load_state_tensors(self, tensors: dict) -> None:
         self.history = tensors["history"].to(self.history.device)
         self.amax = tensors["amax"].to(self.amax.device)
         self.scale = tensors["scale"].to(self.scale.device)
+        if "weight_amax" in tensors:  # absent from checkpoints written before it was kept
+            self.weight_amax = tensors["weight_amax"].to(self.weight_amax.device)
         self.ready, self._recorded = (bool(flag) for flag in tensors["flags"])
 
     def set_limit(self, slot: int, dtype: torch.dtype) -> None:
         self.limits[slot] = fp8_max(dtype)
 
     def record(self, slot: int, amax: torch.Tensor) -> None:
+        if not self.recording:
+            return
         current = self.amax.narrow(0, slot, 1)
         torch.maximum(current, amax.reshape(1), out=current)
         self._recorded = True
 
+    def record_weight(self, slot: int, amax: torch.Tensor) -> None:
+        """A weight's amax, at its one cast per optimizer step: it enters every roll until the
+        weight is cast again (the cast is cached, so nothing else records it). Kept in evaluation
+        too: a weight first cast by an evaluation forward is not cast again by training's."""
+        self.weight_amax.narrow(0, slot, 1).copy_(amax.reshape(1))
+        self._recorded = self._recorded or self.recording
+
     def roll(self) -> None:
-        """Called once per micro-batch (model forward): the amaxes recorded since the last call
-        become the newest history entry, and the scales are recomputed from the history."""
-        if not self._recorded:
+        """Called once per training micro-batch (model forward): the amaxes recorded since the last
+        call, and the cached weights' amaxes, become the newest history entry, and the scales are
+        recomputed from the history."""
+        if not self._recorded or not self.recording:
             return
         self.history = torch.roll(self.history, 1, dims=0)
-        self.history[0] = self.amax
+        torch.maximum(self.amax, self.weight_amax, out=self.history[0])
         self.amax.zero_()
         if self.options.amax_compute_algo == "max":
             amax = self.history.amax(dim=0)
@@ -183,10 +224,15 @@ class DelayedScaling:
 
 
 class FP8Linear:
-    """The GEMMs of one linear layer in FP8 (the `fp8` argument of `linear_with_grad_accumulation`)."""
+    """The GEMMs of one linear layer in FP8 (the `fp8` argument of `linear_with_grad_accumulation`).
+
+    The linear layer calls `forward_keeping_input` (which also returns what backward keeps of the
+    input), then in backward `quantize_grad` once, and `dgrad` and `wgrad` with its result. Called
+    alone, `forward`, `dgrad` and `wgrad` cast what they are given."""
 
     def __init__(self, options: FP8Options, scaling: Optional[DelayedScaling], compiled: bool = False):
         self.options = options
+        self.compiled = compiled
         self._cast = compiled_quantize() if compiled else quantize
         self.forward_dtype, self.grad_dtype = FORMATS[options.format]
         self.rowwise = options.recipe == "rowwise"
@@ -202,23 +248,27 @@ class FP8Linear:
             for role, dtype in ((INPUT, self.forward_dtype), (WEIGHT, self.forward_dtype), (GRAD, self.grad_dtype)):
                 self.scaling.set_limit(self.first_slot + role, dtype)
 
-    def _tensor_scale(self, x: torch.Tensor, role: int, dtype: torch.dtype) -> torch.Tensor:
-        """One scale for the whole tensor (tensorwise or delayed); records the amax for delayed."""
-        amax = amax_of(x)
-        if self.scaling is None:
-            return scale_from_amax(amax, dtype, self.options.margin)
-        slot = self.first_slot + role
-        self.scaling.record(slot, amax)
-        if self.scaling.ready:
-            return self.scaling.scale[slot]
-        return scale_from_amax(amax, dtype, self.options.margin)
-
-    def _quantize(self, x: torch.Tensor, role: int, dtype: torch.dtype, dim: Optional[int] = None):
-        """(fp8 tensor, scale): per tensor, or per slice along `dim` (rowwise recipe)."""
-        if self.rowwise:
-            scale = scale_from_amax(amax_of(x, dim), dtype, self.options.margin)
+    def _cast_whole(self, x: torch.Tensor, role: int, dtype: torch.dtype, transpose: bool = False):
+        """One scale for the whole tensor (tensorwise or delayed; records the amax for delayed):
+        (fp8 tensor, its contiguous transpose or None, scale)."""
+        scaling = self.scaling
+        slot = None if scaling is None else self.first_slot + role
+        scale = scaling.scale[slot] if scaling is not None and scaling.ready else None
+        if self.compiled:
+            q, q_t, scale, amax = compiled_cast_to_fp8()(x, scale, dtype, self.options.margin, transpose)
         else:
-            scale = self._tensor_scale(x, role, dtype)
+            q, q_t, scale, amax = cast_to_fp8(x, scale, dtype, self.options.margin, transpose, cast=self._cast)
+        if scaling is not None:
+            (scaling.record_weight if role == WEIGHT else scaling.record)(slot, amax)
+        return q, q_t, scale
+
+    def _tensor_scale(self, x: torch.Tensor, role: int, dtype: torch.dtype) -> torch.Tensor:
+        """The scale `_cast_whole` would use for `x` (recording its amax, as a cast does)."""
+        return self._cast_whole(x, role, dtype)[2]
+
+    def _quantize_rowwise(self, x: torch.Tensor, dtype: torch.dtype, dim: int):
+        """(fp8 tensor, scale per slice along `dim`)."""
+        scale = scale_from_amax(amax_of(x, dim), dtype, self.options.margin)
         return self._cast(x, scale, dtype), scale
 
     def _weights(self, weight: torch.Tensor) -> dict:
@@ -228,39 +278,72 @@ class FP8Linear:
         if key != self._weight_key:
             w = weight.detach()
             if self.rowwise:
-                forward_q, forward_scale = self._quantize(w, WEIGHT, self.forward_dtype, dim=1)   # [N, 1]
-                dgrad_q, dgrad_scale = self._quantize(w, WEIGHT, self.forward_dtype, dim=0)     # [1, K]
+                forward_q, forward_scale = self._quantize_rowwise(w, self.forward_dtype, dim=1)   # [N, 1]
+                dgrad_q, dgrad_scale = self._quantize_rowwise(w, self.forward_dtype, dim=0)     # [1, K]
+                self._weight = {"forward": (forward_q.t(), forward_scale.t()),
+                                "dgrad": (_column_major(dgrad_q), dgrad_scale)}
             else:
-                forward_q, forward_scale = self._quantize(w, WEIGHT, self.forward_dtype)
-                dgrad_q, dgrad_scale = forward_q, forward_scale
-            self._weight = {"forward": (forward_q.t(), forward_scale.t() if self.rowwise else forward_scale),
-                            "dgrad": (_column_major(dgrad_q), dgrad_scale)}
+                # W^T contiguous is W column-major: the input-gradient GEMM's second operand.
+                w_q, w_t, scale = self._cast_whole(w, WEIGHT, self.forward_dtype, transpose=True)
+                self._weight = {"forward": (w_q.t(), scale), "dgrad": (w_t.t(), scale)}
             self._weight_key = key
         return self._weight
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [..., K] @ weight[N, K]^T -> [..., N] in x's dtype."""
+        return self.forward_keeping_input(x, weight, keep_input=False)[0]
+
+    def forward_keeping_input(self, x: torch.Tensor, weight: torch.Tensor, keep_input: bool):
+        """As `forward`, returning (output, kept): `kept` is what `wgrad` needs of the input, its FP8
+        transpose and scale (a tuple of tensors), or None where backward must bring the bf16 input
+        (rowwise, or `keep_input` False)."""
         x2d = x.reshape(-1, x.shape[-1])
-        x_q, x_scale = self._quantize(x2d, INPUT, self.forward_dtype, dim=1)
+        kept = None
+        if self.rowwise:
+            x_q, x_scale = self._quantize_rowwise(x2d, self.forward_dtype, dim=1)
+        else:
+            x_q, x_t, x_scale = self._cast_whole(x2d, INPUT, self.forward_dtype, transpose=keep_input)
+            kept = (x_t, x_scale) if keep_input else None
         w_q, w_scale = self._weights(weight)["forward"]
         y = scaled_mm(x_q, w_q, x_scale, w_scale, x.dtype)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return y.view(*x.shape[:-1], y.shape[-1]), kept
 
-    def dgrad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """grad [..., N] @ weight [N, K] -> [..., K]."""
+    def quantize_grad(self, grad: torch.Tensor, transpose: bool = True):
+        """The output gradient [..., N], cast once for both gradient GEMMs: (fp8 [T, N], its
+        transpose [N, T] or None, scale, dtype, shape). Rowwise casts per GEMM, so it keeps `grad`."""
         grad2d = grad.reshape(-1, grad.shape[-1])
-        g_q, g_scale = self._quantize(grad2d, GRAD, self.grad_dtype, dim=1)
-        w_q, w_scale = self._weights(weight)["dgrad"]
-        out = scaled_mm(g_q, w_q, g_scale, w_scale, grad.dtype)
-        return out.view(*grad.shape[:-1], out.shape[-1])
+        if self.rowwise:
+            return grad2d, None, None, grad.dtype, grad.shape
+        g_q, g_t, scale = self._cast_whole(grad2d, GRAD, self.grad_dtype, transpose=transpose)
+        return g_q, g_t, scale, grad.dtype, grad.shape
 
-    def wgrad(self, grad2d: torch.Tensor, input2d: torch.Tensor) -> torch.Tensor:
-        """grad^T [N, T] @ input [T, K] -> [N, K] in the input's dtype."""
-        g_q, g_scale = self._quantize(grad2d, GRAD, self.grad_dtype, dim=0)       # rowwise: [1, N]
-        x_q, x_scale = self._quantize(input2d, INPUT, self.forward_dtype, dim=0)  # rowwise: [1, K]
-        g_t = g_q.t().contiguous()
-        return scaled_mm(g_t, _column_major(x_q), g_scale.t() if self.rowwise else g_scale, x_scale,
-                         input2d.dtype)
+    def dgrad(self, grad: torch.Tensor, weight: torch.Tensor, grad_fp8: Optional[tuple] = None) -> torch.Tensor:
+        """grad [..., N] @ weight [N, K] -> [..., K]; `grad_fp8`: grad as `quantize_grad` cast it."""
+        if grad_fp8 is None:
+            grad_fp8 = self.quantize_grad(grad, transpose=False)
+        g_q, _, g_scale, dtype, shape = grad_fp8
+        if self.rowwise:
+            g_q, g_scale = self._quantize_rowwise(g_q, self.grad_dtype, dim=1)
+        w_q, w_scale = self._weights(weight)["dgrad"]
+        out = scaled_mm(g_q, w_q, g_scale, w_scale, dtype)
+        return out.view(*shape[:-1], out.shape[-1])
+
+    def wgrad(self, grad2d: torch.Tensor, input2d: Optional[torch.Tensor], grad_fp8: Optional[tuple] = None,
+              kept: Optional[tuple] = None) -> torch.Tensor:
+        """grad^T [N, T] @ input [T, K] -> [N, K] in the gradient's dtype. `grad_fp8`: grad as
+        `quantize_grad` cast it; the input as `forward_keeping_input` kept it, else `input2d`."""
+        if grad_fp8 is None:
+            grad_fp8 = self.quantize_grad(grad2d)
+        g_q, g_t, g_scale, dtype, _ = grad_fp8
+        if self.rowwise:
+            g_q, g_scale = self._quantize_rowwise(g_q, self.grad_dtype, dim=0)        # [1, N]
+            x_q, x_scale = self._quantize_rowwise(input2d, self.forward_dtype, dim=0)  # [1, K]
+            return scaled_mm(g_q.t().contiguous(), _column_major(x_q), g_scale.t(), x_scale, dtype)
+        if kept is None:
+            _, x_t, x_scale = self._cast_whole(input2d, INPUT, self.forward_dtype, transpose=True)
+        else:
+            x_t, x_scale = kept
+        return scaled_mm(g_t, x_t.t(), g_scale, x_scale, dtype)
 
 
 def fp8_layer_numbers(config) -> set:

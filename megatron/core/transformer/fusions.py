@@ -1,4 +1,5 @@
-"""Elementwise chains that run as one kernel each when compiled: RMSNorm, RoPE, SwiGLU.
+"""Elementwise chains that run as one kernel each when compiled: RMSNorm (alone, or with the
+residual add before it), RoPE, SwiGLU.
 
 Eagerly, each is several memory-bound kernels over a full activation (RMSNorm upcasts, squares,
 reduces, scales, casts and multiplies). With `TransformerConfig.fuse_elementwise` the modules call
@@ -24,6 +25,20 @@ def rms_norm_1p(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return (normed * (weight.float() + 1.0)).to(x.dtype)
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(residual + delta, rms_norm(residual + delta)): a residual connection and the norm after it.
+    Compiled, one kernel forward, and in backward the sum of the two gradients that reach the new
+    residual (from the next residual add and through the norm) happens in the norm's kernel."""
+    x = residual + delta
+    return x, rms_norm(x, weight, eps)
+
+
+def add_rms_norm_1p(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """As `add_rms_norm`, with the zero-centered weight of `rms_norm_1p`."""
+    x = residual + delta
+    return x, rms_norm_1p(x, weight, eps)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""One pre-norm transformer layer: x + attention(norm(x)), then x + mlp(norm(x))."""
+"""One pre-norm transformer layer: x + attention(norm(x)), then x + mlp(norm(x)).
+
+The first residual add and the norm after it are one call (`add_and_norm`: one kernel when the
+fusions are compiled, forward and backward)."""
 import torch
 import torch.nn.functional as F
 
@@ -23,8 +26,9 @@ class TransformerLayer(torch.nn.Module):
 
     def forward(self, x, rotary=None, attention_mask=None):
         # x: [s, b, h] ([s/tp, b, h] with sequence parallelism)
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary, attention_mask))
-        x = x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
+        attention = self._dropout(self.self_attention(self.input_layernorm(x), rotary, attention_mask))
+        x, normed = self.pre_mlp_layernorm.add_and_norm(x, attention)  # x + attention, and its norm
+        x = x + self._dropout(self.mlp(normed))
         return x
 
     def _dropout(self, x):

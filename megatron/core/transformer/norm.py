@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.layers import replicated_layout, set_layout
-from megatron.core.transformer.fusions import pick, rms_norm, rms_norm_1p
+from megatron.core.transformer.fusions import add_rms_norm, add_rms_norm_1p, pick, rms_norm, rms_norm_1p
 
 
 class RMSNorm(torch.nn.Module):
@@ -20,9 +20,14 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device))
         self._norm = pick(rms_norm_1p if zero_centered else rms_norm, fuse)
+        self._add_norm = pick(add_rms_norm_1p if zero_centered else add_rms_norm, fuse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor) -> tuple:
+        """(residual + delta, its norm): one kernel when compiled (fusions.add_rms_norm)."""
+        return self._add_norm(residual, delta, self.weight, self.eps)
 
 
 class LayerNorm(torch.nn.Module):
@@ -38,6 +43,10 @@ class LayerNorm(torch.nn.Module):
             return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
         normed = F.layer_norm(x.float(), x.shape[-1:], None, None, self.eps)
         return (normed * (self.weight.float() + 1.0) + self.bias.float()).to(x.dtype)
+
+    def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor) -> tuple:
+        x = residual + delta
+        return x, self(x)
 
 
 def build_norm(config, hidden_size: int, *, tp_size: int, tp_rank: int, device,

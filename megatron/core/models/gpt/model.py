@@ -120,7 +120,8 @@ class GPTModel(torch.nn.Module):
         if document_ids is not None:
             attention_mask = document_attention_mask(document_ids)
         if self.fp8_scaling is not None:
-            self.fp8_scaling.roll()  # one amax-history entry per micro-batch
+            self.fp8_scaling.recording = self.training  # evaluation leaves the amax history alone
+            self.fp8_scaling.roll()  # one amax-history entry per training micro-batch
         if not self.pre_process:
             x = hidden_states if hidden_states is not None else self.input_tensor
         else:

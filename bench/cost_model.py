@@ -1,0 +1,188 @@
+"""Predicted step time of the single-GPU benchmark presets on an H100, from counted work and measured ceilings.
+
+    python bench/cost_model.py              # the tables of docs/performance.md ("Cost model")
+    python bench/cost_model.py --json       # the same figures as JSON (bench/gpu_plan.py takes its step times)
+
+Nothing here runs on a GPU. Per optimizer step (8 micro-batches, seq 4096, the presets of
+bench/bench_pretrain.py) the step is cut into parts, each with the work it does and a time from the
+H100 ceilings below:
+
+- GEMMs and attention: FLOPs counted by `torch.utils.flop_counter` on meta tensors of each
+  layer's shapes (forward and backward; causal attention counted as half, as Megatron's formula
+  does), timed at the measured GEMM and SDPA rates.
+- glue (norms, RoPE, SwiGLU, residual adds and their backward), loss, FP8 casts and optimizer:
+  bytes read and written, per the passes the code makes (those of the loss, the FP8 casts and
+  the optimizer are counted by tests/unit/test_loss_passes.py, test_fp8_work.py and
+  test_optimizer_passes.py), timed at the HBM rate.
+- launches: kernels per step; not added to the time (each kernel runs longer than its launch, so
+  launches overlap the GPU's work when the host runs ahead, as it does without a per-step sync).
+
+"before" is the code as it was before the one-pass loss backward, the FP8 casts done once, the
+residual add fused into the next norm and the clipping folded into the update; "after" is this
+version. Both are predictions.
+"""
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+# H100 80GB SXM ceilings measured at these shapes (middle of each measured range), bytes/s and FLOP/s.
+GEMM_BF16, GEMM_FP8 = 630e12, 1000e12            # measured 545-715 and 742-1280 TFLOP/s
+ATTENTION = {64: 338e12, 128: 414e12}           # SDPA causal flash forward+backward, by head dim
+HBM = 2.9e12                                    # 2.8-3.0 TB/s in practice
+PEAK = {"bf16": 989e12, "fp8": 1979e12}         # dense peaks MFU is reported against (BF16 for both)
+LAUNCH_SECONDS = 4e-6
+MICRO_BATCHES, SEQ = 8, 4096
+PRESETS = {  # as bench/bench_pretrain.py and docs/performance.md
+    "llama3.2-1b": dict(h=2048, layers=16, heads=32, groups=8, f=8192, vocab=128256, tied=True, micro=2),
+    "llama3-8b-8layers": dict(h=4096, layers=8, heads=32, groups=8, f=14336, vocab=128256, tied=False, micro=1),
+}
+
+
+def _meta_flops(function) -> int:
+    with FlopCounterMode(display=False) as counter:
+        function()
+    return counter.get_total_flops()
+
+
+def linear_shapes(p: dict) -> list:
+    """(in, out) of one layer's linears: QKV, attention output, fc1 (gate and up), fc2."""
+    d = p["h"] // p["heads"]
+    return [(p["h"], p["h"] + 2 * d * p["groups"]), (p["h"], p["h"]), (p["h"], 2 * p["f"]), (p["f"], p["h"])]
+
+
+def gemm_flops(tokens: int, fan_in: int, fan_out: int) -> int:
+    """Forward and backward FLOPs of x [tokens, in] @ W^T, counted on meta tensors."""
+    def run():
+        x = torch.empty(tokens, fan_in, device="meta", requires_grad=True)
+        w = torch.empty(fan_out, fan_in, device="meta", requires_grad=True)
+        (x @ w.t()).backward(torch.empty(tokens, fan_out, device="meta"))
+    return _meta_flops(run)
+
+
+def attention_flops(p: dict) -> int:
+    """Forward and backward of one layer's causal attention for one micro-batch, counted on meta
+    tensors (the counter counts the full square) and halved for causality; backward as 2x forward,
+    Megatron's convention."""
+    d = p["h"] // p["heads"]
+    q = torch.empty(p["micro"], p["heads"], SEQ, d, device="meta")
+    forward = _meta_flops(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True))
+    return 3 * forward // 2
+
+
+def glue_bytes(p: dict, after: bool) -> float:
+    """Elementwise traffic of one layer, one micro-batch, forward and backward (bf16, compiled
+    fusions): A = one [tokens, h] activation, F = one [tokens, f], R = the rotated q and k. After:
+    the first residual add inside the next norm (forward 4A instead of 3A + 2A; backward, the
+    norm's gradient and the residual's summed in one 4A pass instead of 3A + 3A)."""
+    tokens = p["micro"] * SEQ
+    d = p["h"] // p["heads"]
+    a, f, r = 2 * tokens * p["h"], 2 * tokens * p["f"], 2 * tokens * (p["h"] + d * p["groups"])
+    copy = 2 * a if p["micro"] > 1 else 0  # the attention output's reshape copy at micro-batch > 1
+    forward = 2 * a + 2 * r + copy + 3 * a + 2 * a + 3 * f + 3 * a        # norm, rope, add, norm, swiglu, add
+    backward = 3 * a + 2 * r + 3 * a + 5 * f + 2 * 3 * a                  # norms, rope, swiglu, residual sums
+    return forward + backward - (3 * a if after else 0)
+
+
+def fp8_cast_bytes(p: dict, after: bool) -> float:
+    """Per micro-batch and layer: casting each linear's input and output gradient (bf16 read, FP8
+    written), with the amax pass of current scaling counted as a read; weights once per step."""
+    tokens = p["micro"] * SEQ
+    total = 0.0
+    for fan_in, fan_out in linear_shapes(p):
+        x, g = tokens * fan_in, tokens * fan_out
+        if after:   # x: amax + cast with its transpose; g: amax + cast with its transpose
+            total += (2 * x + 2 * x + 2 * x) + (2 * g + 2 * g + 2 * g)
+        else:       # x cast in forward and again in backward, plus its FP8 transpose; g cast twice + transpose
+            total += 2 * (2 * x + 2 * x + x) + 2 * x + 2 * (2 * g + 2 * g + g) + 2 * g
+        total += 12 * fan_in * fan_out  # bf16 weight gradient written, read and added into fp32 main_grad
+    return total
+
+
+def parameters(p: dict) -> int:
+    per_layer = sum(i * o for i, o in linear_shapes(p)) + 2 * p["h"]
+    return p["layers"] * per_layer + p["vocab"] * p["h"] * (1 if p["tied"] else 2) + p["h"]
+
+
+def step_parts(name: str, precision: str, after: bool) -> dict:
+    """{part: (seconds, work)} for one optimizer step of preset `name`."""
+    p = PRESETS[name]
+    tokens, layers, m = p["micro"] * SEQ, p["layers"], MICRO_BATCHES
+    d = p["h"] // p["heads"]
+    layer_gemm = sum(gemm_flops(tokens, i, o) for i, o in linear_shapes(p))
+    output_gemm = gemm_flops(tokens, p["h"], p["vocab"])
+    layer_rate = GEMM_FP8 if precision == "fp8" else GEMM_BF16
+    gemm_seconds = m * (layers * layer_gemm / layer_rate + output_gemm / GEMM_BF16)
+    attention = m * layers * attention_flops(p)
+    glue = m * layers * glue_bytes(p, after)
+    loss = m * tokens * p["vocab"] * (2 + (4 if after else 12))  # forward read; backward one pass or three
+    # Bytes per parameter: norm 4, clipping 8 (before only), AdamW 28 (+4 after), copy 6, zeroing 4.
+    optimizer = parameters(p) * (46 if after else 50)
+    parts = {
+        "GEMMs": (gemm_seconds, f"{m * (layers * layer_gemm + output_gemm) / 1e12:.0f} TFLOP"),
+        "attention": (attention / ATTENTION[d], f"{attention / 1e12:.0f} TFLOP"),
+        "glue": (glue / HBM, f"{glue / 1e9:.0f} GB"),
+        "loss": (loss / HBM, f"{loss / 1e9:.1f} GB"),
+        "optimizer": (optimizer / HBM, f"{optimizer / 1e9:.1f} GB"),
+    }
+    if precision == "fp8":
+        casts = m * layers * fp8_cast_bytes(p, after)
+        parts["FP8 casts"] = (casts / HBM, f"{casts / 1e9:.0f} GB")
+    kernels = m * layers * (40 + (24 if precision == "fp8" else 0)) + 20
+    parts["launches"] = (0.0, f"~{kernels} kernels (x {LAUNCH_SECONDS * 1e6:.0f} us, overlapped)")
+    return parts
+
+
+def megatron_flops(name: str) -> float:
+    """Megatron's FLOPs per iteration for the preset (what TFLOP/s/GPU and MFU are computed from)."""
+    p = PRESETS[name]
+    h, f, q, k, g = p["h"], p["f"], p["h"], p["h"] // p["heads"], p["groups"]
+    per_layer = 3 * h * f + 2 * h * q + 2 * h * k * g + SEQ * q
+    return 6.0 * MICRO_BATCHES * p["micro"] * SEQ * (p["layers"] * per_layer + h * p["vocab"])
+
+
+def prediction(name: str, precision: str, after: bool) -> dict:
+    parts = step_parts(name, precision, after)
+    seconds = sum(t for t, _ in parts.values())
+    tokens = MICRO_BATCHES * PRESETS[name]["micro"] * SEQ
+    return {"preset": name, "precision": precision, "version": "after" if after else "before",
+            "step_seconds": seconds, "tokens_per_second": tokens / seconds,
+            "mfu_bf16_peak": 100 * megatron_flops(name) / seconds / PEAK["bf16"],
+            "parts": {part: {"seconds": t, "work": work} for part, (t, work) in parts.items()}}
+
+
+def predictions() -> list:
+    return [prediction(name, precision, after) for name in PRESETS for precision in ("bf16", "fp8")
+            for after in (False, True)]
+
+
+def markdown(rows: list) -> str:
+    lines = []
+    for name in PRESETS:
+        mine = [r for r in rows if r["preset"] == name]
+        parts = list(mine[-1]["parts"])
+        lines += [f"**{name}** (predicted, ms per step of {MICRO_BATCHES} micro-batches; work of the 'after' column)",
+                  "", "| part | " + " | ".join(f"{r['precision']} {r['version']}" for r in mine) + " | work |",
+                  "|---|" + "---|" * (len(mine) + 1)]
+        for part in parts:
+            cells = [f"{r['parts'][part]['seconds'] * 1e3:.0f}" if part in r["parts"] else "" for r in mine]
+            lines.append(f"| {part} | " + " | ".join(cells) + f" | {mine[-1]['parts'][part]['work']} |")
+        lines.append("| **step** | " + " | ".join(f"**{r['step_seconds'] * 1e3:.0f}**" for r in mine) + " | |")
+        lines.append("| MFU (BF16 peak) | " + " | ".join(f"{r['mfu_bf16_peak']:.1f}%" for r in mine) + " | |")
+        lines.append("| tokens/s | " + " | ".join(f"{r['tokens_per_second']:.0f}" for r in mine) + " | |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="print the predictions as JSON")
+    args = parser.parse_args()
+    rows = predictions()
+    print(json.dumps(rows, indent=1) if args.json else markdown(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The runs of bench/gpu_check.sh, in order, each with its predicted duration on one H100.
+
+    python bench/gpu_plan.py [--tunableop] [--budget 570]           # the plan, for people (--dry-run)
+    python bench/gpu_plan.py --lines [--tunableop] [--smoke]        # what gpu_check.sh reads
+
+Order: the benchmarks first (bf16 on both presets, FP8, then with --tunableop the bf16 run with
+PyTorch TunableOp, then each optimization's off-switch as an A/B on llama3-8b-8layers), the GPU
+test lane last with what is left. A run's estimate = start-up (model, data, NCCL) + compilation
+(cold for the first run, warm from inductor's cache after it) + its steps at the step time
+bench/cost_model.py predicts; the A/Bs take fewer steps (2 warm-up, 4 timed) so that all of it fits
+one 10-minute command. The estimates are predictions: gpu_check.sh gives each run 1.5x its estimate
+(at least +30 s), and skips what no longer fits.
+"""
+import argparse
+
+START_UP, COLD_COMPILE, WARM_COMPILE, TUNING = 25, 60, 20, 60  # seconds (predicted)
+LANE_MIN = 60
+FP8_DELAYED = "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024 --fp8-amax-compute-algo max"
+BIG, SMALL = "llama3-8b-8layers", "llama3.2-1b"
+TUNABLEOP_ENV = "PYTORCH_TUNABLEOP_ENABLED=1 PYTORCH_TUNABLEOP_TUNING=1 PYTORCH_TUNABLEOP_MAX_TUNING_DURATION_MS=30"
+
+
+def runs(tunableop: bool) -> list:
+    """(name, preset, flags, warm-up steps, timed steps, environment) in the order they run."""
+    protocol, ab = (3, 8), (2, 4)
+    plan = [("bf16", BIG, "", *protocol, ""), ("bf16", SMALL, "", *protocol, ""),
+            ("fp8-delayed", BIG, FP8_DELAYED, *protocol, ""), ("fp8-delayed", SMALL, FP8_DELAYED, *protocol, ""),
+            ("fp8-tensorwise", BIG, "--fp8-format hybrid --fp8-recipe tensorwise", *protocol, "")]
+    if tunableop:
+        plan.append(("bf16-tunableop", BIG, "", *protocol, TUNABLEOP_ENV))
+    for switch in ("--no-torch-compile", "--no-gradient-accumulation-fusion", "--no-cross-entropy-loss-fusion"):
+        plan.append((f"bf16{switch.removeprefix('-')}", BIG, switch, *ab, ""))
+    return plan
+
+
+def estimates(plan: list) -> list:
+    from cost_model import prediction
+
+    step = {(name, precision): prediction(name, precision, after=True)["step_seconds"]
+            for name in (BIG, SMALL) for precision in ("bf16", "fp8")}
+    seconds, compiled = [], set()
+    for name, preset, flags, warmup, timed, env in plan:
+        precision = "fp8" if "--fp8-format" in flags else "bf16"
+        compile_seconds = 0 if "--no-torch-compile" in flags else (
+            WARM_COMPILE if compiled else COLD_COMPILE)
+        compiled.add(preset)
+        slower = 1.15 if flags.startswith("--no-") else 1.0  # an off-switch costs time (the A/B measures how much)
+        tuning = TUNING if env else 0
+        seconds.append(round(START_UP + compile_seconds + tuning + (warmup + timed) * step[preset, precision] * slower))
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tunableop", action="store_true", help="also measure bf16 with PyTorch TunableOp")
+    parser.add_argument("--budget", type=int, default=570, help="seconds for the whole check")
+    parser.add_argument("--lines", action="store_true", help="machine-readable: one run per line")
+    parser.add_argument("--smoke", action="store_true", help="with --lines: the CPU smoke run (tiny preset)")
+    args = parser.parse_args()
+    plan = runs(args.tunableop)
+    if args.lines and args.smoke:
+        for name, _, flags, _, _, env in plan:
+            print(f"{name}|tiny|{flags}|1|2|600|{env}")
+        return
+    seconds = estimates(plan)
+    if args.lines:
+        for (name, preset, flags, warmup, timed, env), estimate in zip(plan, seconds):
+            print(f"{name}|{preset}|{flags}|{warmup}|{timed}|{estimate}|{env}")
+        return
+    print(f"bench/gpu_check.sh plan (predicted seconds on one H100; budget {args.budget} s)")
+    used = 0
+    for (name, preset, flags, warmup, timed, env), estimate in zip(plan, seconds):
+        used += estimate
+        fits = "" if used + LANE_MIN <= args.budget else "   <- past the budget: would be skipped"
+        print(f"  {used - estimate:4d}-{used:4d} s  {name:38s} {preset:18s} {warmup}+{timed} steps "
+              f"{(env + ' ') if env else ''}{flags}{fits}")
+    lane = args.budget - used
+    print(f"  {used:4d}-{args.budget:4d} s  GPU test lane (pytest -m gpu), the time left: {lane} s "
+          f"({'fits' if lane >= LANE_MIN else f'under its {LANE_MIN} s minimum: skipped'})")
+    print(f"total predicted: {used} s of benchmarks + {max(lane, 0)} s for the lane "
+          f"{'fits' if lane >= LANE_MIN else 'does NOT fit'} the {args.budget} s budget")
+
+
+if __name__ == "__main__":
+    main()

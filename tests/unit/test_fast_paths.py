@@ -1,0 +1,44 @@
+"""The start-up line names the implementation that runs on this device, not the one asked for."""
+import torch
+
+from megatron.core.distributed.ddp import DistributedDataParallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.parallel_state import single_process
+from megatron.core.tensor_parallel.layers import _mixed_dtype_addmm_works
+from megatron.training.fast_paths import fast_paths_line
+from tests.distributed.parity import llama_config
+
+CPU = torch.device("cpu")
+
+
+def _line(optimizer_name="adam", **overrides):
+    config = llama_config(**overrides)
+    groups = single_process()
+    model = GPTModel(config, groups)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer=optimizer_name, bf16=True),
+                                       [DistributedDataParallel(model, groups)], groups)
+    return fast_paths_line(config, no_torch_compile=False, device=CPU,
+                           attention_report="attention: SDPA, kernel chosen by PyTorch (CPU)", optimizer=optimizer)
+
+
+def test_the_line_names_what_runs_on_the_cpu():
+    line = _line(params_dtype=torch.bfloat16, fp8="hybrid", fp8_recipe="delayed")
+    parts = dict(part.split(": ", 1) for part in line.removeprefix("fast paths: ").split(" | "))
+    assert list(parts) == ["compile", "weight-gradient GEMM", "cross entropy", "attention", "FP8", "optimizer"]
+    assert parts["compile"] == "off (CPU)"
+    # The CPU has no GEMM with an fp32 output from bf16 operands: the line follows the probe.
+    assert not _mixed_dtype_addmm_works(CPU)
+    assert parts["weight-gradient GEMM"] == "product in bfloat16, then added to main_grad (no fp32-output GEMM on cpu)"
+    assert parts["cross entropy"] == "fused, chunked, one-pass backward, eager"
+    assert parts["attention"] == "SDPA, kernel chosen by PyTorch (CPU)"
+    assert parts["FP8"] == "hybrid delayed, each tensor cast once"
+    assert parts["optimizer"] == "fused AdamW, clipping in its kernel"
+
+
+def test_switched_off_paths_say_so():
+    line = _line("sgd", gradient_accumulation_fusion=False, cross_entropy_loss_fusion=False)
+    assert "weight-gradient GEMM: off: bf16 gradient, then added to main_grad" in line
+    assert "cross entropy: plain, fp32 copy of the logits (--no-cross-entropy-loss-fusion)" in line
+    assert "FP8: off" in line and "optimizer: SGD, clipping a pass of its own" in line
+    assert "weight-gradient GEMM: one fp32 GEMM" in _line(params_dtype=torch.float32)
