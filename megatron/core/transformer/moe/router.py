@@ -175,3 +175,15 @@ class _RandomLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad
+
+
+def share_moe_state(module: torch.nn.Module, config):
+    """One AuxLossScale and one AuxLossTracker for all routers of a model chunk (None, None for a
+    dense model): the schedule sets the one, the training loop reads the other."""
+    routers = [m for m in module.modules() if isinstance(m, TopKRouter)]
+    if not routers:
+        return None, None
+    scale, tracker = moe_utils.AuxLossScale(), AuxLossTracker(config.num_layers)
+    for router in routers:
+        router.aux_loss_scale, router.tracker = scale, tracker
+    return scale, tracker
