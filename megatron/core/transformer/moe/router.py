@@ -43,13 +43,11 @@ class AuxLossTracker:
     def __init__(self, num_layers: int):
         self.num_layers = num_layers
         self.values = {}  # name -> [num_layers] tensor
-        self.groups = {}  # name -> the group whose ranks each hold a share of the loss
 
-    def add(self, name: str, layer_number: int, value: torch.Tensor, group) -> None:
+    def add(self, name: str, layer_number: int, value: torch.Tensor) -> None:
         if name not in self.values:
             self.values[name] = torch.zeros(self.num_layers, device=value.device)
         self.values[name][layer_number] += value.detach().float()
-        self.groups[name] = group
 
 
 class TopKRouter(torch.nn.Module):
@@ -115,7 +113,7 @@ class TopKRouter(torch.nn.Module):
     def _attach_z_loss(self, logits):
         coeff = self.config.moe_z_loss_coeff / comm.size(self.tp_cp_group)
         loss = moe_utils.z_loss(logits, coeff)
-        self._track("z_loss", loss / coeff, None)
+        self._track("z_loss", loss / coeff)
         return moe_utils.attach_aux_loss(logits, loss, self.aux_loss_scale)
 
     def _attach_load_balancing_losses(self, probs, logits, seq_length: int, batch: int):
@@ -139,13 +137,13 @@ class TopKRouter(torch.nn.Module):
                                                         num_experts, coeff)
             if kind == "seq_aux_loss":
                 loss = loss / batch
-            self._track(LOSS_NAMES[kind], loss / coeff, group)
+            self._track(LOSS_NAMES[kind], loss / coeff)
             probs = moe_utils.attach_aux_loss(probs, loss, self.aux_loss_scale)
         return probs
 
-    def _track(self, name: str, value: torch.Tensor, group) -> None:
+    def _track(self, name: str, value: torch.Tensor) -> None:
         if self.tracker is not None:
-            self.tracker.add(name, self.layer_number, value, group)
+            self.tracker.add(name, self.layer_number, value)
 
     def reset_global_aux_loss(self) -> None:
         """Starts a new step's count for global_aux_loss."""
@@ -187,3 +185,55 @@ def share_moe_state(module: torch.nn.Module, config):
     for router in routers:
         router.aux_loss_scale, router.tracker = scale, tracker
     return scale, tracker
+
+
+def _moe_models(model_chunks: list) -> list:
+    models = [getattr(chunk, "module", chunk) for chunk in model_chunks]
+    return [model for model in models if getattr(model, "moe_aux_losses", None) is not None]
+
+
+def finish_moe_step(model_chunks: list, groups) -> None:
+    """After a step's backward, before the optimizer: the expert-bias update from the step's loads
+    over every rank of the pipeline stage (tp x dp x cp), and a new count for global_aux_loss."""
+    for model in _moe_models(model_chunks):
+        for router in (m for m in model.modules() if isinstance(m, TopKRouter)):
+            if router.expert_bias is not None:
+                router.update_expert_bias(groups.tp_dp_cp)
+            router.reset_global_aux_loss()
+
+
+def aux_loss_names(config) -> list:
+    """The auxiliary losses this config logs, with Megatron-LM's names."""
+    names = [LOSS_NAMES[kind] for kind in aux_loss_coeffs(config)]
+    return sorted(names + (["z_loss"] if config.moe_z_loss_coeff is not None else []))
+
+
+def aux_loss_log_values(model_chunks: list, config, groups, num_microbatches: int, per_layer: bool = False) -> dict:
+    """{name: tensor [value, 1]} of the step's auxiliary losses as Megatron-LM logs them: each loss
+    divided by its coefficient, summed over the pipeline stages and over the ranks that hold shares
+    of it (z_loss: averaged over the sequence shards), per MoE layer and micro-batch; in the
+    [sum, count] form the training loop averages over data-parallel ranks. With `per_layer` also
+    "moe/<name>_layer_<i>". Clears the trackers. Every rank calls it (it all-reduces)."""
+    trackers = [model.moe_aux_losses for model in _moe_models(model_chunks)]
+    num_moe_layers = max(1, sum(moe_utils.moe_layer_pattern(config.moe_layer_freq, config.num_layers)))
+    result = {}
+    for name in aux_loss_names(config):
+        values = torch.zeros(config.num_layers, device=groups.device)
+        for tracker in trackers:
+            if name in tracker.values:
+                values += tracker.values[name]
+                tracker.values[name].zero_()
+        comm.all_reduce(values, groups.pp)
+        if name == "global_load_balancing_loss":
+            comm.all_reduce(values, groups.tp_dp_cp)
+        else:
+            comm.all_reduce(values, groups.tp_cp)
+        if name == "z_loss":
+            values = values / comm.size(groups.tp_cp)
+        values = values / num_microbatches
+        one = torch.ones((), device=values.device)
+        result[name] = torch.stack([values.sum() / num_moe_layers, one])
+        if per_layer:
+            for index, value in enumerate(values):
+                result[f"moe/{name}_layer_{index}"] = torch.stack([value, one])
+    return result
