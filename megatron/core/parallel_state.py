@@ -59,6 +59,7 @@ class ParallelGroups:
     etp: Optional[dist.ProcessGroup] = None
     etp_ep: Optional[dist.ProcessGroup] = None     # etp x ep: the ranks that exchange tokens in a MoE layer
     edp: Optional[dist.ProcessGroup] = None        # expert-data-parallel: expert gradients are summed here
+    expert_mp: Optional[dist.ProcessGroup] = None  # etp x ep x pp: every expert of one model replica
     pp_global_ranks: tuple = (0,)                  # global rank of every stage of this rank's pipeline
     embedding_global_ranks: tuple = ()
     world_size: int = 1
@@ -224,26 +225,26 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
 def _expert_groups(me: int, stage_size: int, pp: int, ep: int, etp: int, timeout) -> dict:
     """The expert layout's groups (module docstring): ParallelGroups fields for this rank."""
     edp = stage_size // (ep * etp)
-    extent = dict(etp=etp, ep=ep, edp=edp)
-    names = ("etp", "ep", "edp")
+    extent = dict(etp=etp, ep=ep, edp=edp, pp=pp)
+    names = ("etp", "ep", "edp", "pp")
 
-    def rank_of(pp_r, c):
-        return pp_r * stage_size + c["etp"] + etp * (c["ep"] + ep * c["edp"])
+    def rank_of(c):
+        return c["pp"] * stage_size + c["etp"] + etp * (c["ep"] + ep * c["edp"])
 
     local = me % stage_size
     mine = dict(etp=local % etp, ep=(local // etp) % ep, edp=local // (etp * ep))
     result = dict(ep_size=ep, etp_size=etp, ep_rank=mine["ep"], etp_rank=mine["etp"])
-    for field_name, varying in (("etp", ("etp",)), ("ep", ("ep",)), ("etp_ep", ("etp", "ep")), ("edp", ("edp",))):
+    for field_name, varying in (("etp", ("etp",)), ("ep", ("ep",)), ("etp_ep", ("etp", "ep")), ("edp", ("edp",)),
+                                ("expert_mp", ("etp", "ep", "pp"))):
         fixed = [n for n in names if n not in varying]
         result[field_name] = None
-        for pp_r in range(pp):
-            for fixed_values in itertools.product(*(range(extent[n]) for n in fixed)):
-                members = sorted(rank_of(pp_r, dict(zip(fixed, fixed_values)) | dict(zip(varying, values)))
-                                 for values in itertools.product(*(range(extent[n]) for n in varying)))
-                if len(members) == 1:
-                    continue
-                group = dist.new_group(members, timeout=timeout)
-                if me in members:
-                    result[field_name] = group
+        for fixed_values in itertools.product(*(range(extent[n]) for n in fixed)):
+            members = sorted(rank_of(dict(zip(fixed, fixed_values)) | dict(zip(varying, values)))
+                             for values in itertools.product(*(range(extent[n]) for n in varying)))
+            if len(members) == 1:
+                continue
+            group = dist.new_group(members, timeout=timeout)
+            if me in members:
+                result[field_name] = group
     return result
 

@@ -52,20 +52,21 @@ class GroupedMLP(torch.nn.Module):
             self.fc1_bias = torch.nn.Parameter(torch.empty(num_local_experts, rows, dtype=dtype, device=device))
             self.fc2_bias = torch.nn.Parameter(torch.empty(num_local_experts, hidden, dtype=dtype, device=device))
         self.add_fc2_bias = etp_rank == 0  # fc2's outputs are partial sums over etp: add its bias once
-        # Layouts over the TP ranks of the stacked tensors (dim 0 is the expert): split like the
-        # dense MLP when etp = tp, or replicated (etp = 1) with gradients that are partial sums when
-        # the TP ranks route different tokens (sequence parallelism).
+        # Layouts of the stacked tensors (dim 0 is the expert) over the expert-tensor-parallel ranks:
+        # the hidden size split like the dense MLP's. With etp = 1 an expert is whole on every rank
+        # that holds it, and the gradients of its copies are summed over the expert-data-parallel
+        # group (which then includes the TP ranks); fc2's bias is added on etp rank 0 only, so its
+        # gradient is summed over the etp ranks.
         if etp_size > 1 and etp_size != tp_size:
             raise ValueError(f"--expert-tensor-parallel-size ({etp_size}) must be 1 or "
                              f"--tensor-model-parallel-size ({tp_size})")
-        partial = etp_size == 1 and tp_size > 1
-        fc1_parts = ((Part("gate", ffn, etp_size, partial), Part("up", ffn, etp_size, partial)) if self.gated
-                     else (Part("", ffn, etp_size, partial),))
+        fc1_parts = ((Part("gate", ffn, etp_size), Part("up", ffn, etp_size)) if self.gated
+                     else (Part("", ffn, etp_size),))
         layouts = {
-            "fc1_weight": TPLayout(1, fc1_parts, tp_size, tp_rank),
-            "fc2_weight": TPLayout(2, (Part("", ffn, etp_size, partial),), tp_size, tp_rank),
-            "fc1_bias": TPLayout(1, fc1_parts, tp_size, tp_rank),
-            "fc2_bias": TPLayout(1, (Part("", hidden, 1, tp_size > 1),), tp_size, tp_rank),
+            "fc1_weight": TPLayout(1, fc1_parts, etp_size, etp_rank),
+            "fc2_weight": TPLayout(2, (Part("", ffn, etp_size),), etp_size, etp_rank),
+            "fc1_bias": TPLayout(1, fc1_parts, etp_size, etp_rank),
+            "fc2_bias": TPLayout(1, (Part("", hidden, 1, etp_size > 1),), etp_size, etp_rank),
         }
         for name, param in self.named_parameters():
             init = "zeros" if "bias" in name else ("scaled_normal" if name == "fc2_weight" else "normal")
