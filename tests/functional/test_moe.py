@@ -1,0 +1,54 @@
+"""A tiny mixture-of-experts Llama trained with pretrain_gpt.py at several layouts (gloo, fp32, CPU,
+no token dropping): the loss, the load-balancing loss and the gradient norm of every iteration equal
+the single-process run's to rtol 1e-5. Expert parallelism with pipeline parallelism (plain and
+interleaved) and with context parallelism is shown here, through the real schedules and data path.
+Exact values come from TensorBoard (float32 scalars, as computed)."""
+import pytest
+
+from tests.functional.test_pretrain_gpt import run_pretrain, tensorboard_scalars
+
+MOE_LLAMA = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+    "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4",
+    "--lr", "1e-3", "--lr-warmup-iters", "1", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+    "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--hidden-dropout", "0",
+    "--attention-dropout", "0", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
+    "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0", "--distributed-backend", "gloo",
+    "--adam-eps", "1e-4", "--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-router-topk", "2",
+    "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001", "--moe-layer-freq", "[0]*1+[1]*3",
+    "--moe-token-dispatcher-type", "alltoall",
+]
+TAGS = ("lm loss", "load_balancing_loss", "z_loss", "grad-norm")
+LAYOUTS = {
+    "ep2": (2, ["--expert-model-parallel-size", "2"]),
+    "ep2 pp2 distributed optimizer": (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                          "--use-distributed-optimizer"]),
+    "ep2 pp2 interleaved": (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                "--num-layers-per-virtual-pipeline-stage", "1"]),
+    "ep2 cp2": (4, ["--expert-model-parallel-size", "2", "--context-parallel-size", "2"]),
+    "ep2 tp2 sp etp1 allgather": (4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                      "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+                                      "--moe-token-dispatcher-type", "allgather"]),
+}
+
+
+def _curves(tmp_path, name: str, nproc: int, extra: list) -> dict:
+    directory = tmp_path / name.replace(" ", "_")
+    done = run_pretrain(extra + ["--tensorboard-dir", str(directory)], nproc=nproc, base=MOE_LLAMA, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {tag: tensorboard_scalars(directory, tag) for tag in TAGS}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _curves(tmp_path_factory.mktemp("moe_reference"), "one process", 1, [])
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_moe_layouts_match_one_process(reference, tmp_path, name):
+    nproc, extra = LAYOUTS[name]
+    got = _curves(tmp_path, name, nproc, extra)
+    for tag in TAGS:
+        assert sorted(got[tag]) == sorted(reference[tag]) == [1, 2, 3, 4], tag
+        for iteration, value in reference[tag].items():
+            assert got[tag][iteration] == pytest.approx(value, rel=1e-5), (tag, iteration)
