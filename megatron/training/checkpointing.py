@@ -47,6 +47,11 @@ CHECKPOINT_MODEL_ARGS = (
     "use_rope_scaling", "rope_scaling_factor", "normalization", "norm_epsilon", "swiglu", "openai_gelu",
     "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "make_vocab_size_divisible_by",
     "apply_layernorm_1p", "qk_layernorm", "rotary_interleaved",
+    # mixture of experts
+    "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate", "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
+    "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+    "moe_router_enable_expert_bias",
 )
 
 # Resolved architecture (TransformerConfig field -> the flag that sets it): a mismatch is an error.
@@ -59,10 +64,14 @@ ARCHITECTURE_FLAGS = {
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "qk_layernorm": "--qk-layernorm", "layernorm_zero_centered_gamma": "--apply-layernorm-1p",
     "rotary_interleaved": "--rotary-interleaved",
+    # mixture of experts (the expert layout, --expert-model-parallel-size, may change on load)
+    "num_experts": "--num-experts", "moe_layer_freq": "--moe-layer-freq", "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
+    "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
+    "moe_shared_expert_gate": "--moe-shared-expert-gate",
 }
 # Numerics that change the model without changing a shape: a mismatch is noted.
 SEMANTIC_FIELDS = ("activation", "norm_epsilon", "rotary_base", "rotary_percent", "rope_scaling",
-                   "rope_scaling_factor")
+                   "rope_scaling_factor", "moe_router_topk", "moe_router_score_function")
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:

@@ -52,3 +52,21 @@ def test_moe_layouts_match_one_process(reference, tmp_path, name):
         assert sorted(got[tag]) == sorted(reference[tag]) == [1, 2, 3, 4], tag
         for iteration, value in reference[tag].items():
             assert got[tag][iteration] == pytest.approx(value, rel=1e-5), (tag, iteration)
+
+
+def test_resume_at_other_expert_parallel_sizes(tmp_path):
+    """Saved at EP2 x PP2 with the distributed optimizer (experts keyed by global index, optimizer
+    state included), resumed at EP1 and at EP4: the later iterations equal the uninterrupted run's."""
+    schedule = ["--train-iters", "6", "--lr-decay-iters", "6"]
+    whole = _curves(tmp_path, "uninterrupted", 1, schedule)
+    save = tmp_path / "checkpoints"
+    first = run_pretrain(schedule + ["--exit-interval", "3", "--save", str(save), "--save-interval", "3",
+                                     "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                     "--use-distributed-optimizer"], nproc=4, base=MOE_LLAMA, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    for name, nproc, layout in (("ep1", 1, []), ("ep4", 4, ["--expert-model-parallel-size", "4"])):
+        resumed = _curves(tmp_path, f"resumed {name}", nproc, schedule + ["--load", str(save)] + layout)
+        for tag in TAGS:
+            assert sorted(resumed[tag]) == [4, 5, 6], (name, tag)
+            for iteration in (4, 5, 6):
+                assert resumed[tag][iteration] == pytest.approx(whole[tag][iteration], rel=1e-5), (name, tag, iteration)
