@@ -32,6 +32,7 @@ import torch.distributed as dist
 from megatron.core.checkpointing import CheckpointFormatError
 from megatron.core.checkpointing import state as ckpt_state
 from megatron.core.checkpointing.sharded import ShardedState
+from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
 from megatron.training.validation import ConfigError
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -152,6 +153,11 @@ def apply_checkpoint_args(config, common: dict) -> list:
 def architecture(model_config, vocab_size: int) -> dict:
     """The fields of a resolved TransformerConfig a checkpoint must match (plus the vocabulary)."""
     fields = {name: getattr(model_config, name) for name in (*ARCHITECTURE_FLAGS, *SEMANTIC_FIELDS)}
+    for name in fields:  # a dense model has no expert fields; the layer pattern is compared as a list
+        if name.startswith("moe_"):
+            fields[name] = None if model_config.num_experts is None else fields[name]
+    if model_config.num_experts is not None:
+        fields["moe_layer_freq"] = moe_layer_pattern(model_config.moe_layer_freq, model_config.num_layers)
     if model_config.position_embedding_type == "learned_absolute":
         fields["max_position_embeddings"] = model_config.max_position_embeddings
     fields["vocab_size"] = vocab_size
