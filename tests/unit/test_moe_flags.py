@@ -1,6 +1,8 @@
 """Mixture-of-experts flags: each bad combination is one error naming the flags and values, before
 the model is built; the flags reach the model description; a tiny MoE model trains with the
 auxiliary losses in the log line and no Python warning."""
+import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +104,27 @@ def test_tiny_moe_trains_with_aux_losses_in_the_log_line():
     assert len(lines) == 3
     assert all("load_balancing_loss: " in line and "z_loss: " in line for line in lines)
     assert "Warning" not in done.stderr
+
+
+def _script_args(script: str, env: dict) -> list:
+    result = subprocess.run(["bash", str(ROOT / "examples" / script)], capture_output=True, text=True,
+                            env={**os.environ, "DRY_RUN": "1", **env}, timeout=60)
+    assert result.returncode == 0, result.stderr
+    command = shlex.split(result.stdout.strip().splitlines()[-1])
+    return command[command.index(next(c for c in command if c.endswith("pretrain_gpt.py"))) + 1:]
+
+
+@pytest.mark.parametrize("script, env, world, experts, ep", [
+    ("mixtral/train_mixtral.sh", {}, 2, 4, 1),
+    ("mixtral/train_mixtral.sh", {"MODEL_SIZE": "8x7B", "EP": "8", "NPROC": "8"}, 8, 8, 8),
+    ("mixtral/train_mixtral.sh", {"MODEL_SIZE": "8x22B", "EP": "8", "TP": "2", "ETP": "1", "PP": "4", "NPROC": "8",
+                                  "NNODES": "4", "MOE_LAYER_RECOMPUTE": "1"}, 32, 8, 8),
+    ("qwen3_moe/train_qwen3_moe.sh", {}, 2, 8, 1),
+    ("qwen3_moe/train_qwen3_moe.sh", {"MODEL_SIZE": "30B-A3B", "EP": "4", "TP": "2", "ETP": "1", "NPROC": "8"},
+     8, 128, 4),
+])
+def test_moe_example_scripts_pass_valid_flags(script, env, world, experts, ep):
+    config = parse_args(_script_args(script, env))
+    validate(config, world)
+    assert config.model.num_experts == experts and config.parallel.expert_model_parallel_size == ep
+    assert config.model.moe_layer_recompute == (env.get("MOE_LAYER_RECOMPUTE") == "1")
