@@ -1,6 +1,8 @@
 """Hugging Face Mixtral and Qwen3-MoE: tiny models built in the test with `transformers`, written with
 save_pretrained (one tensor per expert, as on the hub), read and mapped into GPTModel: the logits
 equal `transformers`' own; the mapping back gives the same files' tensors and config."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ from megatron.core.models.gpt.hf_mapping import (  # noqa: E402
     model_to_logical,
     padded_vocab_size,
 )
+from megatron.core.transformer.moe.moe_utils import moe_layer_pattern  # noqa: E402
 from megatron.training.checkpoint_conversion import read_hf  # noqa: E402
 from tests.unit.test_hf_parity import randomize  # noqa: E402
 
@@ -94,3 +97,22 @@ def test_moe_without_hf_equivalent_is_refused():
                    dict(moe_layer_freq=[0, 1, 1])):
         with pytest.raises(ValueError, match="Hugging Face equivalent|Mixtral has every layer"):
             architecture_for_hf(config.__class__(**{**config.__dict__, **change}))
+
+
+def test_converted_checkpoint_keys_experts_by_global_index(tmp_path):
+    from megatron.core.checkpointing.storage import saved_shapes
+    from megatron.training.checkpoint_conversion import read_weights, write_weights
+
+    _, ours, _, _ = saved_pair("qwen3_moe", tmp_path / "hf")
+    logical = model_to_logical(ours)
+    directory = write_weights(str(tmp_path / "ours"), logical, ours.config, VOCAB)
+    keys = saved_shapes(directory)
+    assert "model/decoder.layers.1.mlp.experts.5.fc1_weight/up" in keys
+    assert not any(key.endswith("experts.fc1_weight/up") for key in keys)
+    back, config, vocab, _ = read_weights(str(tmp_path / "ours"))
+    assert moe_layer_pattern(config.moe_layer_freq, 3) == moe_layer_pattern(ours.config.moe_layer_freq, 3) == [0, 1, 1]
+    assert dataclasses.replace(config, moe_layer_freq=[0, 1, 1]) == ours.config
+    assert vocab == VOCAB and back.keys() == logical.keys()
+    for name, parts in logical.items():
+        for part, tensor in parts.items():
+            torch.testing.assert_close(back[name][part], tensor, rtol=0, atol=0)

@@ -15,6 +15,7 @@ Initialization is per global expert index (`initialize_expert_param`), so an exp
 same weights whatever the expert-parallel layout.
 """
 import dataclasses
+import re
 import types
 
 import torch
@@ -160,3 +161,39 @@ class SharedExpertMLP(torch.nn.Module):
         if self.gate_weight is not None:
             out = out * torch.sigmoid(F.linear(x, self.gate_weight))
         return out
+
+
+_STACKED = re.compile(r"^(.*\.mlp\.experts)\.(fc[12]_(?:weight|bias))$")
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(fc[12]_(?:weight|bias))$")
+
+
+def split_experts(logical: dict) -> dict:
+    """A logical state ({name: {part: full tensor}}) with each stacked expert tensor [E, ...] split
+    into one entry per global expert index, as checkpoints store them."""
+    out = {}
+    for name, parts in logical.items():
+        match = _STACKED.match(name)
+        if match is None:
+            out[name] = parts
+            continue
+        prefix, leaf = match.groups()
+        for part, tensor in parts.items():
+            for index in range(tensor.shape[0]):
+                out.setdefault(f"{prefix}.{index}.{leaf}", {})[part] = tensor[index]
+    return out
+
+
+def stack_experts(logical: dict) -> dict:
+    """The inverse of `split_experts`: per-expert entries stacked in expert order."""
+    out, experts = {}, {}
+    for name, parts in logical.items():
+        match = _PER_EXPERT.match(name)
+        if match is None:
+            out[name] = parts
+            continue
+        prefix, index, leaf = match.groups()
+        for part, tensor in parts.items():
+            experts.setdefault((f"{prefix}.{leaf}", part), {})[int(index)] = tensor
+    for (name, part), by_index in experts.items():
+        out.setdefault(name, {})[part] = torch.stack([by_index[i] for i in range(len(by_index))])
+    return out
