@@ -1,7 +1,9 @@
 """A tiny mixture-of-experts Llama trained with pretrain_gpt.py at several layouts (gloo, fp32, CPU,
 no token dropping): the loss, the load-balancing loss and the gradient norm of every iteration equal
 the single-process run's to rtol 1e-5. Expert parallelism with pipeline parallelism (plain and
-interleaved) and with context parallelism is shown here, through the real schedules and data path.
+interleaved) and with context parallelism is shown here, through the real schedules and data path,
+and so is activation recomputation (--moe-layer-recompute, full recomputation: the auxiliary losses
+are attached once, when the recomputed forward runs).
 Exact values come from TensorBoard (float32 scalars, as computed)."""
 import pytest
 
@@ -20,6 +22,9 @@ MOE_LLAMA = [
 ]
 TAGS = ("lm loss", "load_balancing_loss", "z_loss", "grad-norm")
 LAYOUTS = {
+    "moe layer recompute": (1, ["--moe-layer-recompute"]),
+    "full recompute": (1, ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                           "--recompute-num-layers", "1"]),
     "ep2": (2, ["--expert-model-parallel-size", "2"]),
     "ep2 pp2 distributed optimizer": (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                           "--use-distributed-optimizer"]),
