@@ -254,6 +254,8 @@ class Checkpointer:
             chunk.finish_param_sync()  # the distributed optimizer's gather may still be in flight
         state = ShardedState()
         ckpt_state.add_model(state, run.chunks, self.groups)
+        for key, bias in ckpt_state.router_biases(run.chunks).items():
+            state.add_whole(key, bias)
         if not options.no_save_optim:
             optimizer = run.optimizer
             ckpt_state.add_optimizer(state, optimizer, run.chunks, masters=optimizer.separate_masters(),
@@ -416,6 +418,10 @@ class Checkpointer:
             ckpt_state.add_model(state, run.chunks, self.groups)
         rng = self._rng_targets(state, run, directory, common)
         fp8 = self._fp8_targets(state, run, directory, common)
+        saved = _storage().saved_shapes(directory)
+        for key, bias in ckpt_state.router_biases(run.chunks).items():
+            if key in saved:  # absent from checkpoints of runs without --moe-router-enable-expert-bias
+                state.add_whole(key, bias)
         _storage().load_state(state, directory, process_group=self.group)
         if fp8 is not None:
             ckpt_state.restore_fp8(run.chunks, fp8)

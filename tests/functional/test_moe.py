@@ -75,3 +75,18 @@ def test_resume_at_other_expert_parallel_sizes(tmp_path):
             assert sorted(resumed[tag]) == [4, 5, 6], (name, tag)
             for iteration in (4, 5, 6):
                 assert resumed[tag][iteration] == pytest.approx(whole[tag][iteration], rel=1e-5), (name, tag, iteration)
+
+
+def test_expert_bias_resumes(tmp_path):
+    """Aux-loss-free balancing (sigmoid routing, expert bias updated every step): the bias is saved
+    and restored, so a resumed run continues the uninterrupted one exactly."""
+    options = ["--train-iters", "6", "--lr-decay-iters", "6", "--moe-router-score-function", "sigmoid",
+               "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05"]
+    whole = _curves(tmp_path, "uninterrupted", 1, options)
+    save = tmp_path / "checkpoints"
+    first = run_pretrain(options + ["--exit-interval", "3", "--save", str(save), "--save-interval", "3"],
+                         base=MOE_LLAMA, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = _curves(tmp_path, "resumed", 1, options + ["--load", str(save)])
+    for iteration in (4, 5, 6):
+        assert resumed["lm loss"][iteration] == pytest.approx(whole["lm loss"][iteration], rel=1e-6), iteration
