@@ -1,4 +1,4 @@
-"""Hugging Face Mixtral and Qwen3-MoE: tiny models built in the test with `transformers`, written with
+"""Hugging Face Mixtral, Qwen3-MoE and Qwen2-MoE (shared expert with its gate, q/k/v biases): tiny models built in the test with `transformers`, written with
 save_pretrained (one tensor per expert, as on the hub), read and mapped into GPTModel: the logits
 equal `transformers`' own; the mapping back gives the same files' tensors and config."""
 import dataclasses
@@ -41,7 +41,13 @@ def qwen3_moe(norm_topk_prob=True):
                                        mlp_only_layers=[0], norm_topk_prob=norm_topk_prob, **SHAPE)
 
 
+def qwen2_moe():
+    return transformers.Qwen2MoeConfig(intermediate_size=80, moe_intermediate_size=32, num_experts=6,
+                                       shared_expert_intermediate_size=40, mlp_only_layers=[1], **SHAPE)
+
+
 CASES = {"mixtral": (mixtral, transformers.MixtralForCausalLM),
+         "qwen2_moe": (qwen2_moe, transformers.Qwen2MoeForCausalLM),
          "qwen3_moe": (qwen3_moe, transformers.Qwen3MoeForCausalLM),
          "qwen3_moe unnormalized": (lambda: qwen3_moe(False), transformers.Qwen3MoeForCausalLM)}
 

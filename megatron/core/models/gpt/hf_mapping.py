@@ -24,7 +24,9 @@ Differences the mapping absorbs:
   such a Llama-shaped model maps to `Qwen3ForCausalLM`. GPT-2 has no equivalent.
 - Mixtures of experts: Mixtral (every layer MoE, softmax over the chosen experts) and Qwen3-MoE
   (with query/key norms; `norm_topk_prob` false is --moe-router-pre-softmax; `mlp_only_layers` and
-  `decoder_sparse_step` become the --moe-layer-freq pattern). HF files hold one tensor per expert
+  `decoder_sparse_step` become the --moe-layer-freq pattern), and Qwen2-MoE (Qwen3-MoE's layout
+  without query/key norms, with q/k/v biases and a shared expert scaled by a sigmoid gate:
+  --moe-shared-expert-intermediate-size with --moe-shared-expert-gate). HF files hold one tensor per expert
   (`experts.{e}.w1` ...); GPTModel stacks them, `experts.fc1_weight` [E, 2F, h] (gate; up) and
   `experts.fc2_weight` [E, h, F]; the router is HF's `gate`.
 """
@@ -37,8 +39,8 @@ from megatron.core.models.gpt.model import WORD_EMBEDDINGS
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
 
-ARCHITECTURES = ("llama", "qwen3", "mixtral", "qwen3_moe", "gpt2")
-_LLAMA_LIKE = ("llama", "qwen3", "mixtral", "qwen3_moe")
+ARCHITECTURES = ("llama", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "gpt2")
+_LLAMA_LIKE = ("llama", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe")
 # Where each family keeps a mixture-of-experts block: the router, and expert e's gate, up and down
 # projections, in the checkpoint files' per-expert names (what save_pretrained writes).
 _MOE_KEYS = {
@@ -46,6 +48,7 @@ _MOE_KEYS = {
                 "block_sparse_moe.experts.{e}.w2"),
     "qwen3_moe": ("mlp.gate", "mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"),
 }
+_MOE_KEYS["qwen2_moe"] = _MOE_KEYS["qwen3_moe"]
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
 FINAL_NORM = "decoder.final_layernorm"
@@ -111,6 +114,8 @@ def _llama_rope(hf_config) -> dict:
 
 def _llama_config(hf_config, vocab_size: int) -> TransformerConfig:
     """Llama, or Qwen3 (Llama with RMSNorm over each query and key head)."""
+    if hf_config.model_type == "qwen2_moe" and not hf_config.qkv_bias:
+        raise ValueError("Qwen2-MoE without q/k/v biases (qkv_bias false) is not supported")
     if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
         raise ValueError("Llama attention_bias / mlp_bias are not supported by GPTModel")
     if getattr(hf_config, "use_sliding_window", False):
@@ -140,6 +145,7 @@ def _llama_config(hf_config, vocab_size: int) -> TransformerConfig:
         attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
         init_method_std=hf_config.initializer_range,
         qk_layernorm=hf_config.model_type in ("qwen3", "qwen3_moe"),
+        add_qkv_bias=hf_config.model_type == "qwen2_moe",
         **_llama_rope(hf_config),
         **_moe_config(hf_config),
     )
@@ -153,14 +159,18 @@ def _moe_config(hf_config) -> dict:
             raise ValueError("Mixtral router_jitter_noise is not supported (--moe-input-jitter-eps is multiplicative)")
         return dict(num_experts=hf_config.num_local_experts, moe_router_topk=hf_config.num_experts_per_tok,
                     moe_ffn_hidden_size=hf_config.intermediate_size)
-    if kind != "qwen3_moe":
+    if kind not in ("qwen3_moe", "qwen2_moe"):
         return {}
+    shared = {}
+    if kind == "qwen2_moe" and hf_config.shared_expert_intermediate_size:
+        shared = dict(moe_shared_expert_intermediate_size=hf_config.shared_expert_intermediate_size,
+                      moe_shared_expert_gate=True)
     layers = hf_config.num_hidden_layers
     step = hf_config.decoder_sparse_step
     pattern = [0 if (i in hf_config.mlp_only_layers or (i + 1) % step) else 1 for i in range(layers)]
     return dict(num_experts=hf_config.num_experts, moe_router_topk=hf_config.num_experts_per_tok,
                 moe_ffn_hidden_size=hf_config.moe_intermediate_size, moe_layer_freq=pattern,
-                moe_router_pre_softmax=not hf_config.norm_topk_prob)
+                moe_router_pre_softmax=not hf_config.norm_topk_prob, **shared)
 
 def _gpt2_config(hf_config, vocab_size: int) -> TransformerConfig:
     if getattr(hf_config, "scale_attn_by_inverse_layer_idx", False):
@@ -194,7 +204,8 @@ def architecture_for_hf(config: TransformerConfig) -> str:
     """'llama', 'qwen3' or 'gpt2': the Hugging Face family whose layers are exactly this config's
     (up to the weight transforms in the module docstring)."""
     if (config.normalization == "RMSNorm" and config.gated_linear_unit and config.activation == "silu"
-            and config.position_embedding_type == "rope" and not config.add_bias_linear and not config.add_qkv_bias):
+            and config.position_embedding_type == "rope" and not config.add_bias_linear
+            and (not config.add_qkv_bias or config.moe_shared_expert_intermediate_size is not None)):
         if config.rotary_percent != 1.0:
             raise ValueError(f"--rotary-percent {config.rotary_percent} has no Hugging Face Llama equivalent "
                              "(its attention rotates every channel of a head)")
@@ -216,11 +227,15 @@ def architecture_for_hf(config: TransformerConfig) -> str:
 def _moe_architecture(config: TransformerConfig) -> str:
     """'mixtral' or 'qwen3_moe' for a mixture of experts with a Hugging Face equivalent."""
     plain = (config.moe_router_score_function == "softmax" and not config.moe_router_topk_scaling_factor
-             and config.moe_router_num_groups is None and not config.moe_router_enable_expert_bias
-             and config.moe_shared_expert_intermediate_size is None)
-    if not plain:
-        raise ValueError("this mixture of experts has no Hugging Face equivalent here: Mixtral and Qwen3-MoE route "
-                         "with softmax, without scaling, groups, expert bias or shared experts")
+             and config.moe_router_num_groups is None and not config.moe_router_enable_expert_bias)
+    qwen2 = (config.moe_shared_expert_intermediate_size is not None and config.moe_shared_expert_gate
+             and config.add_qkv_bias and not config.qk_layernorm)
+    if not plain or (config.moe_shared_expert_intermediate_size is not None and not qwen2):
+        raise ValueError("this mixture of experts has no Hugging Face equivalent here: Mixtral, Qwen3-MoE and "
+                         "Qwen2-MoE route with softmax, without scaling, groups or expert bias; only Qwen2-MoE has "
+                         "shared experts (with the gate and q/k/v biases)")
+    if qwen2:
+        return "qwen2_moe"
     if config.qk_layernorm:
         return "qwen3_moe"
     if config.moe_router_pre_softmax or 0 in moe_layer_pattern(config.moe_layer_freq, config.num_layers):
@@ -235,7 +250,7 @@ def hf_config_from_transformer_config(config: TransformerConfig, vocab_size: int
     import transformers
 
     arch = architecture_for_hf(config)
-    if arch in ("mixtral", "qwen3_moe"):
+    if arch in ("mixtral", "qwen3_moe", "qwen2_moe"):
         return _hf_moe_config(config, vocab_size, arch)
     if arch in ("llama", "qwen3"):
         rope = {"rope_type": "default", "rope_theta": config.rotary_base}
@@ -279,11 +294,14 @@ def _hf_moe_config(config: TransformerConfig, vocab_size: int, arch: str):
         return transformers.MixtralConfig(intermediate_size=config.moe_ffn_hidden_size,
                                           num_local_experts=config.num_experts, sliding_window=None, **common)
     pattern = moe_layer_pattern(config.moe_layer_freq, config.num_layers)
-    return transformers.Qwen3MoeConfig(
-        intermediate_size=config.ffn_hidden_size, moe_intermediate_size=config.moe_ffn_hidden_size,
-        num_experts=config.num_experts, decoder_sparse_step=1, norm_topk_prob=not config.moe_router_pre_softmax,
-        mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe], use_sliding_window=False,
-        attention_bias=False, **common)
+    common.update(intermediate_size=config.ffn_hidden_size, moe_intermediate_size=config.moe_ffn_hidden_size,
+                  num_experts=config.num_experts, decoder_sparse_step=1, use_sliding_window=False,
+                  norm_topk_prob=not config.moe_router_pre_softmax,
+                  mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe])
+    if arch == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+                                           qkv_bias=True, **common)
+    return transformers.Qwen3MoeConfig(attention_bias=False, **common)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -335,6 +353,10 @@ def _llama_entries(config: TransformerConfig) -> list:
         if config.qk_layernorm:
             entries += [_Entry(f"{hf}.self_attn.{x}_norm.weight", f"{ours}.self_attention.{x}_layernorm.weight",
                                norm=True) for x in ("q", "k")]
+        if config.add_qkv_bias:
+            heads = dict(q=config.num_attention_heads, k=config.num_query_groups, v=0)
+            entries += [_Entry(f"{hf}.self_attn.{x}_proj.bias", f"{ours}.self_attention.linear_qkv.bias", (x,),
+                               rotary_heads=heads[x]) for x in ("q", "k", "v")]
     entries.append(_Entry("model.norm.weight", f"{FINAL_NORM}.weight", norm=True))
     if config.untie_embeddings_and_output_weights:
         entries.append(_Entry("lm_head.weight", OUTPUT_LAYER, vocab=True))
@@ -342,8 +364,15 @@ def _llama_entries(config: TransformerConfig) -> list:
 
 
 def _moe_entries(config: TransformerConfig, hf: str, ours: str) -> list:
-    router, gate, up, down = _MOE_KEYS["qwen3_moe" if config.qk_layernorm else "mixtral"]
+    family = "mixtral" if not (config.qk_layernorm or config.add_qkv_bias) else "qwen3_moe"
+    router, gate, up, down = _MOE_KEYS[family]
     entries = [_Entry(f"{hf}.{router}.weight", f"{ours}.mlp.router.weight")]
+    if config.moe_shared_expert_intermediate_size is not None:  # Qwen2-MoE
+        shared = f"{ours}.mlp.shared_experts"
+        entries += [_Entry(f"{hf}.mlp.shared_expert.gate_proj.weight", f"{shared}.mlp.linear_fc1.weight", ("gate",)),
+                    _Entry(f"{hf}.mlp.shared_expert.up_proj.weight", f"{shared}.mlp.linear_fc1.weight", ("up",)),
+                    _Entry(f"{hf}.mlp.shared_expert.down_proj.weight", f"{shared}.mlp.linear_fc2.weight"),
+                    _Entry(f"{hf}.mlp.shared_expert_gate.weight", f"{shared}.gate_weight")]
     for e in range(config.num_experts):
         entries += [_Entry(f"{hf}.{gate.format(e=e)}.weight", f"{ours}.mlp.experts.fc1_weight", ("gate",), expert=e),
                     _Entry(f"{hf}.{up.format(e=e)}.weight", f"{ours}.mlp.experts.fc1_weight", ("up",), expert=e),
