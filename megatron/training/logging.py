@@ -46,7 +46,9 @@ def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, e
     if decoupled_learning_rate is not None:
         parts.append(f"decoupled learning rate: {decoupled_learning_rate:.6E}")
     parts.append(f"global batch size: {global_batch_size:5d}")
-    parts += [f"{name}: {value:.6E}" for name, value in losses.items() if not name.startswith("moe/")]
+    # lm loss first, then the auxiliary losses (as Megatron-LM); per-layer MoE values go to TensorBoard only
+    ordered = sorted(losses.items(), key=lambda item: item[0] != "lm loss")
+    parts += [f"{name}: {value:.6E}" for name, value in ordered if not name.startswith("moe/")]
     parts.append(f"loss scale: {loss_scale:.1f}")
     if grad_norm is not None:
         parts.append(f"grad norm: {grad_norm:.3f}")
