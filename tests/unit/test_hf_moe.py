@@ -1,6 +1,7 @@
-"""Hugging Face Mixtral, Qwen3-MoE and Qwen2-MoE (shared expert with its gate, q/k/v biases): tiny models built in the test with `transformers`, written with
-save_pretrained (one tensor per expert, as on the hub), read and mapped into GPTModel: the logits
-equal `transformers`' own; the mapping back gives the same files' tensors and config."""
+"""Hugging Face Mixtral, Qwen3-MoE and Qwen2-MoE (shared expert with its gate, q/k/v biases): tiny
+models built in the test with `transformers`, written with save_pretrained (one tensor per expert,
+as on the hub), read and mapped into GPTModel: the logits equal `transformers`' own; the mapping
+back gives the same files' tensors and config; 5 training steps track transformers + AdamW."""
 import dataclasses
 
 import pytest
