@@ -145,3 +145,8 @@ def test_moe_needs_experts_divisible_by_expert_parallel_size():
     groups = ParallelGroups(ep_size=3)
     with pytest.raises(ValueError, match=r"4 is not divisible by 3 \(--num-experts by --expert-model-parallel-size\)"):
         MoELayer(config(), layer_number=0, groups=groups, device="cpu")
+
+
+def test_unknown_dispatcher_is_refused_by_name():
+    with pytest.raises(ValueError, match="--moe-token-dispatcher-type must be one of"):
+        MoELayer(config(moe_token_dispatcher_type="flex"), layer_number=0, groups=single_process(), device="cpu")

@@ -13,7 +13,7 @@ import torch
 
 from megatron.core.transformer.moe.experts import GroupedMLP, SharedExpertMLP
 from megatron.core.transformer.moe.router import TopKRouter
-from megatron.core.transformer.moe.token_dispatcher import AllGatherDispatcher, AllToAllDispatcher
+from megatron.core.transformer.moe.token_dispatcher import DISPATCHER_TYPES, AllGatherDispatcher, AllToAllDispatcher
 from megatron.core.utils import divide
 
 
@@ -28,6 +28,9 @@ class MoELayer(torch.nn.Module):
                                  tp_dp_cp_group=groups.tp_dp_cp, device=device, **tp)
         self.experts = GroupedMLP(config, num_local_experts=self.num_local_experts, expert_offset=expert_offset,
                                   etp_size=etp, etp_rank=groups.etp_rank, device=device, **tp)
+        if config.moe_token_dispatcher_type not in DISPATCHER_TYPES:
+            raise ValueError(f"--moe-token-dispatcher-type must be one of {DISPATCHER_TYPES}, "
+                             f"got {config.moe_token_dispatcher_type!r}")
         if config.moe_token_dispatcher_type == "alltoall":
             self.dispatcher = AllToAllDispatcher(num_local_experts=self.num_local_experts, ep_group=groups.ep,
                                                  etp_group=groups.etp)
