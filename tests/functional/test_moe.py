@@ -31,6 +31,10 @@ LAYOUTS = {
     "ep2 pp2 interleaved": (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                 "--num-layers-per-virtual-pipeline-stage", "1"]),
     "ep2 cp2": (4, ["--expert-model-parallel-size", "2", "--context-parallel-size", "2"]),
+    # global_aux_loss counts expert loads over the data ranks and the step's micro-batches so far:
+    # equal to one process only where the data-parallel size is 1.
+    "tp2 sp global aux loss": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                   "--moe-router-load-balancing-type", "global_aux_loss"]),
     "ep2 tp2 sp etp1 allgather": (4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                                       "--sequence-parallel", "--expert-tensor-parallel-size", "1",
                                       "--moe-token-dispatcher-type", "allgather"]),
@@ -41,7 +45,9 @@ def _curves(tmp_path, name: str, nproc: int, extra: list) -> dict:
     directory = tmp_path / name.replace(" ", "_")
     done = run_pretrain(extra + ["--tensorboard-dir", str(directory)], nproc=nproc, base=MOE_LLAMA, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return {tag: tensorboard_scalars(directory, tag) for tag in TAGS}
+    tags = [tag.replace("load_balancing", "global_load_balancing") if "global_aux_loss" in extra else tag
+            for tag in TAGS]
+    return {tag: tensorboard_scalars(directory, real) for tag, real in zip(TAGS, tags)}
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +55,16 @@ def reference(tmp_path_factory):
     return _curves(tmp_path_factory.mktemp("moe_reference"), "one process", 1, [])
 
 
+@pytest.fixture(scope="module")
+def global_aux_reference(tmp_path_factory):
+    return _curves(tmp_path_factory.mktemp("moe_reference_global"), "one process global", 1,
+                   ["--moe-router-load-balancing-type", "global_aux_loss"])
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_moe_layouts_match_one_process(reference, tmp_path, name):
+def test_moe_layouts_match_one_process(request, tmp_path, name):
     nproc, extra = LAYOUTS[name]
+    reference = request.getfixturevalue("global_aux_reference" if "global_aux_loss" in extra else "reference")
     got = _curves(tmp_path, name, nproc, extra)
     for tag in TAGS:
         assert sorted(got[tag]) == sorted(reference[tag]) == [1, 2, 3, 4], tag
