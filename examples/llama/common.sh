@@ -19,6 +19,8 @@ TP=${TP:-1}
 PP=${PP:-1}
 VPP=${VPP:-1}
 CP=${CP:-1}
+EP=${EP:-1}    # expert-parallel size (mixture-of-experts scripts)
+ETP=${ETP:-}   # expert-tensor-parallel size [TP]
 MBS=${MBS:-$([ "$IS_TINY" = 1 ] && echo 8 || echo 1)}
 SEQ_LENGTH=${SEQ_LENGTH:-$([ "$IS_TINY" = 1 ] && echo 128 || echo "${DEFAULT_SEQ_LENGTH:-8192}")}
 TOTAL_ITERS=${TOTAL_ITERS:-$([ "$IS_TINY" = 1 ] && echo 100 || echo 10)}
@@ -143,6 +145,8 @@ run_training() {
   PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
                  --context-parallel-size "$CP" --distributed-backend "$BACKEND")
   if [ "$TP" -gt 1 ]; then PARALLEL_ARGS+=(--sequence-parallel); fi
+  if [ "$EP" -gt 1 ]; then PARALLEL_ARGS+=(--expert-model-parallel-size "$EP"); fi
+  if [ -n "$ETP" ]; then PARALLEL_ARGS+=(--expert-tensor-parallel-size "$ETP"); fi
   if [ "$VPP" -gt 1 ]; then PARALLEL_ARGS+=(--num-virtual-stages-per-pipeline-rank "$VPP"); fi
   if [ "$FSDP" = 1 ]; then PARALLEL_ARGS+=(--use-torch-fsdp2); elif [ "$DP" -gt 1 ]; then
     PARALLEL_ARGS+=(--use-distributed-optimizer --overlap-grad-reduce); fi

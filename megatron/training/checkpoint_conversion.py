@@ -16,6 +16,7 @@ from megatron.core.checkpointing import CheckpointFormatError
 from megatron.core.checkpointing.sharded import Boxes, ShardedState, split_tensor_key, tensor_key
 from megatron.core.checkpointing.state import MODEL
 from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.moe.experts import split_experts, stack_experts
 from megatron.training.checkpointing import (
     COMMON_FILE,
     FORMAT,
@@ -30,9 +31,18 @@ from megatron.training.checkpointing import (
 )
 
 
+# Mixture-of-experts fields: the same name in the flags and in TransformerConfig.
+MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+              "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
+              "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+              "moe_router_enable_expert_bias")
+
+
 def model_args(config: TransformerConfig, make_vocab_size_divisible_by: int) -> dict:
     """The Megatron model flags (as config field names) that build `config`."""
-    return {
+    moe = {name: getattr(config, name) for name in MOE_FIELDS}
+    moe["moe_layer_freq"] = str(config.moe_layer_freq)  # the flag's form: an integer or a pattern
+    return moe | {
         "num_layers": config.num_layers, "hidden_size": config.hidden_size, "ffn_hidden_size": config.ffn_hidden_size,
         "num_attention_heads": config.num_attention_heads, "kv_channels": config.kv_channels,
         "group_query_attention": config.num_query_groups != config.num_attention_heads,
@@ -66,7 +76,8 @@ def transformer_config(args: dict, padded_vocab_size: int) -> TransformerConfig:
         rope_scaling_factor=args["rope_scaling_factor"],
         untie_embeddings_and_output_weights=args["untie_embeddings_and_output_weights"],
         hidden_dropout=0.0, attention_dropout=0.0, layernorm_zero_centered_gamma=args.get("apply_layernorm_1p", False),
-        qk_layernorm=args.get("qk_layernorm", False), rotary_interleaved=args.get("rotary_interleaved", False))
+        qk_layernorm=args.get("qk_layernorm", False), rotary_interleaved=args.get("rotary_interleaved", False),
+        **{name: args[name] for name in (*MOE_FIELDS, "moe_layer_freq") if args.get(name) is not None})
 
 
 def check_expressible(config: TransformerConfig) -> None:
@@ -88,7 +99,7 @@ def write_weights(root: str, logical: dict, config: TransformerConfig, vocab_siz
     check_expressible(config)
 
     state = ShardedState()
-    for name, parts in logical.items():
+    for name, parts in split_experts(logical).items():
         for part, tensor in parts.items():
             tensor = tensor.detach().contiguous()
             state.sharded[tensor_key(MODEL, name, part)] = Boxes(tuple(tensor.shape), tensor.dtype, [((0,) * tensor.dim(), tensor)])
@@ -131,6 +142,7 @@ def read_weights(path: str, iteration: Optional[int] = None) -> tuple:
     for name in ("ffn_hidden_size", "kv_channels", "num_query_groups"):
         args[name] = resolved[name]
     args["group_query_attention"] = True
+    logical = stack_experts(logical)
     padded = logical["embedding.word_embeddings.weight"][""].shape[0]
     return logical, transformer_config(args, padded), resolved["vocab_size"], common
 

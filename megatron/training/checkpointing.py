@@ -32,6 +32,7 @@ import torch.distributed as dist
 from megatron.core.checkpointing import CheckpointFormatError
 from megatron.core.checkpointing import state as ckpt_state
 from megatron.core.checkpointing.sharded import ShardedState
+from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
 from megatron.training.validation import ConfigError
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -47,6 +48,11 @@ CHECKPOINT_MODEL_ARGS = (
     "use_rope_scaling", "rope_scaling_factor", "normalization", "norm_epsilon", "swiglu", "openai_gelu",
     "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "make_vocab_size_divisible_by",
     "apply_layernorm_1p", "qk_layernorm", "rotary_interleaved",
+    # mixture of experts
+    "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate", "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
+    "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+    "moe_router_enable_expert_bias",
 )
 
 # Resolved architecture (TransformerConfig field -> the flag that sets it): a mismatch is an error.
@@ -59,10 +65,14 @@ ARCHITECTURE_FLAGS = {
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "qk_layernorm": "--qk-layernorm", "layernorm_zero_centered_gamma": "--apply-layernorm-1p",
     "rotary_interleaved": "--rotary-interleaved",
+    # mixture of experts (the expert layout, --expert-model-parallel-size, may change on load)
+    "num_experts": "--num-experts", "moe_layer_freq": "--moe-layer-freq", "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
+    "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
+    "moe_shared_expert_gate": "--moe-shared-expert-gate",
 }
 # Numerics that change the model without changing a shape: a mismatch is noted.
 SEMANTIC_FIELDS = ("activation", "norm_epsilon", "rotary_base", "rotary_percent", "rope_scaling",
-                   "rope_scaling_factor")
+                   "rope_scaling_factor", "moe_router_topk", "moe_router_score_function")
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -143,6 +153,11 @@ def apply_checkpoint_args(config, common: dict) -> list:
 def architecture(model_config, vocab_size: int) -> dict:
     """The fields of a resolved TransformerConfig a checkpoint must match (plus the vocabulary)."""
     fields = {name: getattr(model_config, name) for name in (*ARCHITECTURE_FLAGS, *SEMANTIC_FIELDS)}
+    for name in fields:  # a dense model has no expert fields; the layer pattern is compared as a list
+        if name.startswith("moe_"):
+            fields[name] = None if model_config.num_experts is None else fields[name]
+    if model_config.num_experts is not None:
+        fields["moe_layer_freq"] = moe_layer_pattern(model_config.moe_layer_freq, model_config.num_layers)
     if model_config.position_embedding_type == "learned_absolute":
         fields["max_position_embeddings"] = model_config.max_position_embeddings
     fields["vocab_size"] = vocab_size
@@ -239,6 +254,8 @@ class Checkpointer:
             chunk.finish_param_sync()  # the distributed optimizer's gather may still be in flight
         state = ShardedState()
         ckpt_state.add_model(state, run.chunks, self.groups)
+        for key, bias in ckpt_state.router_biases(run.chunks).items():
+            state.add_whole(key, bias)
         if not options.no_save_optim:
             optimizer = run.optimizer
             ckpt_state.add_optimizer(state, optimizer, run.chunks, masters=optimizer.separate_masters(),
@@ -401,6 +418,10 @@ class Checkpointer:
             ckpt_state.add_model(state, run.chunks, self.groups)
         rng = self._rng_targets(state, run, directory, common)
         fp8 = self._fp8_targets(state, run, directory, common)
+        saved = _storage().saved_shapes(directory)
+        for key, bias in ckpt_state.router_biases(run.chunks).items():
+            if key in saved:  # absent from checkpoints of runs without --moe-router-enable-expert-bias
+                state.add_whole(key, bias)
         _storage().load_state(state, directory, process_group=self.group)
         if fp8 is not None:
             ckpt_state.restore_fp8(run.chunks, fp8)

@@ -38,7 +38,9 @@ def initialize_distributed(config: Config) -> tuple[ParallelGroups, RNGStatesTra
     device = utils.default_device()
     groups = initialize_model_parallel(config.parallel.tensor_model_parallel_size,
                                        config.parallel.pipeline_model_parallel_size,
-                                       config.parallel.context_parallel_size, device=device, timeout=timeout)
+                                       config.parallel.context_parallel_size, device=device, timeout=timeout,
+                                       expert_model_parallel_size=config.parallel.expert_model_parallel_size,
+                                       expert_tensor_parallel_size=config.parallel.expert_tensor_parallel_size)
     tracker = build_tracker(config.training.seed, groups.tp_rank, groups.pp_rank, device)
     return groups, tracker
 

@@ -3,12 +3,15 @@ import datetime
 from typing import Optional
 
 from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
 
 
 def flops_per_iteration(model: TransformerConfig, global_batch_size: int, seq_length: int) -> float:
     """6*B*s*[ L*( m*h*f + 2*h*q + 2*h*k*g + s*q ) + h*V ], causal attention counted as half.
 
     m = 3 for SwiGLU else 2; q = heads*kv_channels; k = kv_channels; g = query groups; V = padded vocab.
+    In a mixture-of-experts layer f is what a token runs through: topk x --moe-ffn-hidden-size plus
+    the shared experts' size (Megatron-LM's count; the router's GEMM is not counted).
     """
     h, f, L, V = model.hidden_size, model.ffn_hidden_size, model.num_layers, model.vocab_size
     m = 3 if model.gated_linear_unit else 2
@@ -16,7 +19,11 @@ def flops_per_iteration(model: TransformerConfig, global_batch_size: int, seq_le
     k = model.kv_channels
     g = model.num_query_groups
     per_layer = m * h * f + 2 * h * q + 2 * h * k * g + seq_length * q
-    return 6.0 * global_batch_size * seq_length * (L * per_layer + h * V)
+    total = L * per_layer
+    if model.num_experts is not None:
+        active = model.moe_router_topk * model.moe_ffn_hidden_size + (model.moe_shared_expert_intermediate_size or 0)
+        total += sum(moe_layer_pattern(model.moe_layer_freq, L)) * m * h * (active - f)
+    return 6.0 * global_batch_size * seq_length * (total + h * V)
 
 
 def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
@@ -39,7 +46,9 @@ def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, e
     if decoupled_learning_rate is not None:
         parts.append(f"decoupled learning rate: {decoupled_learning_rate:.6E}")
     parts.append(f"global batch size: {global_batch_size:5d}")
-    parts += [f"{name}: {value:.6E}" for name, value in losses.items()]
+    # lm loss first, then the auxiliary losses (as Megatron-LM); per-layer MoE values go to TensorBoard only
+    ordered = sorted(losses.items(), key=lambda item: item[0] != "lm loss")
+    parts += [f"{name}: {value:.6E}" for name, value in ordered if not name.startswith("moe/")]
     parts.append(f"loss scale: {loss_scale:.1f}")
     if grad_norm is not None:
         parts.append(f"grad norm: {grad_norm:.3f}")

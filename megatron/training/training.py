@@ -15,6 +15,7 @@ from megatron.core import utils
 from megatron.core.distributed import comm
 from megatron.core.distributed.ddp import finalize_model_grads
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.transformer.moe.router import aux_loss_log_values, finish_moe_step
 from megatron.training import builders
 from megatron.training.arguments import format_config
 from megatron.training.batch_schedule import BatchSchedule, batch_schedule
@@ -297,6 +298,11 @@ def train_step(run: Run, data_iterator, num_microbatches: Optional[int] = None
     if run.guard is not None:
         run.guard.observe_losses(reported)
     finalize_model_grads(run.chunks, run.groups)
+    sums = local_sums(reported)
+    if run.model_config.num_experts is not None:
+        finish_moe_step(run.chunks, run.groups)
+        sums.update(aux_loss_log_values(run.chunks, run.model_config, run.groups, num_microbatches,
+                                        per_layer=run.config.logging.moe_per_layer_logging))
     if run.config.training.calculate_per_token_loss:
         run.optimizer.scale_grads(_per_token_gradient_scale(run, reported))
     _empty_unused_memory(run, level=1)
@@ -304,7 +310,7 @@ def train_step(run: Run, data_iterator, num_microbatches: Optional[int] = None
     if applied:
         run.scheduler.step(num_microbatches * run.config.training.micro_batch_size * run.groups.dp_size)
     _empty_unused_memory(run, level=2)
-    return local_sums(reported), applied, grad_norm
+    return sums, applied, grad_norm
 
 
 def _empty_unused_memory(run: Run, level: int) -> None:

@@ -6,8 +6,9 @@ from typing import Optional
 
 from megatron.core.context_parallel import check_context_parallel
 from megatron.core.distributed.ddp import validate_data_parallel
-from megatron.core.parallel_state import check_sizes
+from megatron.core.parallel_state import check_expert_sizes, check_sizes
 from megatron.core.pipeline_parallel.layout import validate_pipeline
+from megatron.core.transformer.moe.moe_utils import LOAD_BALANCING_TYPES, moe_layer_pattern
 from megatron.training import megatron_lm
 from megatron.training.batch_schedule import batch_schedule
 from megatron.training.builders import ffn_hidden_size
@@ -92,6 +93,7 @@ def validate(config: Config, world_size: int) -> list:
         _require(t.seq_length % tp == 0, f"--seq-length ({t.seq_length}) must be divisible by "
                                          f"--tensor-model-parallel-size ({tp}) with --sequence-parallel")
     _validate_context_parallel(config)
+    _validate_moe(config, tp * cp * dp, notes)
 
     _validate_kernels(config, notes)
     _validate_fp8(config)
@@ -407,3 +409,66 @@ def _validate_schedule(config: Config) -> None:
                  "--recompute-granularity full needs --recompute-num-layers N (N > 0)")
     elif t.recompute_method is not None:
         raise ConfigError("--recompute-method needs --recompute-granularity full")
+
+
+def _validate_moe(config: Config, stage_ranks: int, notes: list) -> None:
+    """Mixture-of-experts flags against each other and the layout (before the model is built)."""
+    m, p = config.model, config.parallel
+    ep, tp = p.expert_model_parallel_size, p.tensor_model_parallel_size
+    etp = tp if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
+    if m.num_experts is None:
+        _require(ep == 1, f"--expert-model-parallel-size {ep} needs --num-experts (a mixture-of-experts model)")
+        return
+    experts, topk = m.num_experts, m.moe_router_topk
+    _require(experts >= 1, f"--num-experts must be >= 1, got {experts}")
+    _require(experts % ep == 0, f"--num-experts ({experts}) must be divisible by --expert-model-parallel-size ({ep})")
+    try:
+        check_expert_sizes(stage_ranks, ep, etp)
+        moe_layer_pattern(m.moe_layer_freq, m.num_layers)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    _require(etp in (1, tp), f"--expert-tensor-parallel-size ({etp}) must be 1 or --tensor-model-parallel-size ({tp})")
+    expert_ffn = m.moe_ffn_hidden_size or ffn_hidden_size(m)
+    _require(expert_ffn % etp == 0, f"--moe-ffn-hidden-size ({expert_ffn}) must be divisible by "
+                                    f"--expert-tensor-parallel-size ({etp})")
+    _require(1 <= topk <= experts, f"--moe-router-topk ({topk}) must be between 1 and --num-experts ({experts})")
+    _require(tp == 1 or p.sequence_parallel, f"mixture of experts with --tensor-model-parallel-size {tp} needs "
+                                             "--sequence-parallel (as in Megatron-LM)")
+    groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
+    _require((groups is None) == (group_topk is None), "group-limited routing needs both --moe-router-num-groups "
+                                                       f"and --moe-router-group-topk (got {groups} and {group_topk})")
+    if groups is not None:
+        _require(experts % groups == 0, f"--num-experts ({experts}) must be divisible by --moe-router-num-groups "
+                                        f"({groups})")
+        _require(1 <= group_topk <= groups and topk % group_topk == 0 and topk // group_topk <= experts // groups,
+                 f"--moe-router-group-topk ({group_topk}) must be between 1 and --moe-router-num-groups ({groups}) "
+                 f"and divide --moe-router-topk ({topk}) into at most {experts // groups} experts per group")
+    if m.moe_expert_capacity_factor is None:
+        _require(not m.moe_pad_expert_input_to_capacity,
+                 "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+        _require(m.moe_token_drop_policy == "probs",
+                 f"--moe-token-drop-policy {m.moe_token_drop_policy} needs --moe-expert-capacity-factor")
+    _require(m.moe_token_dispatcher_type != "flex", "--moe-token-dispatcher-type flex needs DeepEP, which is not "
+                                                    "built; use alltoall or allgather")
+    _validate_moe_losses(config)
+    _require(not p.use_torch_fsdp2, "--use-torch-fsdp2 with --num-experts is not built; use "
+                                    "--use-distributed-optimizer for sharded optimizer state")
+    if m.fp8:
+        notes.append("--fp8-format: the experts' GEMMs run in the parameters' dtype (FP8 covers the dense layers)")
+
+
+def _validate_moe_losses(config: Config) -> None:
+    m = config.model
+    types, coeffs = list(m.moe_router_load_balancing_type), list(m.moe_aux_loss_coeff)
+    for kind in types:
+        _require(kind in LOAD_BALANCING_TYPES, f"--moe-router-load-balancing-type {kind} is not built; use one of "
+                                               f"{', '.join(LOAD_BALANCING_TYPES)}")
+    _require(len(coeffs) in (1, len(types)), f"--moe-aux-loss-coeff has {len(coeffs)} values for the "
+                                             f"{len(types)} --moe-router-load-balancing-type values {types}")
+    uses_aux = any(c > 0 for c in coeffs) or m.moe_z_loss_coeff is not None
+    _require(not (uses_aux and config.training.calculate_per_token_loss),
+             "--calculate-per-token-loss with the MoE auxiliary losses (--moe-aux-loss-coeff, --moe-z-loss-coeff) "
+             "is not built; drop one of them")
+    if m.moe_router_enable_expert_bias:
+        _require(m.moe_router_score_function == "sigmoid", "--moe-router-enable-expert-bias needs "
+                                                           "--moe-router-score-function sigmoid (as Megatron-LM)")

@@ -49,7 +49,7 @@ def test_a_noted_flag_trains_with_one_note():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--num-experts", "8"], "--num-experts (a Megatron-LM flag) is not supported: mixture-of-experts"),
+    (["--moe-use-upcycling"], "--moe-use-upcycling (a Megatron-LM flag) is not supported: upcycling"),
     (["--fp32-residual-connection"], "--fp32-residual-connection (a Megatron-LM flag) is not supported"),
     (["--recompute-modules", "core_attn", "mlp"], "--recompute-modules core_attn mlp is not supported"),
     (["--softmax-type", "off-by-one"], "--softmax-type off-by-one is not supported: only the standard softmax"),
@@ -74,4 +74,4 @@ def test_hidden_from_help_but_help_points_to_the_table(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--help"])
     out = capsys.readouterr().out
-    assert "docs/megatron-compatibility.md" in out and "--num-experts" not in out
+    assert "docs/megatron-compatibility.md" in out and "--moe-use-upcycling" not in out

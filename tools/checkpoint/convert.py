@@ -10,7 +10,8 @@
 The format of this framework is layout-independent, so there is no target parallel size: the
 converted checkpoint loads at any --tensor-model-parallel-size / --pipeline-model-parallel-size /
 data-parallel layout. Train from it with `--load DIR --finetune --use-checkpoint-args`.
-Hugging Face Llama 2/3/3.1 and GPT-2 models convert; nothing is downloaded and no remote code runs.
+Hugging Face Llama 2/3/3.1, Qwen3, Mixtral, Qwen3-MoE, Qwen2-MoE and GPT-2 models convert; nothing is downloaded
+and no remote code runs.
 """
 import argparse
 import os

@@ -19,6 +19,7 @@ same data (replicas over data-parallel ranks, key/value heads replicated over te
 ranks, the tied embedding on the first and last pipeline stage) describe it with identical boxes,
 which the storage layer writes once.
 """
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -113,6 +114,14 @@ def split_tensor_key(key: str, prefix: str) -> tuple:
     return name, part
 
 
+@dataclass(frozen=True)
+class _ExpertView:
+    """One expert's tensor of a stacked expert parameter, as `logical_boxes` reads a parameter."""
+
+    shape: tuple
+    tp_layout: object
+
+
 @dataclass
 class Boxes:
     """The boxes this rank holds of one logical tensor, each with its local data (a view)."""
@@ -139,6 +148,9 @@ class ShardedState:
         `start`) under the keys of their logical tensors."""
         if flat.numel() != end - start:
             raise ValueError(f"{global_name}: {flat.numel()} elements given for the range [{start}, {end})")
+        if hasattr(param, "expert_offset"):
+            self._add_expert_range(prefix, global_name, param, start, end, flat, dtype)
+            return
         for box in logical_boxes(param, start, end):
             key = tensor_key(prefix, global_name, box.part)
             entry = self.sharded.get(key)
@@ -146,6 +158,20 @@ class ShardedState:
                 entry = self.sharded[key] = Boxes(logical_shape(param, box.part), dtype or flat.dtype)
             view = flat[box.flat_start - start:box.flat_end - start].view(box.sizes)
             entry.add(box.offsets, view)
+
+    def _add_expert_range(self, prefix, global_name, param, start, end, flat, dtype) -> None:
+        """A stacked routed-expert parameter [E_local, ...]: each local expert's piece is stored under
+        its global expert index (`experts.expert_param_names`), so a checkpoint loads at any
+        expert-parallel size."""
+        from megatron.core.transformer.moe.experts import expert_param_names
+
+        one = _ExpertView(tuple(param.shape[1:]), dataclasses.replace(param.tp_layout, dim=param.tp_layout.dim - 1))
+        per_expert = param[0].numel()
+        for index, name in enumerate(expert_param_names(global_name, param)):
+            lo, hi = max(start, index * per_expert), min(end, (index + 1) * per_expert)
+            if lo < hi:
+                base = index * per_expert
+                self.add_range(prefix, name, one, lo - base, hi - base, flat[lo - start:hi - start], dtype=dtype)
 
     def add_whole(self, key: str, tensor: torch.Tensor) -> None:
         self.whole[key] = tensor

@@ -69,6 +69,18 @@ def add_model(state: ShardedState, chunks: list, groups) -> None:
         state.add_range(MODEL, names[param], param, start, end, flat)
 
 
+def router_biases(chunks: list) -> dict:
+    """{checkpoint key: buffer} of the MoE routers' expert biases (aux-loss-free balancing): state
+    that trains without gradients, the same on every rank of a pipeline stage."""
+    biases = {}
+    for chunk in chunks:
+        model = unwrap(chunk)
+        for name, buffer in model.named_buffers():
+            if name.endswith(".router.expert_bias"):
+                biases[f"{MODEL}/{model.global_param_name(name)}"] = buffer
+    return biases
+
+
 def add_optimizer(state: ShardedState, optimizer, chunks: list, *, masters: bool, moments: bool) -> None:
     """The optimizer's fp32 masters (when `masters`) and moments (when `moments`) over this rank's
     regions. Moments exist only once the optimizer has stepped."""

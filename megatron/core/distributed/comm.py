@@ -213,3 +213,14 @@ def all_to_all_single(output: torch.Tensor, input_: torch.Tensor, group: Group) 
         output.copy_(staging)
         return
     dist.all_to_all_single(output, input_.contiguous(), group=group)
+
+
+def all_to_all_uneven(output: torch.Tensor, input_: torch.Tensor, group: Group, output_splits: list,
+                      input_splits: list) -> None:
+    """All-to-all with per-rank row counts: rows input_splits[j] of `input_` (in order) go to rank j;
+    `output` receives output_splits[j] rows from rank j (mixture-of-experts token dispatch)."""
+    if group is None:
+        output.copy_(input_)
+        return
+    dist.all_to_all_single(output, input_.contiguous(), output_split_sizes=output_splits,
+                           input_split_sizes=input_splits, group=group)

@@ -167,11 +167,18 @@ class DistributedDataParallel(torch.nn.Module):
         own_bucket = frozenset(shared_embedding_params(module)) if cfg.use_distributed_optimizer else frozenset()
         self.buffers = []
         for dtype in dict.fromkeys(p.dtype for p in self.params):
-            params = [p for p in backward_order if p.dtype == dtype]
-            self.buffers.append(ParamAndGradBuffer(
-                params, grad_dtype=grad_dtype, bucket_size=bucket_size, dp_group=groups.dp_cp,
-                shard_over_dp=cfg.use_distributed_optimizer, average_in_collective=cfg.average_in_collective,
-                own_bucket=own_bucket))
+            for expert in (False, True):
+                params = [p for p in backward_order if p.dtype == dtype and is_expert_param(p) == expert]
+                if not params:
+                    continue
+                # Expert weights are summed over the expert-data-parallel group (the ranks holding the
+                # same experts) and scaled by 1/(dp x cp), as Megatron-Core: each expert's gradient
+                # already holds the tokens its expert-parallel peers sent it.
+                self.buffers.append(ParamAndGradBuffer(
+                    params, grad_dtype=grad_dtype, bucket_size=bucket_size,
+                    dp_group=groups.edp if expert else groups.dp_cp,
+                    shard_over_dp=cfg.use_distributed_optimizer, average_in_collective=cfg.average_in_collective,
+                    own_bucket=own_bucket, gradient_scale=1.0 / groups.dp_cp_size if expert else None))
         self._param_to_buffer = {p: buffer for buffer in self.buffers for p in buffer.params}
         self._param_to_bucket = {p: buffer.param_to_bucket[p] for buffer in self.buffers for p in buffer.params}
         self.gather_order = [bucket for buffer in self.buffers for bucket in reversed(buffer.buckets)]
@@ -261,6 +268,11 @@ class DistributedDataParallel(torch.nn.Module):
             for bucket in buckets:
                 self.gather_chain.wait(bucket)
         return wait
+
+
+def is_expert_param(param) -> bool:
+    """A mixture-of-experts layer's routed-expert weight (its gradient reduces over expert data ranks)."""
+    return hasattr(param, "expert_offset")
 
 
 def finalize_model_grads(model_chunks: list, groups: ParallelGroups) -> None:

@@ -104,11 +104,14 @@ class ParamAndGradBuffer:
 
     def __init__(self, params: list, *, grad_dtype: torch.dtype, bucket_size: Optional[int],
                  dp_group, shard_over_dp: bool, average_in_collective: bool,
-                 own_bucket: frozenset = frozenset()):
+                 own_bucket: frozenset = frozenset(), gradient_scale: Optional[float] = None):
         self.params = params
         self.dp_group = dp_group
         self.dp_size = comm.size(dp_group)
         self.dp_rank = comm.rank(dp_group)
+        # The factor the summed gradients need: 1/DP (an average), or for experts, reduced over the
+        # expert-data-parallel group, 1/(data x context parallel size) (see ddp.py).
+        self.gradient_scale = 1.0 / self.dp_size if gradient_scale is None else gradient_scale
         self.shard_over_dp = shard_over_dp
         self.average_in_collective = average_in_collective
         pad = math.lcm(self.dp_size, SHARD_ALIGNMENT) if shard_over_dp else 1
@@ -152,10 +155,12 @@ class ParamAndGradBuffer:
         """Starts the (asynchronous) reduction of one bucket over the data-parallel group.
         Gradients are averaged: scaled by 1/DP before a sum, or averaged inside the collective."""
         bucket.grad_sync_started = True
+        # Averaging inside the collective divides by DP itself: only the rest of the scale is applied.
+        factor = self.gradient_scale * (self.dp_size if self.average_in_collective and self.dp_group else 1)
+        if factor != 1.0:
+            bucket.grad_data.mul_(factor)
         if self.dp_group is None:
             return
-        if not self.average_in_collective:
-            bucket.grad_data.mul_(1.0 / self.dp_size)
         if self.shard_over_dp:
             start, end = bucket.shard_range(self.dp_rank, self.dp_size)
             shard = self.grad_data[start:end]

@@ -98,6 +98,10 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
     def grads(self) -> list:
         return [piece.grad for piece in self.pieces]
 
+    # The norm sums over every rank (mp x dp_cp), each shard once: routed experts, sharded over their
+    # expert-data-parallel ranks, need no separate sum.
+    split_expert_norm = False
+
     def found_inf_groups(self) -> list:
         return [self.groups.mp, self.groups.dp_cp]
 

@@ -121,9 +121,14 @@ class MixedPrecisionOptimizer:
     def grads(self) -> list:
         return [p.main_grad for p in self.model_params]
 
+    # Replicated state: each rank's share of the norm is its model replica's, so experts (held by
+    # other ranks of the expert-parallel group) are summed apart (`_reduced_square`).
+    split_expert_norm = True
+
     def found_inf_groups(self) -> list:
-        """Groups over which inf/NaN detection must agree (all ranks of one model replica)."""
-        return [self.groups.mp]
+        """Groups over which inf/NaN detection must agree (all ranks of one model replica; with expert
+        parallelism every rank, since a replica's experts are spread over data ranks)."""
+        return [self.groups.mp] if self.groups.ep_size == 1 else [self.groups.world]
 
     def norm_groups(self) -> list:
         return [self.groups.mp]
@@ -145,9 +150,7 @@ class MixedPrecisionOptimizer:
                 return False, None
         local_square = self._local_grad_square(grads).reshape(1)
         extra = guard.flags(local_square) if guard is not None else None
-        square = local_square.clone()
-        for group in self.norm_groups():
-            comm.all_reduce(square, group)
+        square = self._reduced_square(grads, local_square)
         values = (square if extra is None else torch.cat([square, extra.to(square.device)])).tolist()
         grad_norm = math.sqrt(values[0])  # the step's one read to the host
         if guard is not None and not guard.allow(grad_norm, values[1:]):
@@ -185,10 +188,28 @@ class MixedPrecisionOptimizer:
 
     def _grad_norm(self, grads: list) -> float:
         """The global norm of `grads` (one tensor per stepped parameter), summed over `norm_groups`."""
-        square = self._local_grad_square(grads).reshape(1)
+        return math.sqrt(self._reduced_square(grads, self._local_grad_square(grads).reshape(1)).item())
+
+    def _reduced_square(self, grads: list, local_square: torch.Tensor) -> torch.Tensor:
+        """The squared global norm from this rank's share: summed over `norm_groups`. Routed-expert
+        weights differ over the expert-parallel ranks, which a model replica's group (tp x pp) need
+        not span: their share is summed over the expert model-parallel group (etp x ep x pp)."""
+        experts = [index for index, param in enumerate(self.model_params) if hasattr(param, "expert_offset")]
+        if not experts or not self.split_expert_norm:
+            square = local_square.clone()
+            for group in self.norm_groups():
+                comm.all_reduce(square, group)
+            return square
+        is_expert = set(experts)
+        dense = [i for i in range(len(self.model_params)) if i not in is_expert]
+        pick = lambda indices, values: [values[i] for i in indices]  # noqa: E731
+        square = local_square_norm(pick(dense, self.model_params), pick(dense, grads), self.groups.device).reshape(1)
+        expert_square = local_square_norm(pick(experts, self.model_params), pick(experts, grads),
+                                          self.groups.device).reshape(1)
         for group in self.norm_groups():
             comm.all_reduce(square, group)
-        return math.sqrt(square.item())
+        comm.all_reduce(expert_square, self.groups.expert_mp)
+        return square + expert_square
 
     @torch.no_grad()
     def scale_grads(self, factor: float) -> None:

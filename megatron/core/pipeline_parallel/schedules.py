@@ -43,6 +43,14 @@ def _identity(loss: torch.Tensor) -> torch.Tensor:
     return loss
 
 
+def set_moe_aux_loss_scale(model, scale_loss: Callable, cp_size: int, divisor: int) -> None:
+    """Mixture-of-experts models: the auxiliary losses' gradients are scaled as the loss is (loss
+    scale, context-parallel size, micro-batches), as Megatron-Core's schedules do."""
+    holder = getattr(getattr(model, "module", model), "moe_aux_loss_scale", None)
+    if holder is not None:
+        holder.value = scale_loss(torch.ones(())) * cp_size / divisor
+
+
 def _backward(output: torch.Tensor, output_grad: Optional[torch.Tensor]) -> None:
     """Backward from `output`. With a gradient, through the engine directly: `output`'s data may
     have been freed after its send, and `torch.autograd.backward` would check its shape."""
@@ -103,6 +111,7 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
         no_sync = getattr(model, "no_sync", None)
         context = no_sync() if (no_sync is not None and not last and not forward_only) else contextlib.nullcontext()
         with context, (torch.no_grad() if forward_only else contextlib.nullcontext()):
+            set_moe_aux_loss_scale(model, scale_loss, groups.cp_size, loss_divisor or num_microbatches)
             output, loss_func = forward_step_func(iterator, model)
             loss, values = loss_func(output)
             if not forward_only:
@@ -117,8 +126,9 @@ class _Stage:
 
     def __init__(self, model, *, is_first: bool, is_last: bool, forward_step_func: Callable,
                  num_microbatches: int, scale_loss: Callable, forward_only: bool, reported: list,
-                 loss_divisor: Optional[int] = None):
+                 loss_divisor: Optional[int] = None, cp_size: int = 1):
         self.model = model
+        self.cp_size = cp_size
         self.is_first = is_first   # holds the embedding: no activation to receive
         self.is_last = is_last     # holds the loss: no activation to send
         self.forward_step_func = forward_step_func
@@ -132,6 +142,7 @@ class _Stage:
     def forward(self, input_tensor: Optional[torch.Tensor], iterator) -> torch.Tensor:
         """Runs one micro-batch; returns the activation to send (or, last stage, the scaled loss)."""
         self.model.set_input_tensor(input_tensor)
+        set_moe_aux_loss_scale(self.model, self.scale_loss, self.cp_size, self.loss_divisor)
         output, loss_func = self.forward_step_func(iterator, self.model)
         if not self.is_last:
             return output
@@ -169,7 +180,8 @@ def forward_backward_pipelining_without_interleaving(
     reported = []
     stage = _Stage(model_chunks[0], is_first=groups.is_first_stage, is_last=groups.is_last_stage,
                    forward_step_func=forward_step_func, num_microbatches=num_microbatches, scale_loss=scale_loss,
-                   forward_only=forward_only, reported=reported, loss_divisor=loss_divisor)
+                   forward_only=forward_only, reported=reported, loss_divisor=loss_divisor,
+                   cp_size=groups.cp_size)
     iterator = _data_source(data_iterator, 1)(0, 0)
     pipe = p2p.Pipe(groups, tensor_shape, dtype, overlap=overlap_p2p_comm, deallocate=deallocate_pipeline_outputs)
     with torch.no_grad() if forward_only else contextlib.nullcontext():
@@ -367,7 +379,7 @@ def forward_backward_pipelining_with_interleaving(
     stages = [_Stage(chunk, is_first=groups.is_first_stage and index == 0,
                      is_last=groups.is_last_stage and index == virtual - 1, forward_step_func=forward_step_func,
                      num_microbatches=num_microbatches, scale_loss=scale_loss, forward_only=forward_only,
-                     reported=reported, loss_divisor=loss_divisor)
+                     reported=reported, loss_divisor=loss_divisor, cp_size=groups.cp_size)
               for index, chunk in enumerate(model_chunks)]
     pipe = p2p.Pipe(groups, tensor_shape, dtype, overlap=overlap_p2p_comm, deallocate=deallocate_pipeline_outputs)
     run = _Interleaved(stages, groups, schedule_table(num_microbatches, virtual, group_size),

@@ -12,6 +12,7 @@ where a tensor enters or leaves a parallel region and autograd does the rest:
 | scatter_to_sequence_parallel_region        | keep my dim-0 chunk      | all-gather dim 0         |
 | gather_from_sequence_parallel_region       | all-gather dim 0         | reduce-scatter dim 0     |
 | reduce_scatter_to_sequence_parallel_region | reduce-scatter dim 0     | all-gather dim 0         |
+| all_to_all (row counts per rank)           | all-to-all dim 0         | all-to-all back          |
 
 Activations are sequence-first ([s, b, h]), so sequence parallelism shards dim 0.
 """
@@ -149,6 +150,21 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return _gather_first(grad, ctx.group), None
 
 
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, output_splits, input_splits):
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        comm.all_to_all_uneven(out, x, group, output_splits, input_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty((sum(ctx.input_splits), *grad.shape[1:]))
+        comm.all_to_all_uneven(out, grad.contiguous(), ctx.group, ctx.input_splits, ctx.output_splits)
+        return out, None, None, None
+
+
 def copy_to_tensor_parallel_region(x, group):
     return _CopyToTP.apply(x, group) if comm.size(group) > 1 else x
 
@@ -178,3 +194,9 @@ def gather_from_sequence_parallel_region(x, group, output_grad_is_partial: bool 
 
 def reduce_scatter_to_sequence_parallel_region(x, group):
     return _ReduceScatterToSP.apply(x, group) if comm.size(group) > 1 else x
+
+
+def all_to_all(x, group, output_splits: list, input_splits: list):
+    """Rows input_splits[j] of x go to rank j; returns the output_splits[j] rows from each rank j
+    (in rank order). Backward sends the gradients back the same way (mixture-of-experts dispatch)."""
+    return _AllToAll.apply(x, group, list(output_splits), list(input_splits)) if comm.size(group) > 1 else x

@@ -21,15 +21,16 @@ from megatron.core.transformer.norm import build_norm
 
 class TransformerBlock(torch.nn.Module):
     def __init__(self, config, *, layer_numbers: list, post_process: bool, tp_group, tp_size: int,
-                 tp_rank: int, rng_tracker, device, cp_group=None):
+                 tp_rank: int, rng_tracker, device, cp_group=None, groups=None):
         super().__init__()
         self.config = config
         self.layer_numbers = list(layer_numbers)  # global index of each local layer
         self.rng_tracker = rng_tracker
         self.layers = torch.nn.ModuleList(
             TransformerLayer(config, tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank,
-                             rng_tracker=rng_tracker, device=device, cp_group=cp_group)
-            for _ in self.layer_numbers)
+                             rng_tracker=rng_tracker, device=device, cp_group=cp_group, layer_number=number,
+                             groups=groups)
+            for number in self.layer_numbers)
         self.final_layernorm = (build_norm(config, config.hidden_size, tp_size=tp_size, tp_rank=tp_rank,
                                            device=device) if post_process else None)
         self.segments = recompute_segments(config, len(self.layers))

@@ -1,6 +1,6 @@
 """TransformerConfig: the model's shape and numerics, independent of how it is launched."""
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -56,6 +56,32 @@ class TransformerConfig:
     qk_layernorm: bool = False                   # normalize each query and key head (over kv_channels) before RoPE
     layernorm_zero_centered_gamma: bool = False  # norms multiply by (1 + weight), weight initialized to 0
     rotary_interleaved: bool = False             # RoPE rotates channel pairs (2i, 2i+1), not (i, i + d/2)
+    # -- Mixture of experts (Megatron-LM's argument names; see megatron/core/transformer/moe/) --------
+    num_experts: Optional[int] = None            # routed experts per MoE layer; None: a dense model
+    moe_layer_freq: Union[int, list, str] = 1    # every N-th layer is MoE, or a 0/1 list (or its pattern string)
+    moe_ffn_hidden_size: Optional[int] = None    # each expert's hidden size; default ffn_hidden_size
+    moe_shared_expert_intermediate_size: Optional[int] = None  # shared experts' total hidden size
+    moe_shared_expert_gate: bool = False         # sigmoid gate on the shared experts' output (Qwen2-MoE)
+    moe_grouped_gemm: bool = False               # experts as grouped GEMMs (torch._grouped_mm) where supported
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"   # or "sigmoid"
+    moe_router_pre_softmax: bool = False         # softmax over all experts before top-k
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_dtype: Optional[str] = None       # None (params dtype), "fp32" or "fp64" router GEMM/scores
+    moe_router_num_groups: Optional[int] = None  # group-limited routing: expert groups
+    moe_router_group_topk: Optional[int] = None  # group-limited routing: groups chosen per token
+    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing (DeepSeek-V3)
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_load_balancing_type: Union[str, list] = "aux_loss"  # aux_loss|seq_aux_loss|global_aux_loss|none
+    moe_aux_loss_coeff: Union[float, list] = 0.0  # one per load-balancing type
+    moe_z_loss_coeff: Optional[float] = None
+    moe_input_jitter_eps: Optional[float] = None
+    moe_router_force_load_balancing: bool = False  # random logits (benchmarks)
+    moe_token_dispatcher_type: str = "allgather"  # or "alltoall"
+    moe_expert_capacity_factor: Optional[float] = None
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"         # or "position"
+    moe_layer_recompute: bool = False            # re-run each MoE layer in backward
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -63,6 +89,8 @@ class TransformerConfig:
         if self.kv_channels is None:
             self.kv_channels = divide(self.hidden_size, self.num_attention_heads,
                                       "--hidden-size by --num-attention-heads")
+        if self.num_experts is not None and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         divide(self.num_attention_heads, self.num_query_groups, "--num-attention-heads by --num-query-groups")

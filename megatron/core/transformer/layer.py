@@ -6,19 +6,32 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
 from megatron.core.transformer.norm import build_norm
 
 
 class TransformerLayer(torch.nn.Module):
-    def __init__(self, config, *, tp_group, tp_size: int, tp_rank: int, rng_tracker, device, cp_group=None):
+    def __init__(self, config, *, tp_group, tp_size: int, tp_rank: int, rng_tracker, device, cp_group=None,
+                 layer_number: int = 0, groups=None):
         super().__init__()
         common = dict(tp_size=tp_size, tp_rank=tp_rank, device=device)
         self.input_layernorm = build_norm(config, config.hidden_size, **common)
         self.self_attention = SelfAttention(config, tp_group=tp_group, rng_tracker=rng_tracker, cp_group=cp_group,
                                             **common)
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size, **common)
-        self.mlp = MLP(config, tp_group=tp_group, **common)
+        # Mixture-of-experts layers (per --moe-layer-freq) take the model's ParallelGroups: their
+        # experts and tokens are laid out over the expert groups.
+        self.is_moe = config.num_experts is not None and moe_layer_pattern(config.moe_layer_freq,
+                                                                             config.num_layers)[layer_number] == 1
+        if self.is_moe:
+            self.mlp = MoELayer(config, layer_number=layer_number, groups=groups, device=device)
+        else:
+            self.mlp = MLP(config, tp_group=tp_group, **common)
+        self.recompute_mlp = self.is_moe and config.moe_layer_recompute
+        self.rng_tracker = rng_tracker
         self.hidden_dropout = config.hidden_dropout
         # Sequence-parallel activations differ per TP rank, so their dropout draws from the
         # per-rank stream; replicated activations draw from the shared default stream.
@@ -28,8 +41,13 @@ class TransformerLayer(torch.nn.Module):
         # x: [s, b, h] ([s/tp, b, h] with sequence parallelism)
         attention = self._dropout(self.self_attention(self.input_layernorm(x), rotary, attention_mask))
         x, normed = self.pre_mlp_layernorm.add_and_norm(x, attention)  # x + attention, and its norm
-        x = x + self._dropout(self.mlp(normed))
+        x = x + self._dropout(self._mlp(normed))
         return x
+
+    def _mlp(self, x):
+        if self.recompute_mlp and self.training:
+            return checkpoint(self.mlp, self.rng_tracker, x)  # --moe-layer-recompute
+        return self.mlp(x)
 
     def _dropout(self, x):
         if not self.training or self.hidden_dropout == 0.0:

@@ -13,6 +13,8 @@ class LoggingConfig:
     """Write TensorBoard scalars (loss, lr, grad norm, loss scale, throughput, memory) here."""
     tensorboard_log_interval: int = 1
     """Write the iteration's TensorBoard scalars (loss, learning rate, grad norm, ...) every this many iterations."""
+    moe_per_layer_logging: bool = False
+    """Also write each mixture-of-experts layer's auxiliary losses to TensorBoard (moe/<loss>_layer_<i>)."""
     profile: bool = False
     """Profile iterations --profile-step-start to --profile-step-end (nsys capture range, or the PyTorch profiler)."""
     use_pytorch_profiler: bool = False

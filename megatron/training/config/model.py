@@ -1,5 +1,5 @@
 """Model shape flags (Megatron-LM names)."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 
@@ -90,3 +90,54 @@ class ModelConfig:
     """Normalize each query and key head (over its channels, with --normalization) before the rotary embedding."""
     rotary_interleaved: bool = False
     """Rotary embedding on interleaved channel pairs (2i, 2i+1) instead of halves (i, i + d/2)."""
+    # -- Mixture of experts (Megatron-LM's flags; docs/moe.md) -----------------------------------------
+    num_experts: Optional[int] = None
+    """Routed experts per mixture-of-experts layer; unset: a dense model."""
+    moe_layer_freq: str = "1"
+    """Which layers are mixtures of experts: an integer N (every N-th layer, from the first) or a pattern with one 0/1 per layer such as '[0]*1+[1]*27' (first layer dense)."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Hidden size of each expert; default --ffn-hidden-size."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Total hidden size of the shared experts every token goes through (Qwen2-MoE, DeepSeek); unset: none."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared experts' output by a per-token sigmoid gate (Qwen2-MoE); Megatron-Core's config field, set by Hugging Face conversion."""
+    moe_grouped_gemm: bool = False
+    """Run the experts as grouped GEMMs (torch._grouped_mm on GPUs with bf16 and compute capability 9.0+; a loop of GEMMs elsewhere, the same arithmetic)."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Router score: softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3)."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before choosing the top k (their weights then need not sum to 1)."""
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """Multiply the chosen experts' weights by this factor."""
+    moe_router_dtype: Optional[Literal["fp32", "fp64"]] = None
+    """Precision of the router's GEMM and scores; default the parameters' dtype."""
+    moe_router_num_groups: Optional[int] = None
+    """Group-limited routing: experts are split into this many groups (e.g. the EP size or the number of nodes)."""
+    moe_router_group_topk: Optional[int] = None
+    """Group-limited routing: groups each token may use."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing (DeepSeek-V3): a per-expert bias, updated after each step towards even load, shifts which experts are chosen."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of the expert-bias update."""
+    moe_router_load_balancing_type: list[str] = field(default_factory=lambda: ["aux_loss"])
+    """Load-balancing losses: aux_loss (per micro-batch), seq_aux_loss (per sequence), global_aux_loss (per global batch) or none; several may be given, with one --moe-aux-loss-coeff each."""
+    moe_aux_loss_coeff: list[float] = field(default_factory=lambda: [0.0])
+    """Coefficient of each load-balancing loss (0: off)."""
+    moe_z_loss_coeff: Optional[float] = None
+    """Coefficient of the router z-loss (ST-MoE); unset: off."""
+    moe_input_jitter_eps: Optional[float] = None
+    """Multiply the router's input by uniform noise in [1 - eps, 1 + eps] during training."""
+    moe_router_force_load_balancing: bool = False
+    """Route on random logits, so experts get even loads (benchmarks only)."""
+    moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = "allgather"
+    """How tokens reach their experts' ranks: allgather or alltoall (flex needs DeepEP and is refused)."""
+    moe_expert_capacity_factor: Optional[float] = None
+    """Each expert takes at most ceil(tokens x topk / experts x factor) of a rank's tokens; the rest are dropped. Unset: no dropping."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """With --moe-expert-capacity-factor: fill every expert to its capacity (weight-0 padding)."""
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    """Which tokens an expert over capacity keeps: the highest probabilities, or by position."""
+    moe_layer_recompute: bool = False
+    """Recompute each mixture-of-experts block in backward instead of keeping its activations (how the model runs, not its architecture)."""

@@ -17,6 +17,10 @@ class ParallelConfig:
     """Layers on the first pipeline stage (uneven split); the rest are spread evenly."""
     decoder_last_pipeline_num_layers: Optional[int] = None
     """Layers on the last pipeline stage (uneven split); the rest are spread evenly."""
+    expert_model_parallel_size: int = 1
+    """Expert-parallel size: ranks that split the experts of each MoE layer, taken from the data- and context-parallel (and, with --expert-tensor-parallel-size 1, tensor-parallel) ranks."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """Ranks that split each expert's hidden size: 1 or --tensor-model-parallel-size (the default)."""
     sequence_parallel: bool = False
     """Shard norms and dropout along the sequence across tensor-parallel ranks."""
     use_distributed_optimizer: bool = False

@@ -46,7 +46,7 @@ GROUPS = {
     "rl": error("reinforcement learning (GRPO) is not built here"),
     "biencoder": error("biencoder/ICT retrieval models are not built here"),
     "vision": error("vision models are not built here"),
-    "moe": error("mixture-of-experts models are not built here (dense GPT and Llama only)"),
+    "moe": error("this mixture-of-experts option is not built here (docs/moe.md lists what is)"),
     "mla": error("multi-latent attention is not built here"),
     "heterogeneous architecture": error("heterogeneous layer configurations are not built here"),
     "retro": error("Retro is not built here"),
@@ -69,7 +69,27 @@ GROUPS = {
                          "skipped and counted in the log line"),
 }
 
+_MOE_KERNEL = "a kernel choice: the experts run unfused PyTorch ops (the same result)"
+_MOE_OVERLAP = "expert-parallel communication is not overlapped with computation; the collectives run between the GEMMs"
+
 FLAGS = {
+    # mixture of experts (the flags not listed here are built, or refused by the "moe" group entry)
+    "--moe-permute-fusion": note(_MOE_KERNEL),
+    "--moe-router-fusion": note(_MOE_KERNEL),
+    "--moe-use-legacy-grouped-gemm": note(_MOE_KERNEL),
+    "--moe-shared-expert-overlap": note(_MOE_OVERLAP),
+    "--overlap-moe-expert-parallel-comm": note(_MOE_OVERLAP),
+    "--delay-wgrad-compute": note(_MOE_OVERLAP),
+    "--moe-deepep-num-sms": note("DeepEP is not used (only with --moe-enable-deepep, which is refused)"),
+    "--moe-router-padding-for-fp8": note("expert inputs are not padded for FP8 GEMMs (FP8 does not run the experts)"),
+    "--moe-pad-experts-for-cuda-graph-inference": note("an inference setting: no effect on pretraining"),
+    "--moe-enable-deepep": error("DeepEP is not built; use --moe-token-dispatcher-type alltoall"),
+    "--moe-extended-tp": error("extended tensor parallelism for experts was removed from Megatron-LM; use "
+                               "--expert-tensor-parallel-size"),
+    "--moe-use-upcycling": error("upcycling a dense checkpoint into experts is not built"),
+    "--moe-upcycling-granularity": error("upcycling a dense checkpoint into experts is not built"),
+    "--moe-apply-probs-on-input": error("applying router probabilities to the expert input is not built (they "
+                                        "weight the expert output)"),
     # network size
     "--encoder-num-layers": error("encoder-decoder models are not built; use --num-layers"),
     "--decoder-num-layers": error("encoder-decoder models are not built; use --num-layers"),

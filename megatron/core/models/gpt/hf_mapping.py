@@ -22,6 +22,13 @@ Differences the mapping absorbs:
   added on the way out and subtracted on the way in.
 - Query/key normalization (--qk-layernorm, RMSNorm over each head) is Qwen3's `q_norm`/`k_norm`:
   such a Llama-shaped model maps to `Qwen3ForCausalLM`. GPT-2 has no equivalent.
+- Mixtures of experts: Mixtral (every layer MoE, softmax over the chosen experts) and Qwen3-MoE
+  (with query/key norms; `norm_topk_prob` false is --moe-router-pre-softmax; `mlp_only_layers` and
+  `decoder_sparse_step` become the --moe-layer-freq pattern), and Qwen2-MoE (Qwen3-MoE's layout
+  without query/key norms, with q/k/v biases and a shared expert scaled by a sigmoid gate:
+  --moe-shared-expert-intermediate-size with --moe-shared-expert-gate). HF files hold one tensor per expert
+  (`experts.{e}.w1` ...); GPTModel stacks them, `experts.fc1_weight` [E, 2F, h] (gate; up) and
+  `experts.fc2_weight` [E, h, F]; the router is HF's `gate`.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -30,8 +37,18 @@ import torch
 
 from megatron.core.models.gpt.model import WORD_EMBEDDINGS
 from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
 
-ARCHITECTURES = ("llama", "qwen3", "gpt2")
+ARCHITECTURES = ("llama", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "gpt2")
+_LLAMA_LIKE = ("llama", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe")
+# Where each family keeps a mixture-of-experts block: the router, and expert e's gate, up and down
+# projections, in the checkpoint files' per-expert names (what save_pretrained writes).
+_MOE_KEYS = {
+    "mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
+                "block_sparse_moe.experts.{e}.w2"),
+    "qwen3_moe": ("mlp.gate", "mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"),
+}
+_MOE_KEYS["qwen2_moe"] = _MOE_KEYS["qwen3_moe"]
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
 FINAL_NORM = "decoder.final_layernorm"
@@ -56,7 +73,7 @@ def hf_config_to_transformer_config(hf_config, *, make_vocab_size_divisible_by: 
     """
     arch = architecture_of(hf_config)
     vocab = padded_vocab_size(hf_config.vocab_size, make_vocab_size_divisible_by, tp_size)
-    if arch in ("llama", "qwen3"):
+    if arch in _LLAMA_LIKE:
         config = _llama_config(hf_config, vocab)
     else:
         config = _gpt2_config(hf_config, vocab)
@@ -97,6 +114,8 @@ def _llama_rope(hf_config) -> dict:
 
 def _llama_config(hf_config, vocab_size: int) -> TransformerConfig:
     """Llama, or Qwen3 (Llama with RMSNorm over each query and key head)."""
+    if hf_config.model_type == "qwen2_moe" and not hf_config.qkv_bias:
+        raise ValueError("Qwen2-MoE without q/k/v biases (qkv_bias false) is not supported")
     if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
         raise ValueError("Llama attention_bias / mlp_bias are not supported by GPTModel")
     if getattr(hf_config, "use_sliding_window", False):
@@ -104,6 +123,8 @@ def _llama_config(hf_config, vocab_size: int) -> TransformerConfig:
     if hf_config.hidden_act != "silu":
         raise ValueError(f"Llama hidden_act {hf_config.hidden_act!r} is not supported (only 'silu')")
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    if getattr(hf_config, "sliding_window", None) is not None and hf_config.model_type == "mixtral":
+        raise ValueError("sliding-window attention (sliding_window) is not supported by GPTModel")
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -123,10 +144,33 @@ def _llama_config(hf_config, vocab_size: int) -> TransformerConfig:
         hidden_dropout=0.0,
         attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
         init_method_std=hf_config.initializer_range,
-        qk_layernorm=hf_config.model_type == "qwen3",
+        qk_layernorm=hf_config.model_type in ("qwen3", "qwen3_moe"),
+        add_qkv_bias=hf_config.model_type == "qwen2_moe",
         **_llama_rope(hf_config),
+        **_moe_config(hf_config),
     )
 
+
+def _moe_config(hf_config) -> dict:
+    """The mixture-of-experts fields of a Mixtral or Qwen3-MoE config ({} for dense models)."""
+    kind = hf_config.model_type
+    if kind == "mixtral":
+        if getattr(hf_config, "router_jitter_noise", 0.0):
+            raise ValueError("Mixtral router_jitter_noise is not supported (--moe-input-jitter-eps is multiplicative)")
+        return dict(num_experts=hf_config.num_local_experts, moe_router_topk=hf_config.num_experts_per_tok,
+                    moe_ffn_hidden_size=hf_config.intermediate_size)
+    if kind not in ("qwen3_moe", "qwen2_moe"):
+        return {}
+    shared = {}
+    if kind == "qwen2_moe" and hf_config.shared_expert_intermediate_size:
+        shared = dict(moe_shared_expert_intermediate_size=hf_config.shared_expert_intermediate_size,
+                      moe_shared_expert_gate=True)
+    layers = hf_config.num_hidden_layers
+    step = hf_config.decoder_sparse_step
+    pattern = [0 if (i in hf_config.mlp_only_layers or (i + 1) % step) else 1 for i in range(layers)]
+    return dict(num_experts=hf_config.num_experts, moe_router_topk=hf_config.num_experts_per_tok,
+                moe_ffn_hidden_size=hf_config.moe_intermediate_size, moe_layer_freq=pattern,
+                moe_router_pre_softmax=not hf_config.norm_topk_prob, **shared)
 
 def _gpt2_config(hf_config, vocab_size: int) -> TransformerConfig:
     if getattr(hf_config, "scale_attn_by_inverse_layer_idx", False):
@@ -160,10 +204,13 @@ def architecture_for_hf(config: TransformerConfig) -> str:
     """'llama', 'qwen3' or 'gpt2': the Hugging Face family whose layers are exactly this config's
     (up to the weight transforms in the module docstring)."""
     if (config.normalization == "RMSNorm" and config.gated_linear_unit and config.activation == "silu"
-            and config.position_embedding_type == "rope" and not config.add_bias_linear and not config.add_qkv_bias):
+            and config.position_embedding_type == "rope" and not config.add_bias_linear
+            and (not config.add_qkv_bias or config.moe_shared_expert_intermediate_size is not None)):
         if config.rotary_percent != 1.0:
             raise ValueError(f"--rotary-percent {config.rotary_percent} has no Hugging Face Llama equivalent "
                              "(its attention rotates every channel of a head)")
+        if config.num_experts is not None:
+            return _moe_architecture(config)
         return "qwen3" if config.qk_layernorm else "llama"
     if (config.normalization == "LayerNorm" and not config.gated_linear_unit and config.add_bias_linear
             and config.position_embedding_type == "learned_absolute" and config.activation in ("gelu_tanh", "gelu")
@@ -177,12 +224,34 @@ def architecture_for_hf(config: TransformerConfig) -> str:
                      "attention) shapes convert")
 
 
+def _moe_architecture(config: TransformerConfig) -> str:
+    """'mixtral' or 'qwen3_moe' for a mixture of experts with a Hugging Face equivalent."""
+    plain = (config.moe_router_score_function == "softmax" and not config.moe_router_topk_scaling_factor
+             and config.moe_router_num_groups is None and not config.moe_router_enable_expert_bias)
+    qwen2 = (config.moe_shared_expert_intermediate_size is not None and config.moe_shared_expert_gate
+             and config.add_qkv_bias and not config.qk_layernorm)
+    if not plain or (config.moe_shared_expert_intermediate_size is not None and not qwen2):
+        raise ValueError("this mixture of experts has no Hugging Face equivalent here: Mixtral, Qwen3-MoE and "
+                         "Qwen2-MoE route with softmax, without scaling, groups or expert bias; only Qwen2-MoE has "
+                         "shared experts (with the gate and q/k/v biases)")
+    if qwen2:
+        return "qwen2_moe"
+    if config.qk_layernorm:
+        return "qwen3_moe"
+    if config.moe_router_pre_softmax or 0 in moe_layer_pattern(config.moe_layer_freq, config.num_layers):
+        raise ValueError("Mixtral has every layer a mixture of experts with the softmax over the chosen experts: "
+                         "drop --moe-router-pre-softmax and --moe-layer-freq")
+    return "mixtral"
+
+
 def hf_config_from_transformer_config(config: TransformerConfig, vocab_size: int):
     """The `transformers` LlamaConfig, Qwen3Config or GPT2Config of a model (the inverse of
     `hf_config_to_transformer_config`); `vocab_size` is the unpadded vocabulary."""
     import transformers
 
     arch = architecture_for_hf(config)
+    if arch in ("mixtral", "qwen3_moe", "qwen2_moe"):
+        return _hf_moe_config(config, vocab_size, arch)
     if arch in ("llama", "qwen3"):
         rope = {"rope_type": "default", "rope_theta": config.rotary_base}
         if config.rope_scaling:
@@ -208,6 +277,33 @@ def hf_config_from_transformer_config(config: TransformerConfig, vocab_size: int
         initializer_range=config.init_method_std)
 
 
+def _hf_moe_config(config: TransformerConfig, vocab_size: int, arch: str):
+    import transformers
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_query_groups,
+        head_dim=config.kv_channels, max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.norm_epsilon, tie_word_embeddings=not config.untie_embeddings_and_output_weights,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rotary_base}, hidden_act="silu",
+        initializer_range=config.init_method_std, attention_dropout=config.attention_dropout,
+        num_experts_per_tok=config.moe_router_topk)
+    if config.rope_scaling:
+        raise ValueError("Llama 3.1 rope scaling (--use-rope-scaling) has no Mixtral / Qwen3-MoE equivalent")
+    if arch == "mixtral":
+        return transformers.MixtralConfig(intermediate_size=config.moe_ffn_hidden_size,
+                                          num_local_experts=config.num_experts, sliding_window=None, **common)
+    pattern = moe_layer_pattern(config.moe_layer_freq, config.num_layers)
+    common.update(intermediate_size=config.ffn_hidden_size, moe_intermediate_size=config.moe_ffn_hidden_size,
+                  num_experts=config.num_experts, decoder_sparse_step=1, use_sliding_window=False,
+                  norm_topk_prob=not config.moe_router_pre_softmax,
+                  mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe])
+    if arch == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+                                           qkv_bias=True, **common)
+    return transformers.Qwen3MoeConfig(attention_bias=False, **common)
+
+
 # ------------------------------------------------------------------------------------------------
 # Weights
 # ------------------------------------------------------------------------------------------------
@@ -230,6 +326,7 @@ class _Entry:
     vocab: bool = False
     norm: bool = False
     rotary_heads: int = 0
+    expert: Optional[int] = None  # this HF tensor is expert `expert` of a stacked logical tensor
 
 
 def _llama_entries(config: TransformerConfig) -> list:
@@ -246,16 +343,40 @@ def _llama_entries(config: TransformerConfig) -> list:
             _Entry(f"{hf}.self_attn.v_proj.weight", qkv, ("v",)),
             _Entry(f"{hf}.self_attn.o_proj.weight", f"{ours}.self_attention.linear_proj.weight"),
             _Entry(f"{hf}.post_attention_layernorm.weight", f"{ours}.pre_mlp_layernorm.weight", norm=True),
-            _Entry(f"{hf}.mlp.gate_proj.weight", fc1, ("gate",)),
-            _Entry(f"{hf}.mlp.up_proj.weight", fc1, ("up",)),
-            _Entry(f"{hf}.mlp.down_proj.weight", f"{ours}.mlp.linear_fc2.weight"),
         ]
+        if config.num_experts is not None and moe_layer_pattern(config.moe_layer_freq, config.num_layers)[i]:
+            entries += _moe_entries(config, hf, ours)
+        else:
+            entries += [_Entry(f"{hf}.mlp.gate_proj.weight", fc1, ("gate",)),
+                        _Entry(f"{hf}.mlp.up_proj.weight", fc1, ("up",)),
+                        _Entry(f"{hf}.mlp.down_proj.weight", f"{ours}.mlp.linear_fc2.weight")]
         if config.qk_layernorm:
             entries += [_Entry(f"{hf}.self_attn.{x}_norm.weight", f"{ours}.self_attention.{x}_layernorm.weight",
                                norm=True) for x in ("q", "k")]
+        if config.add_qkv_bias:
+            heads = dict(q=config.num_attention_heads, k=config.num_query_groups, v=0)
+            entries += [_Entry(f"{hf}.self_attn.{x}_proj.bias", f"{ours}.self_attention.linear_qkv.bias", (x,),
+                               rotary_heads=heads[x]) for x in ("q", "k", "v")]
     entries.append(_Entry("model.norm.weight", f"{FINAL_NORM}.weight", norm=True))
     if config.untie_embeddings_and_output_weights:
         entries.append(_Entry("lm_head.weight", OUTPUT_LAYER, vocab=True))
+    return entries
+
+
+def _moe_entries(config: TransformerConfig, hf: str, ours: str) -> list:
+    family = "mixtral" if not (config.qk_layernorm or config.add_qkv_bias) else "qwen3_moe"
+    router, gate, up, down = _MOE_KEYS[family]
+    entries = [_Entry(f"{hf}.{router}.weight", f"{ours}.mlp.router.weight")]
+    if config.moe_shared_expert_intermediate_size is not None:  # Qwen2-MoE
+        shared = f"{ours}.mlp.shared_experts"
+        entries += [_Entry(f"{hf}.mlp.shared_expert.gate_proj.weight", f"{shared}.mlp.linear_fc1.weight", ("gate",)),
+                    _Entry(f"{hf}.mlp.shared_expert.up_proj.weight", f"{shared}.mlp.linear_fc1.weight", ("up",)),
+                    _Entry(f"{hf}.mlp.shared_expert.down_proj.weight", f"{shared}.mlp.linear_fc2.weight"),
+                    _Entry(f"{hf}.mlp.shared_expert_gate.weight", f"{shared}.gate_weight")]
+    for e in range(config.num_experts):
+        entries += [_Entry(f"{hf}.{gate.format(e=e)}.weight", f"{ours}.mlp.experts.fc1_weight", ("gate",), expert=e),
+                    _Entry(f"{hf}.{up.format(e=e)}.weight", f"{ours}.mlp.experts.fc1_weight", ("up",), expert=e),
+                    _Entry(f"{hf}.{down.format(e=e)}.weight", f"{ours}.mlp.experts.fc2_weight", expert=e)]
     return entries
 
 
@@ -287,7 +408,7 @@ def _gpt2_entries(config: TransformerConfig) -> list:
 
 
 def _entries(config: TransformerConfig, arch: str) -> list:
-    if arch in ("llama", "qwen3"):
+    if arch in _LLAMA_LIKE:
         return _llama_entries(config)
     if arch == "gpt2":
         return _gpt2_entries(config)
@@ -325,9 +446,12 @@ def hf_to_logical(hf_state_dict: dict, config: TransformerConfig, arch: str) -> 
     if unexpected or missing:
         raise KeyError(f"HF state dict does not match the {arch} config: missing {sorted(missing)}, "
                        f"unexpected {sorted(unexpected)}")
-    logical = {}
+    logical, experts = {}, {}
     for entry in entries:
         tensor = _to_ours(hf_state_dict[entry.hf_name], entry, config)
+        if entry.expert is not None:  # stacked below, in expert order
+            experts.setdefault((entry.name, entry.parts[0]), []).append(tensor)
+            continue
         if entry.conv1d:
             tensor = tensor.t()
         if entry.vocab:
@@ -336,6 +460,8 @@ def hf_to_logical(hf_state_dict: dict, config: TransformerConfig, arch: str) -> 
         parts = logical.setdefault(entry.name, {})
         for part, piece in zip(entry.parts, pieces, strict=True):
             parts[part] = piece.contiguous()
+    for (name, part), tensors in experts.items():
+        logical.setdefault(name, {})[part] = torch.stack(tensors)
     return logical
 
 
@@ -351,6 +477,8 @@ def logical_to_hf(logical: dict, config: TransformerConfig, arch: str, *,
     for entry in _entries(config, arch):
         parts = logical[entry.name]
         tensor = torch.cat([parts[p] for p in entry.parts], dim=0) if len(entry.parts) > 1 else parts[entry.parts[0]]
+        if entry.expert is not None:
+            tensor = tensor[entry.expert]
         if entry.vocab and vocab_size is not None:
             tensor = tensor[:vocab_size]
         if entry.conv1d:
@@ -404,7 +532,10 @@ def load_logical_into_model(model, logical: dict) -> None:
         global_name = model.global_param_name(name)
         if global_name not in logical:
             raise KeyError(f"logical state has no {global_name!r} (parameter {name!r})")
-        local = param.tp_layout.full_to_local(logical[global_name])
+        full = logical[global_name]
+        if hasattr(param, "expert_offset"):  # this rank's experts of the stacked tensors
+            full = {part: tensor[param.expert_offset:param.expert_offset + param.shape[0]] for part, tensor in full.items()}
+        local = param.tp_layout.full_to_local(full)
         if local.shape != param.shape:
             raise ValueError(f"{global_name}: logical state gives shape {tuple(local.shape)} for this rank, "
                              f"the parameter is {tuple(param.shape)}")

@@ -32,6 +32,8 @@ from megatron.core.transformer.attention import document_attention_mask
 from megatron.core.transformer.block import TransformerBlock
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.fp8 import attach_fp8
+from megatron.core.transformer.moe.experts import initialize_expert_param
+from megatron.core.transformer.moe.router import share_moe_state
 from megatron.core.transformer.rope import RotaryEmbedding
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
@@ -58,7 +60,8 @@ class GPTModel(torch.nn.Module):
         self.rotary = RotaryEmbedding(config, device) if config.position_embedding_type == "rope" else None
         self.decoder = TransformerBlock(config, layer_numbers=layer_numbers, post_process=post_process,
                                         tp_group=groups.tp, rng_tracker=rng_tracker, device=device,
-                                        cp_group=groups.cp, **tp)
+                                        cp_group=groups.cp, groups=groups, **tp)
+        self.moe_aux_loss_scale, self.moe_aux_losses = share_moe_state(self.decoder, config)
         # FP8 layers' linears get their FP8 GEMMs; `fp8_scaling` holds the delayed recipe's amax history.
         self.fp8_scaling = attach_fp8(self.decoder, config, device) if config.fp8 else None
         self.input_tensor = None  # set by the pipeline schedule on stages after the first
@@ -90,8 +93,8 @@ class GPTModel(torch.nn.Module):
     def initialize_parameters(self, seed: int) -> None:
         """Deterministic, layout-independent initialization (see tensor_parallel.layers)."""
         for name, param in self.named_parameters():
-            initialize_param(param, self.global_param_name(name), seed, self.config.init_method_std,
-                             self.config.num_layers)
+            init = initialize_expert_param if hasattr(param, "expert_offset") else initialize_param
+            init(param, self.global_param_name(name), seed, self.config.init_method_std, self.config.num_layers)
 
     def set_input_tensor(self, tensor: Optional[torch.Tensor]) -> None:
         """The activation received from the previous pipeline stage, used as `hidden_states`."""

@@ -1,0 +1,199 @@
+"""The routed experts of one rank, their weights stored stacked, and the shared experts.
+
+GroupedMLP holds this rank's `num_local_experts` experts as stacked tensors, each expert an MLP with
+the model's activation (SwiGLU or GeLU):
+
+    linear_fc1.weight [E_local, ffn/etp (x2 when gated: gate then up), h]
+    linear_fc2.weight [E_local, h, ffn/etp]
+
+Tokens arrive sorted by expert (`tokens_per_expert` rows each). With --moe-grouped-gemm on a GPU
+that has `torch._grouped_mm` (bf16, compute capability 9.0+) the experts run as two grouped GEMMs;
+elsewhere as a loop of GEMMs over the experts, the same arithmetic. Expert-tensor parallelism splits
+the expert hidden size as the dense MLP's TP does (fc2's partial sums are added by the dispatcher).
+
+Initialization is per global expert index (`initialize_expert_param`), so an expert starts from the
+same weights whatever the expert-parallel layout.
+"""
+import dataclasses
+import re
+import types
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.tensor_parallel.layers import (
+    Part,
+    TPLayout,
+    initial_values,
+    replicated_layout,
+    set_layout,
+)
+from megatron.core.transformer.mlp import _ACTIVATIONS, MLP
+from megatron.core.utils import divide
+
+
+class GroupedMLP(torch.nn.Module):
+    def __init__(self, config, *, num_local_experts: int, expert_offset: int, etp_size: int, etp_rank: int,
+                 tp_size: int, tp_rank: int, device):
+        super().__init__()
+        self.gated = config.gated_linear_unit
+        self.activation = _ACTIVATIONS[config.activation]
+        self.num_local_experts = num_local_experts
+        self.expert_offset = expert_offset  # global index of local expert 0
+        self.grouped_gemm = config.moe_grouped_gemm
+        ffn, hidden = config.moe_ffn_hidden_size, config.hidden_size
+        local_ffn = divide(ffn, etp_size, "--moe-ffn-hidden-size by --expert-tensor-parallel-size")
+        dtype = config.params_dtype
+        rows = 2 * local_ffn if self.gated else local_ffn
+        self.fc1_weight = torch.nn.Parameter(torch.empty(num_local_experts, rows, hidden, dtype=dtype, device=device))
+        self.fc2_weight = torch.nn.Parameter(torch.empty(num_local_experts, hidden, local_ffn, dtype=dtype,
+                                                         device=device))
+        self.fc1_bias = self.fc2_bias = None
+        if config.add_bias_linear:
+            self.fc1_bias = torch.nn.Parameter(torch.empty(num_local_experts, rows, dtype=dtype, device=device))
+            self.fc2_bias = torch.nn.Parameter(torch.empty(num_local_experts, hidden, dtype=dtype, device=device))
+        self.add_fc2_bias = etp_rank == 0  # fc2's outputs are partial sums over etp: add its bias once
+        # Layouts of the stacked tensors (dim 0 is the expert) over the expert-tensor-parallel ranks:
+        # the hidden size split like the dense MLP's. With etp = 1 an expert is whole on every rank
+        # that holds it, and the gradients of its copies are summed over the expert-data-parallel
+        # group (which then includes the TP ranks); fc2's bias is added on etp rank 0 only, so its
+        # gradient is summed over the etp ranks.
+        if etp_size > 1 and etp_size != tp_size:
+            raise ValueError(f"--expert-tensor-parallel-size ({etp_size}) must be 1 or "
+                             f"--tensor-model-parallel-size ({tp_size})")
+        fc1_parts = ((Part("gate", ffn, etp_size), Part("up", ffn, etp_size)) if self.gated
+                     else (Part("", ffn, etp_size),))
+        layouts = {
+            "fc1_weight": TPLayout(1, fc1_parts, etp_size, etp_rank),
+            "fc2_weight": TPLayout(2, (Part("", ffn, etp_size),), etp_size, etp_rank),
+            "fc1_bias": TPLayout(1, fc1_parts, etp_size, etp_rank),
+            "fc2_bias": TPLayout(1, (Part("", hidden, 1, etp_size > 1),), etp_size, etp_rank),
+        }
+        for name, param in self.named_parameters():
+            init = "zeros" if "bias" in name else ("scaled_normal" if name == "fc2_weight" else "normal")
+            set_layout(param, layouts[name], init)
+            param.expert_offset = expert_offset
+
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: list, probs: torch.Tensor) -> torch.Tensor:
+        """tokens [N, h] sorted by local expert, probs [N] -> probs-weighted expert outputs [N, h]
+        (partial sums over expert-tensor-parallel ranks)."""
+        if self.grouped_gemm and _grouped_mm_supported(tokens):
+            h = _grouped_linear(tokens, self.fc1_weight, tokens_per_expert)
+        else:
+            h = _looped_linear(tokens, self.fc1_weight, tokens_per_expert)
+        if self.fc1_bias is not None:
+            h = h + _per_token(self.fc1_bias, tokens_per_expert)
+        h = self._activate(h)
+        if self.grouped_gemm and _grouped_mm_supported(tokens):
+            out = _grouped_linear(h, self.fc2_weight, tokens_per_expert)
+        else:
+            out = _looped_linear(h, self.fc2_weight, tokens_per_expert)
+        if self.fc2_bias is not None and self.add_fc2_bias:
+            out = out + _per_token(self.fc2_bias, tokens_per_expert)
+        return out * probs.unsqueeze(-1).to(out.dtype)
+
+    def _activate(self, h):
+        if not self.gated:
+            return self.activation(h)
+        gate, up = h.chunk(2, dim=-1)
+        return self.activation(gate) * up
+
+
+def _looped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list) -> torch.Tensor:
+    """One GEMM per expert: rows of expert e times weight[e]^T."""
+    pieces = [F.linear(rows, weight[index]) for index, rows in enumerate(x.split(tokens_per_expert))]
+    if not pieces:
+        return x.new_zeros((0, weight.shape[1]))
+    return torch.cat(pieces)
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list) -> torch.Tensor:
+    offsets = torch.tensor(tokens_per_expert, device=x.device).cumsum(0).to(torch.int32)
+    return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+
+
+def _grouped_mm_supported(x: torch.Tensor) -> bool:
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
+def _per_token(bias: torch.Tensor, tokens_per_expert: list) -> torch.Tensor:
+    """[E_local, n] bias -> [N, n]: each token's expert's bias."""
+    counts = torch.tensor(tokens_per_expert, device=bias.device)
+    return bias.repeat_interleave(counts, dim=0)
+
+
+def expert_param_names(global_name: str, param) -> list:
+    """The layout-independent name of each local expert's tensor:
+    decoder.layers.3.mlp.experts.fc1_weight -> decoder.layers.3.mlp.experts.{g}.fc1_weight."""
+    prefix, _, leaf = global_name.rpartition(".")
+    return [f"{prefix}.{param.expert_offset + index}.{leaf}" for index in range(param.shape[0])]
+
+
+@torch.no_grad()
+def initialize_expert_param(param, global_name: str, seed: int, std: float, num_layers: int) -> None:
+    """Each local expert's slice from the full tensor generated for its global expert name."""
+    layout = dataclasses.replace(param.tp_layout, dim=param.tp_layout.dim - 1)
+    one_expert = types.SimpleNamespace(shape=param.shape[1:], tp_layout=layout, init=param.init)
+    for index, name in enumerate(expert_param_names(global_name, param)):
+        full = initial_values(one_expert, name, seed, std, num_layers, param.device)
+        param[index].copy_(layout.full_to_local(full))
+
+
+class SharedExpertMLP(torch.nn.Module):
+    """Experts every token goes through (--moe-shared-expert-intermediate-size, their total hidden
+    size): a dense MLP, tensor-parallel like the model's, optionally scaled by a per-token sigmoid
+    gate sigmoid(x w_g) (Qwen2-MoE)."""
+
+    def __init__(self, config, *, tp_group, tp_size: int, tp_rank: int, device):
+        super().__init__()
+        shared = dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
+        self.mlp = MLP(shared, tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank, device=device)
+        self.gate_weight = None
+        if config.moe_shared_expert_gate:
+            self.gate_weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype,
+                                                              device=device))
+            partial = config.sequence_parallel and tp_size > 1
+            set_layout(self.gate_weight, replicated_layout((1,), tp_size, tp_rank, partial), "normal")
+
+    def forward(self, x):
+        out = self.mlp(x)
+        if self.gate_weight is not None:
+            out = out * torch.sigmoid(F.linear(x, self.gate_weight))
+        return out
+
+
+_STACKED = re.compile(r"^(.*\.mlp\.experts)\.(fc[12]_(?:weight|bias))$")
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(fc[12]_(?:weight|bias))$")
+
+
+def split_experts(logical: dict) -> dict:
+    """A logical state ({name: {part: full tensor}}) with each stacked expert tensor [E, ...] split
+    into one entry per global expert index, as checkpoints store them."""
+    out = {}
+    for name, parts in logical.items():
+        match = _STACKED.match(name)
+        if match is None:
+            out[name] = parts
+            continue
+        prefix, leaf = match.groups()
+        for part, tensor in parts.items():
+            for index in range(tensor.shape[0]):
+                out.setdefault(f"{prefix}.{index}.{leaf}", {})[part] = tensor[index]
+    return out
+
+
+def stack_experts(logical: dict) -> dict:
+    """The inverse of `split_experts`: per-expert entries stacked in expert order."""
+    out, experts = {}, {}
+    for name, parts in logical.items():
+        match = _PER_EXPERT.match(name)
+        if match is None:
+            out[name] = parts
+            continue
+        prefix, index, leaf = match.groups()
+        for part, tensor in parts.items():
+            experts.setdefault((f"{prefix}.{leaf}", part), {})[int(index)] = tensor
+    for (name, part), by_index in experts.items():
+        out.setdefault(name, {})[part] = torch.stack([by_index[i] for i in range(len(by_index))])
+    return out

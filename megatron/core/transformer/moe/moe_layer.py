@@ -1,0 +1,53 @@
+"""MoELayer: the feed-forward block of a mixture-of-experts layer.
+
+    x [s, b, h] -> router -> probs, routing_map [s*b, E]
+                -> dispatch (tokens to their experts' ranks, sorted by expert)
+                -> experts (each token's chosen experts, outputs weighted by probs)
+                -> combine (back to the tokens' ranks, summed over experts)  [s, b, h]
+                (+ shared experts, every token)
+
+With sequence parallelism x is this rank's sequence shard [s/tp, b, h] and so is the output; the
+router and dispatcher see only this rank's tokens.
+"""
+import torch
+
+from megatron.core.transformer.moe.experts import GroupedMLP, SharedExpertMLP
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.token_dispatcher import DISPATCHER_TYPES, AllGatherDispatcher, AllToAllDispatcher
+from megatron.core.utils import divide
+
+
+class MoELayer(torch.nn.Module):
+    def __init__(self, config, *, layer_number: int, groups, device):
+        super().__init__()
+        ep, etp = groups.ep_size, groups.etp_size
+        self.num_local_experts = divide(config.num_experts, ep, "--num-experts by --expert-model-parallel-size")
+        expert_offset = groups.ep_rank * self.num_local_experts
+        tp = dict(tp_size=groups.tp_size, tp_rank=groups.tp_rank)
+        self.router = TopKRouter(config, layer_number=layer_number, tp_cp_group=groups.tp_cp,
+                                 tp_dp_cp_group=groups.tp_dp_cp, device=device, **tp)
+        self.experts = GroupedMLP(config, num_local_experts=self.num_local_experts, expert_offset=expert_offset,
+                                  etp_size=etp, etp_rank=groups.etp_rank, device=device, **tp)
+        if config.moe_token_dispatcher_type not in DISPATCHER_TYPES:
+            raise ValueError(f"--moe-token-dispatcher-type must be one of {DISPATCHER_TYPES}, "
+                             f"got {config.moe_token_dispatcher_type!r}")
+        if config.moe_token_dispatcher_type == "alltoall":
+            self.dispatcher = AllToAllDispatcher(num_local_experts=self.num_local_experts, ep_group=groups.ep,
+                                                 etp_group=groups.etp)
+        else:
+            self.dispatcher = AllGatherDispatcher(num_local_experts=self.num_local_experts,
+                                                  expert_offset=expert_offset, group=groups.etp_ep)
+        self.shared_experts = None
+        if config.moe_shared_expert_intermediate_size is not None:
+            self.shared_experts = SharedExpertMLP(config, tp_group=groups.tp, device=device, **tp)
+
+    def forward(self, x):
+        shape = x.shape                                                   # [s, b, h]
+        probs, routing_map = self.router(x)                               # [s*b, E] each
+        tokens, tokens_per_expert, token_probs = self.dispatcher.dispatch(x.reshape(-1, shape[-1]), probs,
+                                                                          routing_map)
+        expert_output = self.experts(tokens, tokens_per_expert, token_probs)  # [N, h]
+        out = self.dispatcher.combine(expert_output).view(shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
