@@ -68,7 +68,7 @@ def compare(argv=None) -> dict:
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(args.hf, local_files_only=True, dtype=torch.float32,
                                                                  attn_implementation="eager").eval()
     logical, config, vocab_size, _ = conversion.read_weights(args.checkpoint, args.iteration)
-    vocab_size = vocab_size or config.vocab_size  # not recorded (a Megatron-LM import): the padded size
+    vocab_size = vocab_size or config.padded_vocab_size  # not recorded (a Megatron-LM import): the padded size
     model = GPTModel(config, single_process())
     load_logical_into_model(model, logical)
     model = model.float().eval()

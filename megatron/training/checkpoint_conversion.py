@@ -7,6 +7,7 @@ A converted checkpoint is an ordinary one at iteration 0 without optimizer or RN
 with `--load DIR --finetune` (add `--use-checkpoint-args` to take the model flags from it), or read
 it back with `read_weights`.
 """
+import dataclasses
 import os
 from typing import Optional
 
@@ -14,7 +15,9 @@ import torch
 
 from megatron.core.checkpointing import CheckpointFormatError
 from megatron.core.checkpointing.sharded import Boxes, ShardedState, split_tensor_key, tensor_key
+from megatron.core.checkpointing.architecture import check_trainable, config_of_checkpoint, saved_args
 from megatron.core.checkpointing.state import MODEL
+from megatron.core.models.gpt.model import WORD_EMBEDDINGS
 from megatron.core.transformer.config import TransformerConfig
 from megatron.training.checkpointing import (
     COMMON_FILE,
@@ -30,62 +33,13 @@ from megatron.training.checkpointing import (
 )
 
 
-def model_args(config: TransformerConfig, make_vocab_size_divisible_by: int) -> dict:
-    """The Megatron model flags (as config field names) that build `config`."""
-    return {
-        "num_layers": config.num_layers, "hidden_size": config.hidden_size, "ffn_hidden_size": config.ffn_hidden_size,
-        "num_attention_heads": config.num_attention_heads, "kv_channels": config.kv_channels,
-        "group_query_attention": config.num_query_groups != config.num_attention_heads,
-        "num_query_groups": config.num_query_groups, "max_position_embeddings": config.max_position_embeddings,
-        "position_embedding_type": config.position_embedding_type, "rotary_base": config.rotary_base,
-        "rotary_percent": config.rotary_percent, "use_rope_scaling": config.rope_scaling,
-        "rope_scaling_factor": config.rope_scaling_factor, "normalization": config.normalization,
-        "norm_epsilon": config.norm_epsilon, "swiglu": config.gated_linear_unit,
-        "openai_gelu": config.activation == "gelu_tanh",
-        "untie_embeddings_and_output_weights": config.untie_embeddings_and_output_weights,
-        "add_bias_linear": config.add_bias_linear, "add_qkv_bias": config.add_qkv_bias,
-        "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
-        "apply_layernorm_1p": config.layernorm_zero_centered_gamma, "qk_layernorm": config.qk_layernorm,
-        "rotary_interleaved": config.rotary_interleaved,
-    }
-
-
-def transformer_config(args: dict, padded_vocab_size: int) -> TransformerConfig:
-    """The TransformerConfig of a checkpoint's model flags (the inverse of `model_args`)."""
-    gated = args["swiglu"]
-    return TransformerConfig(
-        num_layers=args["num_layers"], hidden_size=args["hidden_size"], num_attention_heads=args["num_attention_heads"],
-        vocab_size=padded_vocab_size, ffn_hidden_size=args["ffn_hidden_size"], kv_channels=args["kv_channels"],
-        num_query_groups=args["num_query_groups"] if args["group_query_attention"] else None,
-        max_position_embeddings=args["max_position_embeddings"], normalization=args["normalization"],
-        norm_epsilon=args["norm_epsilon"], gated_linear_unit=gated,
-        activation="silu" if gated else ("gelu_tanh" if args["openai_gelu"] else "gelu"),
-        add_bias_linear=args["add_bias_linear"], add_qkv_bias=args["add_qkv_bias"],
-        position_embedding_type=args["position_embedding_type"], rotary_base=float(args["rotary_base"]),
-        rotary_percent=args["rotary_percent"], rope_scaling=args["use_rope_scaling"],
-        rope_scaling_factor=args["rope_scaling_factor"],
-        untie_embeddings_and_output_weights=args["untie_embeddings_and_output_weights"],
-        hidden_dropout=0.0, attention_dropout=0.0, layernorm_zero_centered_gamma=args.get("apply_layernorm_1p", False),
-        qk_layernorm=args.get("qk_layernorm", False), rotary_interleaved=args.get("rotary_interleaved", False))
-
-
-def check_expressible(config: TransformerConfig) -> None:
-    """Raises when `config` uses a setting the training flags cannot express (the checkpoint would
-    train as another model)."""
-    standard = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, vocab_size=8)
-    for name in ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings"):
-        if config.rope_scaling and getattr(config, name) != getattr(standard, name):
-            raise ValueError(f"Llama 3.1 RoPE scaling with {name} = {getattr(config, name)} cannot be trained here: "
-                             f"--use-rope-scaling uses {getattr(standard, name)} (as Megatron-LM does)")
-
-
 def write_weights(root: str, logical: dict, config: TransformerConfig, vocab_size: int, *,
                   make_vocab_size_divisible_by: int = 128, iteration: int = 0) -> str:
     """Writes `logical` as the checkpoint of `iteration` in `root` (atomically, tracker last);
     returns the checkpoint directory. `vocab_size` is the unpadded vocabulary."""
     from megatron.core.checkpointing.storage import save_state
 
-    check_expressible(config)
+    check_trainable(config)
 
     state = ShardedState()
     for name, parts in logical.items():
@@ -96,10 +50,10 @@ def write_weights(root: str, logical: dict, config: TransformerConfig, vocab_siz
     final = checkpoint_dir(root, iteration)
     incomplete = final + ".incomplete"
     save_state(state, incomplete)
-    args = model_args(config, make_vocab_size_divisible_by)
+    config = dataclasses.replace(config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     common = {"format": FORMAT, "version": FORMAT_VERSION, "iteration": iteration,
               "train_state": {"iteration": iteration}, "optimizer": None, "rng_layout": None,
-              "model": architecture(config, vocab_size), "args": {"model": args}}
+              "model": architecture(config, vocab_size), "args": {"model": saved_args(config)}}
     write_json_atomically(os.path.join(incomplete, COMMON_FILE), common)
     if os.path.exists(final):
         raise FileExistsError(f"{final} already exists; choose an empty --target")
@@ -124,15 +78,9 @@ def read_weights(path: str, iteration: Optional[int] = None) -> tuple:
     for key, tensor in read_full_tensors(directory, keys).items():
         name, part = split_tensor_key(key, MODEL)
         logical.setdefault(name, {})[part] = tensor
-    args = dict(common["args"]["model"])
-    if args.get("max_position_embeddings") is None:  # a training run's default: its sequence length
-        args["max_position_embeddings"] = common["args"]["training"]["seq_length"]
-    resolved = common["model"]
-    for name in ("ffn_hidden_size", "kv_channels", "num_query_groups"):
-        args[name] = resolved[name]
-    args["group_query_attention"] = True
-    padded = logical["embedding.word_embeddings.weight"][""].shape[0]
-    return logical, transformer_config(args, padded), resolved["vocab_size"], common
+    config = config_of_checkpoint(common, padded_vocab_size=logical[WORD_EMBEDDINGS][""].shape[0])
+    config = dataclasses.replace(config, hidden_dropout=0.0, attention_dropout=0.0)  # weights to convert or evaluate
+    return logical, config, common["model"]["vocab_size"], common
 
 
 

@@ -27,11 +27,12 @@ import time
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron.core.checkpointing import CheckpointFormatError
+from megatron.core.checkpointing import architecture as ckpt_architecture
 from megatron.core.checkpointing import state as ckpt_state
 from megatron.core.checkpointing.sharded import ShardedState
+from megatron.core.distributed import comm
 from megatron.training.validation import ConfigError
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -39,31 +40,6 @@ COMMON_FILE = "common.json"
 FORMAT = "megatron-lite torch_dist"
 FORMAT_VERSION = 1
 _ITERATION_DIR = re.compile(r"^iter_(\d{7,})$")
-
-# Model flags that --use-checkpoint-args takes from the checkpoint (the model's architecture).
-CHECKPOINT_MODEL_ARGS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels", "group_query_attention",
-    "num_query_groups", "max_position_embeddings", "position_embedding_type", "rotary_base", "rotary_percent",
-    "use_rope_scaling", "rope_scaling_factor", "normalization", "norm_epsilon", "swiglu", "openai_gelu",
-    "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "make_vocab_size_divisible_by",
-    "apply_layernorm_1p", "qk_layernorm", "rotary_interleaved",
-)
-
-# Resolved architecture (TransformerConfig field -> the flag that sets it): a mismatch is an error.
-ARCHITECTURE_FLAGS = {
-    "num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidden_size": "--ffn-hidden-size",
-    "num_attention_heads": "--num-attention-heads", "kv_channels": "--kv-channels",
-    "num_query_groups": "--num-query-groups", "normalization": "--normalization", "gated_linear_unit": "--swiglu",
-    "add_bias_linear": "--disable-bias-linear", "add_qkv_bias": "--add-qkv-bias",
-    "position_embedding_type": "--position-embedding-type",
-    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-    "qk_layernorm": "--qk-layernorm", "layernorm_zero_centered_gamma": "--apply-layernorm-1p",
-    "rotary_interleaved": "--rotary-interleaved",
-}
-# Numerics that change the model without changing a shape: a mismatch is noted.
-SEMANTIC_FIELDS = ("activation", "norm_epsilon", "rotary_base", "rotary_percent", "rope_scaling",
-                   "rope_scaling_factor")
-
 
 def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
@@ -129,38 +105,25 @@ def read_common(directory: str) -> dict:
     return common
 
 
-def apply_checkpoint_args(config, common: dict) -> list:
-    """--use-checkpoint-args: the model's architecture flags from the checkpoint. Returns notes."""
-    saved = common["args"]["model"]
-    notes = []
-    for name in CHECKPOINT_MODEL_ARGS:
-        if name in saved and getattr(config.model, name) != saved[name]:
-            notes.append(f"--use-checkpoint-args: {name} = {saved[name]!r} (was {getattr(config.model, name)!r})")
-            setattr(config.model, name, saved[name])
-    return notes
+def apply_checkpoint_args(config, common: dict) -> tuple:
+    """--use-checkpoint-args: (config with the model's architecture taken from the checkpoint, notes)."""
+    model, notes = ckpt_architecture.restore(config.model, common["args"]["model"])
+    return dataclasses.replace(config, model=model), notes
 
 
 def architecture(model_config, vocab_size: int) -> dict:
-    """The fields of a resolved TransformerConfig a checkpoint must match (plus the vocabulary)."""
-    fields = {name: getattr(model_config, name) for name in (*ARCHITECTURE_FLAGS, *SEMANTIC_FIELDS)}
-    if model_config.position_embedding_type == "learned_absolute":
-        fields["max_position_embeddings"] = model_config.max_position_embeddings
-    fields["vocab_size"] = vocab_size
-    return fields
+    """What a checkpoint must match: every field that defines the model (a derived
+    TransformerConfig's), plus the vocabulary."""
+    return ckpt_architecture.record(model_config, vocab_size)
 
 
 def check_architecture(directory: str, saved: dict, current: dict) -> list:
     """Raises ConfigError naming the flag and both values when the checkpoint is of another model;
     returns notes for numerics that differ without changing a shape."""
-    flags = dict(ARCHITECTURE_FLAGS, max_position_embeddings="--max-position-embeddings",
-                 vocab_size="--vocab-size / the tokenizer's vocabulary size")
-    for name, flag in flags.items():
-        if saved.get(name) is not None and current.get(name) is not None and saved[name] != current[name]:
-            raise ConfigError(f"the checkpoint {directory} is of another model: it has {name} = {saved[name]!r} "
-                              f"({flag}), this run has {current[name]!r}; pass the checkpoint's value "
-                              "(or --use-checkpoint-args)")
-    return [f"{name} differs from the checkpoint's ({saved[name]!r} there, {current[name]!r} here)"
-            for name in SEMANTIC_FIELDS if name in saved and saved[name] != current.get(name)]
+    try:
+        return ckpt_architecture.check(directory, saved, current)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def layout_of(groups, num_chunks: int) -> dict:
@@ -230,7 +193,7 @@ class Checkpointer:
         # DCP plans and commits over a gloo group of every rank: also usable from the background
         # thread of an async save while training keeps its own groups busy.
         timeout = datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes)
-        self.group = dist.new_group(backend="gloo", timeout=timeout) if groups.world_size > 1 else None
+        self.group = comm.new_gloo_group(timeout) if groups.world_size > 1 else None
 
     # -- saving --------------------------------------------------------------------------------
     def build_state(self, run) -> ShardedState:
@@ -262,7 +225,7 @@ class Checkpointer:
             "rng_layout": None if self.options.no_save_rng else layout_of(self.groups, len(run.chunks)),
             "fp8_layout": layout_of(self.groups, len(run.chunks)) if ckpt_state.fp8_tensors(run.chunks) else None,
             "model": architecture(run.model_config, vocab_size),
-            "args": dataclasses.asdict(run.config),
+            "args": dataclasses.asdict(run.config),  # its "model" part: what --use-checkpoint-args restores
         }
 
     def save(self, run, train_state, vocab_size: int) -> None:
@@ -341,7 +304,7 @@ class Checkpointer:
         if self.group is None:
             return failed
         flag = torch.tensor([float(failed)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        comm.all_reduce_max(flag, self.group)
         return bool(flag.item() > 0)
 
     def _save_failure(self, iteration: int, final: str, failure: Optional[BaseException], rank: int) -> str:
@@ -377,7 +340,7 @@ class Checkpointer:
 
     def _barrier(self) -> None:
         if self.group is not None:
-            dist.barrier(group=self.group)
+            comm.barrier(self.group)
 
     # -- loading -------------------------------------------------------------------------------
     def load(self, run, directory: str, common: dict, train_state_cls):

@@ -10,8 +10,8 @@ def flops_per_iteration(model: TransformerConfig, global_batch_size: int, seq_le
 
     m = 3 for SwiGLU else 2; q = heads*kv_channels; k = kv_channels; g = query groups; V = padded vocab.
     """
-    h, f, L, V = model.hidden_size, model.ffn_hidden_size, model.num_layers, model.vocab_size
-    m = 3 if model.gated_linear_unit else 2
+    h, f, L, V = model.hidden_size, model.ffn_hidden_size, model.num_layers, model.padded_vocab_size
+    m = 3 if model.swiglu else 2
     q = model.num_attention_heads * model.kv_channels
     k = model.kv_channels
     g = model.num_query_groups

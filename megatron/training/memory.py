@@ -146,7 +146,7 @@ def layer_parameters(model_config, tp_size: int) -> int:
     kv_local = d * c.num_query_groups // min(t, c.num_query_groups)
     qkv = h * (q_local + 2 * kv_local) + ((q_local + 2 * kv_local) if c.add_bias_linear or c.add_qkv_bias else 0)
     proj = q_local * h + (h if c.add_bias_linear else 0)
-    fc1_out = (2 if c.gated_linear_unit else 1) * f // t  # gate and up projections with SwiGLU
+    fc1_out = (2 if c.swiglu else 1) * f // t  # gate and up projections with SwiGLU
     mlp = h * fc1_out + f // t * h + ((fc1_out + h) if c.add_bias_linear else 0)
     qk_norms = 2 * norm * d if c.qk_layernorm else 0
     return 2 * norm * h + qkv + proj + qk_norms + mlp
@@ -156,7 +156,7 @@ def stage_parameters(model_config, tp_size: int, num_layers: int, *, first: bool
     """Elements of one pipeline stage's parameters on one tensor-parallel rank."""
     c = model_config
     total = num_layers * layer_parameters(c, tp_size)
-    vocabulary = c.vocab_size // tp_size * c.hidden_size
+    vocabulary = c.padded_vocab_size // tp_size * c.hidden_size
     if first:
         total += vocabulary
         if c.position_embedding_type == "learned_absolute":

@@ -12,10 +12,12 @@ from typing import Callable, Optional
 import torch
 
 from megatron.core import utils
+from megatron.core.checkpointing.architecture import record_of_checkpoint
 from megatron.core.distributed import comm
 from megatron.core.distributed.ddp import finalize_model_grads
 from megatron.core.pipeline_parallel import layout
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.transformer.config import ExecutionConfig, TransformerConfig
 from megatron.training import builders
 from megatron.training.arguments import format_config
 from megatron.training.batch_schedule import BatchSchedule, batch_schedule
@@ -63,7 +65,8 @@ class Run:
 
     config: Config
     groups: object
-    model_config: object
+    model_config: TransformerConfig      # the architecture (derived)
+    execution: ExecutionConfig           # how the layers run it
     chunks: list
     optimizer: object
     scheduler: object
@@ -93,24 +96,19 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int,
           check_inputs: Optional[Callable] = None) -> Run:
     """Validates the flags (and the checkpoint to load against them) and, with `check_inputs(config)`,
     the input files; joins the process groups, builds model, DDP and optimizer."""
-    notes, to_load = _find_checkpoint(config)
-    notes += validate(config, world_size_from_env())
-    if check_inputs is not None:
-        check_inputs(config)
+    config, model_config, notes, to_load = _startup_checks(config, vocab_size, world_size_from_env(), check_inputs)
     if config.logging.logging_level is not None:
         logging.basicConfig(level=config.logging.logging_level)
         logging.getLogger().setLevel(config.logging.logging_level)
     groups, rng_tracker = initialize_distributed(config)
     print_rank_0(format_config(config))
-    model_config = builders.transformer_config(config, vocab_size)
     _check_fits(config, model_config, groups.world_size, groups.device)
-    if to_load is not None:
-        notes += check_architecture(to_load[0], to_load[1]["model"], architecture(model_config, vocab_size))
     for note in notes:
         print_rank_0(f"NOTE: {note}")
-    model_config, attention_report = builders.resolve_attention(model_config, config, groups)
+    execution, attention_report = builders.resolve_attention(model_config, builders.execution_config(config), config,
+                                                             groups)
     print_rank_0(f"> {attention_report}")
-    chunks = builders.build_model_chunks(config, groups, model_config, rng_tracker)
+    chunks = builders.build_model_chunks(config, groups, model_config, execution, rng_tracker)
     chunks = builders.wrap_data_parallel(chunks, config, groups)
     optimizer, scheduler = builders.build_optimizer(config, chunks, groups)
     batches = batch_schedule(config.training, groups.dp_size)
@@ -118,13 +116,13 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int,
     num_microbatches = batches.num_microbatches_at(math.inf)
     params = sum(p.numel() for c in chunks for p in c.module.parameters())
     print_rank_0(f"> parameters on (tensor, pipeline) rank ({groups.tp_rank}, {groups.pp_rank}): {params}")
-    print_rank_0(f"> padded vocab size: {model_config.vocab_size}, micro-batches per step: {num_microbatches}, "
+    print_rank_0(f"> padded vocab size: {model_config.padded_vocab_size}, micro-batches per step: {num_microbatches}, "
                  f"data-parallel size: {groups.dp_size}, context-parallel size: {groups.cp_size}, "
                  f"device: {groups.device}")
     print_rank_0(memory_report(config, chunks, optimizer, groups, figures=_largest_over_ranks(chunks, optimizer, groups)))
     checkpointer = (Checkpointer(config, groups, rng_tracker, print_rank_0)
                     if config.checkpoint.save or to_load is not None else None)
-    run = Run(config, groups, model_config, chunks, optimizer, scheduler, forward_step_func, global_batch,
+    run = Run(config, groups, model_config, execution, chunks, optimizer, scheduler, forward_step_func, global_batch,
               num_microbatches, print_rank_0, vocab_size, checkpointer, to_load, batches,
               attention_report=attention_report)
     _add_reliability(run)
@@ -187,13 +185,7 @@ def dry_run(config: Config, vocab_size: int, check_inputs: Optional[Callable] = 
     to load, whether the model fits), in this one process; prints the layout and the memory estimate
     per GPU. Builds nothing and joins no process group."""
     world_size = world_size_from_env()
-    notes, to_load = _find_checkpoint(config)
-    notes += validate(config, world_size)
-    if check_inputs is not None:
-        check_inputs(config)
-    model_config = builders.transformer_config(config, vocab_size)
-    if to_load is not None:
-        notes += check_architecture(to_load[0], to_load[1]["model"], architecture(model_config, vocab_size))
+    config, model_config, notes, _ = _startup_checks(config, vocab_size, world_size, check_inputs)
     for note in notes:
         print(f"NOTE: {note}", flush=True)
     p, t = config.parallel, config.training
@@ -202,7 +194,7 @@ def dry_run(config: Config, vocab_size: int, check_inputs: Optional[Callable] = 
     batches = batch_schedule(t, dp)
     print(f"> layout: {world_size} processes = TP {tp} x CP {cp} x PP {pp} x DP {dp}; global batch "
           f"{batches.global_batch_size} = {batches.num_microbatches_at(math.inf)} micro-batches of {t.micro_batch_size} "
-          f"x DP {dp}; {t.train_iters} iterations; padded vocabulary {model_config.vocab_size}", flush=True)
+          f"x DP {dp}; {t.train_iters} iterations; padded vocabulary {model_config.padded_vocab_size}", flush=True)
     estimate, text = memory_estimate(config, model_config, world_size)
     print(text, flush=True)
     device = utils.default_device()
@@ -210,20 +202,36 @@ def dry_run(config: Config, vocab_size: int, check_inputs: Optional[Callable] = 
     print(f"> dry run: the flags are valid for {world_size} processes; nothing was built", flush=True)
 
 
-def _find_checkpoint(config: Config) -> tuple[list, Optional[tuple]]:
-    """(notes, (directory, common.json) of the checkpoint --load names, or None). With
+def _startup_checks(config: Config, vocab_size: int, world_size: int, check_inputs: Optional[Callable]) -> tuple:
+    """The checks of `setup` and `--dry-run`, before anything is built: (config, with the model
+    flags of the checkpoint under --use-checkpoint-args; the derived architecture; notes; the
+    checkpoint to load as (directory, common.json), or None)."""
+    config, notes, to_load = _find_checkpoint(config)
+    notes += validate(config, world_size)
+    if check_inputs is not None:
+        check_inputs(config)
+    model_config = builders.transformer_config(config, vocab_size)
+    if to_load is not None:
+        notes += check_architecture(to_load[0], record_of_checkpoint(to_load[1]), architecture(model_config, vocab_size))
+    return config, model_config, notes, to_load
+
+
+def _find_checkpoint(config: Config) -> tuple[Config, list, Optional[tuple]]:
+    """(config, notes, (directory, common.json) of the checkpoint --load names, or None). With
     --use-checkpoint-args the model flags are taken from it here, before validation."""
     options = config.checkpoint
     if not options.load:
-        return [], None
+        return config, [], None
     directory, note = locate(options.load, options.ckpt_step)
     if directory is None and options.exit_on_missing_checkpoint:
         raise ConfigError(f"{note.split(';')[0]}, and --exit-on-missing-checkpoint is given")
     if directory is None:
-        return [note], None
+        return config, [note], None
     common = read_common(directory)
-    notes = apply_checkpoint_args(config, common) if options.use_checkpoint_args else []
-    return notes, (directory, common)
+    notes = []
+    if options.use_checkpoint_args:
+        config, notes = apply_checkpoint_args(config, common)
+    return config, notes, (directory, common)
 
 
 def _activation_shape(run: Run) -> tuple:
@@ -231,7 +239,7 @@ def _activation_shape(run: Run) -> tuple:
     ranks, and over the tensor ranks with sequence parallelism."""
     t = run.config.training
     seq = t.seq_length // run.groups.cp_size
-    seq //= run.groups.tp_size if run.model_config.sequence_parallel and run.groups.tp_size > 1 else 1
+    seq //= run.groups.tp_size if run.execution.sequence_parallel and run.groups.tp_size > 1 else 1
     return (seq, t.micro_batch_size, run.model_config.hidden_size)
 
 
@@ -242,7 +250,7 @@ def _forward_backward(run: Run, data_iterator, forward_only: bool, num_microbatc
     return schedule(forward_step_func=run.forward_step_func, data_iterator=data_iterator,
                     model_chunks=run.chunks, num_microbatches=num_microbatches, groups=run.groups,
                     forward_only=forward_only, scale_loss=run.optimizer.scale_loss,
-                    tensor_shape=_activation_shape(run), dtype=run.model_config.params_dtype,
+                    tensor_shape=_activation_shape(run), dtype=run.execution.params_dtype,
                     overlap_p2p_comm=p.overlap_p2p_comm, overlap_p2p_comm_warmup_flush=p.overlap_p2p_comm_warmup_flush,
                     microbatch_group_size=p.microbatch_group_size_per_vp_stage, loss_divisor=1 if per_token else None)
 
@@ -613,6 +621,7 @@ def pretrain(config: Config, *, forward_step_func: Callable, datasets_provider: 
     checkpoint, load data, train, save, and evaluate the validation and test sets at the end (as
     Megatron does)."""
     run = setup(config, forward_step_func, vocab_size, check_inputs)
+    config = run.config  # with --use-checkpoint-args, the checkpoint's model flags
     state = TrainState()
     with Watch(run.failure_report, lambda: state.iteration), MemoryWatch(run, lambda: state.iteration):
         if run.checkpoint_to_load is not None:

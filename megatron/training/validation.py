@@ -10,7 +10,7 @@ from megatron.core.parallel_state import check_sizes
 from megatron.core.pipeline_parallel.layout import validate_pipeline
 from megatron.training import megatron_lm
 from megatron.training.batch_schedule import batch_schedule
-from megatron.training.builders import ffn_hidden_size
+from megatron.core.transformer.config import derive
 from megatron.training.config import Config
 
 
@@ -48,15 +48,16 @@ def validate(config: Config, world_size: int) -> list:
     _require(m.num_attention_heads % tp == 0,
              f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
              f"--tensor-model-parallel-size ({tp})")
-    ffn = ffn_hidden_size(m)
-    _require(ffn % tp == 0, f"--ffn-hidden-size ({ffn}) must be divisible by --tensor-model-parallel-size ({tp})")
     if m.group_query_attention:
         groups = m.num_query_groups
         _require(m.num_attention_heads % groups == 0,
                  f"--num-attention-heads ({m.num_attention_heads}) must be divisible by --num-query-groups ({groups})")
         _require(groups % tp == 0 or tp % groups == 0,
                  f"--num-query-groups ({groups}) and --tensor-model-parallel-size ({tp}) must divide one another")
-    max_positions = m.max_position_embeddings or t.seq_length
+    arch = architecture(config)
+    ffn = arch.ffn_hidden_size
+    _require(ffn % tp == 0, f"--ffn-hidden-size ({ffn}) must be divisible by --tensor-model-parallel-size ({tp})")
+    max_positions = arch.max_position_embeddings
     _require(t.seq_length <= max_positions,
              f"--seq-length ({t.seq_length}) exceeds --max-position-embeddings ({max_positions})")
 
@@ -280,9 +281,8 @@ def _validate_fp8(config: Config) -> None:
     _require(not p.use_torch_fsdp2, "--fp8-format with --use-torch-fsdp2 is not supported yet (cached FP8 "
                                     "weights follow DDP's parameter storage); drop one of them")
     tp = p.tensor_model_parallel_size
-    kv = m.kv_channels or m.hidden_size // m.num_attention_heads
-    groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
-    ffn = ffn_hidden_size(m)
+    arch = architecture(config)
+    kv, groups, ffn = arch.kv_channels, arch.num_query_groups, arch.ffn_hidden_size
     sizes = {"--hidden-size": m.hidden_size, "--ffn-hidden-size / TP": ffn // tp,
              "attention heads x --kv-channels / TP": m.num_attention_heads * kv // tp,
              "query groups x --kv-channels": groups * kv,
@@ -294,6 +294,15 @@ def _validate_fp8(config: Config) -> None:
         _require(start >= 0 and end >= 0 and start + end <= m.num_layers,
                  f"--num-layers-at-start-in-bf16 ({start}) + --num-layers-at-end-in-bf16 ({end}) must be >= 0 "
                  f"and at most --num-layers ({m.num_layers})")
+
+
+def architecture(config: Config):
+    """The architecture the model flags describe (derived; the vocabulary is left out: it comes
+    from the tokenizer). Call after the shape checks above: it raises ConfigError otherwise."""
+    try:
+        return derive(config.model, seq_length=config.training.seq_length)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def implied_tokenizer_type(data_config) -> Optional[str]:

@@ -85,7 +85,7 @@ def convert(argv=None) -> str:
         print(f"wrote {directory}: load it with --load {args.target} --finetune --use-checkpoint-args")
         return directory
     arch = hf_mapping.architecture_for_hf(config)
-    vocab_size = vocab_size or config.vocab_size  # unknown: keep the padded rows
+    vocab_size = vocab_size or config.padded_vocab_size  # unknown: keep the padded rows
     state = hf_mapping.logical_to_hf(logical, config, arch, vocab_size=vocab_size)
     conversion.write_hf(args.target, hf_mapping.hf_config_from_transformer_config(config, vocab_size), state)
     print(f"wrote {args.target} ({arch}, {len(state)} tensors)")

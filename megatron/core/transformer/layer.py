@@ -3,14 +3,16 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.norm import build_norm
 
 
 class TransformerLayer(torch.nn.Module):
-    def __init__(self, config, *, tp_group, tp_size: int, tp_rank: int, rng_tracker, device, cp_group=None):
+    def __init__(self, config, *, execution=DEFAULT_EXECUTION, tp_group, tp_size: int, tp_rank: int, rng_tracker,
+                 device, cp_group=None):
         super().__init__()
-        common = dict(tp_size=tp_size, tp_rank=tp_rank, device=device)
+        common = dict(execution=execution, tp_size=tp_size, tp_rank=tp_rank, device=device)
         self.input_layernorm = build_norm(config, config.hidden_size, **common)
         self.self_attention = SelfAttention(config, tp_group=tp_group, rng_tracker=rng_tracker, cp_group=cp_group,
                                             **common)
@@ -19,7 +21,7 @@ class TransformerLayer(torch.nn.Module):
         self.hidden_dropout = config.hidden_dropout
         # Sequence-parallel activations differ per TP rank, so their dropout draws from the
         # per-rank stream; replicated activations draw from the shared default stream.
-        self.dropout_rng = rng_tracker if (config.sequence_parallel and tp_size > 1) else None
+        self.dropout_rng = rng_tracker if (execution.sequence_parallel and tp_size > 1) else None
 
     def forward(self, x, rotary=None, attention_mask=None):
         # x: [s, b, h] ([s/tp, b, h] with sequence parallelism)

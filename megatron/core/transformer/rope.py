@@ -11,7 +11,7 @@ import torch
 def inverse_frequencies(config) -> torch.Tensor:
     rotary_dim = int(config.kv_channels * config.rotary_percent)
     inv_freq = 1.0 / (config.rotary_base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
-    if config.rope_scaling:
+    if config.use_rope_scaling:
         inv_freq = _llama31_scaling(inv_freq, config)
     return inv_freq.float()
 

@@ -1,58 +1,16 @@
-"""Model shape flags (Megatron-LM names)."""
+"""The model section of the flags: the architecture (megatron.core's TransformerConfig, whose
+fields are Megatron-LM's model flags) plus the flags that choose how the model runs (kernels, FP8),
+which become its ExecutionConfig (builders.execution_config)."""
+from argparse import BooleanOptionalAction
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.config.fields import Flag, flag_field
+
 
 @dataclass
-class ModelConfig:
-    num_layers: int
-    """Number of transformer layers."""
-    hidden_size: int
-    """Transformer hidden size."""
-    num_attention_heads: int
-    """Number of attention (query) heads."""
-    ffn_hidden_size: Optional[int] = None
-    """Hidden size of the MLP; default 4 x --hidden-size, or with --swiglu int(8 x --hidden-size / 3 / 64) x 64 (as Megatron-LM)."""
-    kv_channels: Optional[int] = None
-    """Channels per attention head; default --hidden-size / --num-attention-heads."""
-    group_query_attention: bool = False
-    """Use grouped-query attention (see --num-query-groups)."""
-    num_query_groups: int = 1
-    """Number of key/value groups with --group-query-attention."""
-    max_position_embeddings: Optional[int] = None
-    """Maximum sequence length the position embeddings cover; default --seq-length."""
-    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
-    """Position embedding: learned absolute (GPT) or rotary (Llama)."""
-    rotary_base: int = 10000
-    """Base of the rotary embedding frequencies (Llama 2: 10000, Llama 3: 500000)."""
-    rotary_percent: float = 1.0
-    """Fraction of each head's channels that is rotated."""
-    use_rope_scaling: bool = False
-    """Apply Llama 3.1 rotary frequency scaling (factor 8, low 1, high 4, original 8192)."""
-    rope_scaling_factor: float = 8.0
-    """Scaling factor for --use-rope-scaling."""
-    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
-    """Normalization layer."""
-    norm_epsilon: float = 1e-5
-    """Epsilon of the normalization layers."""
-    swiglu: bool = False
-    """Use a SwiGLU MLP (Llama) instead of GeLU."""
-    openai_gelu: bool = False
-    """Use the tanh approximation of GeLU (GPT-2)."""
-    untie_embeddings_and_output_weights: bool = False
-    """Separate input embedding and output layer weights."""
-    add_bias_linear: bool = True
-    """Biases in linear layers (turned off with --disable-bias-linear)."""
-    add_qkv_bias: bool = False
-    """Bias on the query/key/value projection only."""
-    hidden_dropout: float = 0.1
-    """Dropout on the residual branches and embeddings."""
-    attention_dropout: float = 0.1
-    """Dropout on attention probabilities."""
-    init_method_std: float = 0.02
-    """Standard deviation of the normal weight initialization."""
-    make_vocab_size_divisible_by: int = 128
-    """Pad the vocabulary to a multiple of this times --tensor-model-parallel-size."""
+class ModelConfig(TransformerConfig):
     use_flash_attn: bool = False
     """Use the flash-attn package if installed (otherwise SDPA's flash kernel)."""
     transformer_impl: Literal["local", "transformer_engine"] = "local"
@@ -62,13 +20,13 @@ class ModelConfig:
     attention_backend: Literal["auto", "flash", "fused", "unfused", "local", "cudnn", "efficient", "math",
                                "flash_attn"] = "auto"
     """Attention kernel. auto: probed once at start-up on GPU (the fastest that runs; the log names it). Megatron's flash / fused / unfused|local map to SDPA's flash / cuDNN (then memory-efficient) / math kernels; cudnn, efficient, math pick one SDPA kernel; flash_attn the flash-attn package (FA3 on Hopper when installed)."""
-    gradient_accumulation_fusion: bool = True
+    gradient_accumulation_fusion: bool = flag_field(True, Flag("--gradient-accumulation-fusion", BooleanOptionalAction))
     """Accumulate linear and embedding weight gradients straight into the fp32 main_grad buffers (no param.grad); off with --no-gradient-accumulation-fusion. Not with --use-torch-fsdp2 (no main_grad there)."""
-    cross_entropy_loss_fusion: bool = True
+    cross_entropy_loss_fusion: bool = flag_field(True, Flag("--cross-entropy-loss-fusion", BooleanOptionalAction))
     """Chunked fused cross entropy: no fp32 copy of the logits, gradient written in place; off with --no-cross-entropy-loss-fusion."""
     cross_entropy_fusion_impl: Literal["native", "te"] = "native"
     """Fused cross entropy implementation: native; te runs the native one too (with a note)."""
-    fp8: Optional[Literal["e4m3", "hybrid"]] = None
+    fp8: Optional[Literal["e4m3", "hybrid"]] = flag_field(None, Flag("--fp8-format"))
     """Train the transformer layers' linears in FP8 (torch._scaled_mm): e4m3 everywhere, or hybrid (E5M2 gradients)."""
     fp8_recipe: Literal["delayed", "tensorwise", "rowwise", "blockwise", "mxfp8", "custom"] = "delayed"
     """FP8 scaling: delayed (amax history), tensorwise (current amax), rowwise (per-row scales, e4m3). blockwise, mxfp8 and custom need Transformer Engine and are errors here."""
@@ -84,9 +42,3 @@ class ModelConfig:
     """Layers at the start kept in bf16 with --first-last-layers-bf16."""
     num_layers_at_end_in_bf16: int = 1
     """Layers at the end kept in bf16 with --first-last-layers-bf16."""
-    apply_layernorm_1p: bool = False
-    """Zero-centered norm weights: every LayerNorm/RMSNorm scales by (1 + weight), with weight starting at 0."""
-    qk_layernorm: bool = False
-    """Normalize each query and key head (over its channels, with --normalization) before the rotary embedding."""
-    rotary_interleaved: bool = False
-    """Rotary embedding on interleaved channel pairs (2i, 2i+1) instead of halves (i, i + d/2)."""
