@@ -19,7 +19,7 @@ import torch.nn.functional as F  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.hf_mapping import load_logical_into_model  # noqa: E402
 from megatron.core.parallel_state import single_process  # noqa: E402
-from megatron.training import checkpoint_conversion as conversion  # noqa: E402
+from megatron.core.checkpointing import conversion  # noqa: E402
 
 
 def parse(argv=None) -> argparse.Namespace:

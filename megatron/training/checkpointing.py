@@ -18,9 +18,7 @@ complete checkpoint; leftovers of an interrupted save are removed by the next sa
 import dataclasses
 import datetime
 import errno
-import json
 import os
-import re
 import shutil
 import threading
 import time
@@ -30,34 +28,30 @@ import torch
 
 from megatron.core.checkpointing import CheckpointFormatError
 from megatron.core.checkpointing import architecture as ckpt_architecture
+from megatron.core.checkpointing.directory import (  # noqa: F401 (the format's names, used by callers of this module)
+    COMMON_FILE,
+    FORMAT,
+    FORMAT_VERSION,
+    ITERATION_DIR,
+    TRACKER_FILE,
+    checkpoint_dir,
+    fsync_directory,
+    read_common,
+    tracked_iteration,
+    write_json_atomically,
+    write_text_atomically,
+)
 from megatron.core.checkpointing import state as ckpt_state
 from megatron.core.checkpointing.sharded import ShardedState
 from megatron.core.distributed import comm
 from megatron.training.validation import ConfigError
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
-COMMON_FILE = "common.json"
-FORMAT = "megatron-lite torch_dist"
-FORMAT_VERSION = 1
-_ITERATION_DIR = re.compile(r"^iter_(\d{7,})$")
-
-def checkpoint_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
 def read_tracker(root: str) -> Optional[int]:
     """The iteration named by `root`'s tracker file, or None when there is no tracker."""
-    path = os.path.join(root, TRACKER_FILE)
-    if not os.path.isfile(path):
-        return None
-    text = open(path).read().strip()
-    if text == "release":
-        raise ConfigError(f"{path} says 'release': that is a Megatron-LM checkpoint; import it with "
-                          "tools/checkpoint/convert.py --source-format megatron")
     try:
-        return int(text)
-    except ValueError:
-        raise ConfigError(f"{path} holds {text!r}, not an iteration number; fix or delete the file") from None
+        return tracked_iteration(root)
+    except CheckpointFormatError as error:
+        raise ConfigError(str(error)) from None
 
 
 def locate(load: str, ckpt_step: Optional[int]) -> tuple[Optional[str], Optional[str]]:
@@ -66,7 +60,7 @@ def locate(load: str, ckpt_step: Optional[int]) -> tuple[Optional[str], Optional
     if ckpt_step is not None:
         directory = checkpoint_dir(load, ckpt_step)
         if not os.path.isdir(directory):
-            found = sorted(name for name in os.listdir(load) if _ITERATION_DIR.match(name)) if os.path.isdir(load) else []
+            found = sorted(name for name in os.listdir(load) if ITERATION_DIR.match(name)) if os.path.isdir(load) else []
             raise ConfigError(f"--ckpt-step {ckpt_step}: {directory} does not exist (checkpoints in --load: "
                               f"{', '.join(found) or 'none'})")
         return directory, None
@@ -86,23 +80,6 @@ def _storage():
     from megatron.core.checkpointing import storage
 
     return storage
-
-
-def read_common(directory: str) -> dict:
-    path = os.path.join(directory, COMMON_FILE)
-    if not os.path.isfile(path):
-        raise CheckpointFormatError(f"{path} is missing: {directory} is not a complete checkpoint of this framework")
-    try:
-        with open(path) as handle:
-            common = json.load(handle)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CheckpointFormatError(f"{path} is corrupt ({error})") from None
-    if common.get("format") != FORMAT:
-        raise CheckpointFormatError(f"{path} is not a {FORMAT} checkpoint (format {common.get('format')!r})")
-    if common.get("version", 0) > FORMAT_VERSION:
-        raise CheckpointFormatError(f"{path} has format version {common['version']}; this version reads "
-                                    f"up to {FORMAT_VERSION}: upgrade megatron-lite")
-    return common
 
 
 def apply_checkpoint_args(config, common: dict) -> tuple:
@@ -132,33 +109,6 @@ def layout_of(groups, num_chunks: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-def write_json_atomically(path: str, value) -> None:
-    temporary = path + ".tmp"
-    with open(temporary, "w") as handle:
-        json.dump(value, handle, indent=1, sort_keys=True)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-
-
-def write_text_atomically(path: str, text: str) -> None:
-    temporary = path + ".tmp"
-    with open(temporary, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    _fsync_directory(os.path.dirname(path))
-
-
-def _fsync_directory(path: str) -> None:
-    descriptor = os.open(path or ".", os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def _directory_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
 
@@ -285,14 +235,14 @@ class Checkpointer:
     def _commit(self, common: dict, incomplete: str, final: str, start: float) -> None:
         """Rank 0: common.json, the rename to iter_N, then the tracker (see the module docstring)."""
         write_json_atomically(os.path.join(incomplete, COMMON_FILE), common)
-        _fsync_directory(incomplete)
+        fsync_directory(incomplete)
         if os.path.exists(final):  # an older save of the same iteration (a re-run after resume)
             stale = final + ".replaced"
             shutil.rmtree(stale, ignore_errors=True)
             os.rename(final, stale)
             shutil.rmtree(stale, ignore_errors=True)
         os.rename(incomplete, final)
-        _fsync_directory(os.path.dirname(final))
+        fsync_directory(os.path.dirname(final))
         write_text_atomically(os.path.join(self.options.save, TRACKER_FILE), str(common["iteration"]))
         self._remove_old_checkpoints(common["iteration"])
         size = _directory_bytes(final)
@@ -324,7 +274,7 @@ class Checkpointer:
         if not keep:
             return
         root = self.options.save
-        iterations = sorted(int(m.group(1)) for m in map(_ITERATION_DIR.match, os.listdir(root)) if m)
+        iterations = sorted(int(m.group(1)) for m in map(ITERATION_DIR.match, os.listdir(root)) if m)
         for iteration in iterations[:-keep]:
             if iteration != newest:
                 shutil.rmtree(checkpoint_dir(root, iteration), ignore_errors=True)

@@ -16,6 +16,9 @@ from megatron.core.checkpointing.architecture import record_of_checkpoint
 from megatron.core.distributed import comm
 from megatron.core.distributed.ddp import finalize_model_grads
 from megatron.core.pipeline_parallel import layout
+from megatron.core.optimizer import OptimizerParamScheduler
+from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
+from megatron.core.parallel_state import ParallelGroups
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.transformer.config import ExecutionConfig, TransformerConfig
 from megatron.training import builders
@@ -59,18 +62,19 @@ class TrainState:
     exit_reason: Optional[str] = None  # why training stopped before --train-iters (not saved)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Run:
-    """Everything a step needs, built once by `setup`."""
+    """Everything a step needs, built once by `setup` (and never changed: `pretrain` adds its
+    TensorBoard writer and progress log with `dataclasses.replace`)."""
 
     config: Config
-    groups: object
+    groups: ParallelGroups
     model_config: TransformerConfig      # the architecture (derived)
     execution: ExecutionConfig           # how the layers run it
-    chunks: list
-    optimizer: object
-    scheduler: object
-    forward_step_func: Callable
+    chunks: list                         # of ModelChunk (DDP or FSDP2), one per virtual pipeline stage
+    optimizer: MixedPrecisionOptimizer
+    scheduler: OptimizerParamScheduler
+    forward_step_func: Callable          # wrapped by the test-only faults when MEGATRON_TEST_FAULTS is set
     global_batch_size: int
     num_microbatches: int
     printer: Callable
@@ -122,28 +126,25 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int,
     print_rank_0(memory_report(config, chunks, optimizer, groups, figures=_largest_over_ranks(chunks, optimizer, groups)))
     checkpointer = (Checkpointer(config, groups, rng_tracker, print_rank_0)
                     if config.checkpoint.save or to_load is not None else None)
-    run = Run(config, groups, model_config, execution, chunks, optimizer, scheduler, forward_step_func, global_batch,
-              num_microbatches, print_rank_0, vocab_size, checkpointer, to_load, batches,
-              attention_report=attention_report)
-    _add_reliability(run)
-    return run
+    faults = FaultInjector.from_environment(groups.global_rank)  # test-only: wraps the step from outside
+    return Run(config, groups, model_config, execution, chunks, optimizer, scheduler,
+               faults.wrap(forward_step_func) if faults is not None else forward_step_func, global_batch,
+               num_microbatches, print_rank_0, vocab_size, checkpointer, to_load, batches,
+               attention_report=attention_report, faults=faults, **_reliability(config, groups, checkpointer))
 
 
-def _add_reliability(run: Run) -> None:
-    """The per-step guards, the failure report, the straggler report and the test-only faults."""
-    config, groups = run.config, run.groups
-    run.guard = StepGuard.build(config.training, groups, print_rank_0, partial(_last_checkpoint, run))
-    run.failure_report = FailureReport.connect(groups.global_rank, groups.world_size, datetime.timedelta(
-        minutes=config.parallel.distributed_timeout_minutes))
-    run.straggler = StragglerReport(config.logging, groups) if config.logging.log_straggler else None
-    run.faults = FaultInjector.from_environment(groups.global_rank)
-    if run.faults is not None:
-        run.forward_step_func = run.faults.wrap(run.forward_step_func)
+def _reliability(config: Config, groups: ParallelGroups, checkpointer: Optional[Checkpointer]) -> dict:
+    """The per-step guards, the failure report and the straggler report."""
+    return dict(
+        guard=StepGuard.build(config.training, groups, print_rank_0,
+                              partial(_last_checkpoint, config.checkpoint, checkpointer)),
+        failure_report=FailureReport.connect(groups.global_rank, groups.world_size, datetime.timedelta(
+            minutes=config.parallel.distributed_timeout_minutes)),
+        straggler=StragglerReport(config.logging, groups) if config.logging.log_straggler else None)
 
 
-def _last_checkpoint(run: Run) -> Optional[str]:
+def _last_checkpoint(options, checkpointer: Optional[Checkpointer]) -> Optional[str]:
     """The directory of the newest checkpoint this run saved or loaded, if any."""
-    options, checkpointer = run.config.checkpoint, run.checkpointer
     if checkpointer is not None and checkpointer.last_saved_iteration is not None:
         return checkpoint_dir(options.save or options.load, checkpointer.last_saved_iteration)
     return None
@@ -629,8 +630,9 @@ def pretrain(config: Config, *, forward_step_func: Callable, datasets_provider: 
         t = config.training
         train_ds, valid_ds, test_ds = datasets_provider(config, run.groups, dataset_sizes(config, run.batches))
         exits = ExitConditions(t, run.groups, _JOB_START_TIME)
-        run.tensorboard = TensorBoardWriter(config.logging.tensorboard_dir if run.groups.is_logging_rank else None)
-        run.progress = ProgressLog(config, run.groups, _JOB_START_TIME)
+        run = dataclasses.replace(
+            run, tensorboard=TensorBoardWriter(config.logging.tensorboard_dir if run.groups.is_logging_rank else None),
+            progress=ProgressLog(config, run.groups, _JOB_START_TIME))
         run.progress.start(state)
         try:
             state = train(run, train_ds, valid_ds, state, exits)

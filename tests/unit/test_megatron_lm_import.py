@@ -104,7 +104,7 @@ def test_convert_tool_writes_a_checkpoint_of_the_same_model(megatron_checkpoints
     imported tensors and gives Megatron-Core's logits."""
     import importlib.util
 
-    from megatron.training.checkpoint_conversion import read_weights
+    from megatron.core.checkpointing.conversion import read_weights
 
     spec = importlib.util.spec_from_file_location("convert_tool", Path(__file__).resolve().parents[2]
                                                   / "tools" / "checkpoint" / "convert.py")

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 import torch  # noqa: E402
 
 from megatron.core.models.gpt import hf_mapping  # noqa: E402
-from megatron.training import checkpoint_conversion as conversion  # noqa: E402
+from megatron.core.checkpointing import conversion  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -21,6 +21,7 @@ from megatron.core.tensor_parallel.layers import (
     GATHER_INPUT,
     TPLayout,
     VocabParallelEmbedding,
+    initial_values,
     initialize_param,
     linear_with_grad_accumulation,
     replicated_layout,
@@ -96,6 +97,12 @@ class GPTModel(torch.nn.Module):
         for name, param in self.named_parameters():
             initialize_param(param, self.global_param_name(name), seed, self.config.init_method_std,
                              self.config.num_layers)
+
+    def initial_values(self, local_name: str, param: torch.nn.Parameter, seed: int, device) -> dict:
+        """{part: full fp32 tensor} that `param`'s initial value is cut from (for wrappers that
+        initialize shards themselves, as FSDP2 does)."""
+        return initial_values(param, self.global_param_name(local_name), seed, self.config.init_method_std,
+                              self.config.num_layers, device)
 
     def set_input_tensor(self, tensor: Optional[torch.Tensor]) -> None:
         """The activation received from the previous pipeline stage, used as `hidden_states`."""

@@ -1,7 +1,7 @@
 """Weights-only checkpoints in this framework's format, written from and read into the *logical*
 state ({global parameter name: {part: full tensor}}) that the Hugging Face and Megatron-LM mappings
-produce. Used by tools/checkpoint/convert.py and tools/verify_correctness.py (one process, no
-torch.distributed).
+produce: library code, used by tools/checkpoint/convert.py and tools/verify_correctness.py (one
+process, no torch.distributed).
 
 A converted checkpoint is an ordinary one at iteration 0 without optimizer or RNG state: load it
 with `--load DIR --finetune` (add `--use-checkpoint-args` to take the model flags from it), or read
@@ -14,23 +14,22 @@ from typing import Optional
 import torch
 
 from megatron.core.checkpointing import CheckpointFormatError
-from megatron.core.checkpointing.sharded import Boxes, ShardedState, split_tensor_key, tensor_key
-from megatron.core.checkpointing.architecture import check_trainable, config_of_checkpoint, saved_args
-from megatron.core.checkpointing.state import MODEL
-from megatron.core.models.gpt.model import WORD_EMBEDDINGS
-from megatron.core.transformer.config import TransformerConfig
-from megatron.training.checkpointing import (
+from megatron.core.checkpointing.architecture import check_trainable, config_of_checkpoint, record, saved_args
+from megatron.core.checkpointing.directory import (
     COMMON_FILE,
     FORMAT,
     FORMAT_VERSION,
     TRACKER_FILE,
+    checkpoint_dir,
+    read_common,
+    tracked_iteration,
     write_json_atomically,
     write_text_atomically,
-    architecture,
-    checkpoint_dir,
-    locate,
-    read_common,
 )
+from megatron.core.checkpointing.sharded import Boxes, ShardedState, split_tensor_key, tensor_key
+from megatron.core.checkpointing.state import MODEL
+from megatron.core.models.gpt.model import WORD_EMBEDDINGS
+from megatron.core.transformer.config import TransformerConfig
 
 
 def write_weights(root: str, logical: dict, config: TransformerConfig, vocab_size: int, *,
@@ -53,7 +52,7 @@ def write_weights(root: str, logical: dict, config: TransformerConfig, vocab_siz
     config = dataclasses.replace(config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     common = {"format": FORMAT, "version": FORMAT_VERSION, "iteration": iteration,
               "train_state": {"iteration": iteration}, "optimizer": None, "rng_layout": None,
-              "model": architecture(config, vocab_size), "args": {"model": saved_args(config)}}
+              "model": record(config, vocab_size), "args": {"model": saved_args(config)}}
     write_json_atomically(os.path.join(incomplete, COMMON_FILE), common)
     if os.path.exists(final):
         raise FileExistsError(f"{final} already exists; choose an empty --target")
@@ -69,9 +68,12 @@ def read_weights(path: str, iteration: Optional[int] = None) -> tuple:
 
     directory = path
     if not os.path.isfile(os.path.join(path, COMMON_FILE)):
-        directory, note = locate(path, iteration)
-        if directory is None:
-            raise CheckpointFormatError(note)
+        iteration = tracked_iteration(path) if iteration is None else iteration
+        if iteration is None:
+            raise CheckpointFormatError(f"{path}: no checkpoint found (no {TRACKER_FILE})")
+        directory = checkpoint_dir(path, iteration)
+        if not os.path.isdir(directory):
+            raise CheckpointFormatError(f"{directory} does not exist: no checkpoint of iteration {iteration} in {path}")
     common = read_common(directory)
     keys = [key for key in saved_shapes(directory) if key.startswith(MODEL + "/")]
     logical = {}
