@@ -23,6 +23,7 @@ from megatron.core.parallel_state import ParallelGroups
 from megatron.core.pipeline_parallel import layout
 from megatron.core.transformer.attention import resolve_attention_backend
 from megatron.core.transformer.config import ExecutionConfig, TransformerConfig, derive
+from megatron.training.batch_schedule import global_batch_size
 from megatron.training.config import Config
 
 
@@ -172,8 +173,8 @@ def build_optimizer(config: Config, wrapped_chunks: list, groups: ParallelGroups
     """The optimizer follows the wrapping: distributed (ZeRO-1) for chunks wrapped with
     --use-distributed-optimizer, sharded for FSDP2, else full fp32 masters on every rank."""
     optimizer = get_megatron_optimizer(optimizer_config(config), wrapped_chunks, groups)
-    global_batch_size = config.training.global_batch_size or config.training.micro_batch_size * groups.dp_size
-    scheduler = OptimizerParamScheduler(optimizer, lr_schedule_config(config, global_batch_size))
+    global_batch = global_batch_size(config.training, groups.dp_size)
+    scheduler = OptimizerParamScheduler(optimizer, lr_schedule_config(config, global_batch))
     return optimizer, scheduler
 
 

@@ -9,7 +9,7 @@ from megatron.core.distributed.ddp import validate_data_parallel
 from megatron.core.parallel_state import check_sizes
 from megatron.core.pipeline_parallel.layout import validate_pipeline
 from megatron.training import megatron_lm
-from megatron.training.batch_schedule import batch_schedule
+from megatron.training.batch_schedule import batch_schedule, global_batch_size
 from megatron.core.transformer.config import derive
 from megatron.training.config import Config
 
@@ -41,27 +41,9 @@ def validate(config: Config, world_size: int) -> list:
                         ("--num-attention-heads", m.num_attention_heads), ("--micro-batch-size", t.micro_batch_size),
                         ("--seq-length", t.seq_length)):
         _require(value > 0, f"{flag} must be positive, got {value}")
-    if m.kv_channels is None:
-        _require(m.hidden_size % m.num_attention_heads == 0,
-                 f"--hidden-size ({m.hidden_size}) must be divisible by --num-attention-heads "
-                 f"({m.num_attention_heads}), or pass --kv-channels")
-    _require(m.num_attention_heads % tp == 0,
-             f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
-             f"--tensor-model-parallel-size ({tp})")
-    if m.group_query_attention:
-        groups = m.num_query_groups
-        _require(m.num_attention_heads % groups == 0,
-                 f"--num-attention-heads ({m.num_attention_heads}) must be divisible by --num-query-groups ({groups})")
-        _require(groups % tp == 0 or tp % groups == 0,
-                 f"--num-query-groups ({groups}) and --tensor-model-parallel-size ({tp}) must divide one another")
-    arch = architecture(config)
-    ffn = arch.ffn_hidden_size
-    _require(ffn % tp == 0, f"--ffn-hidden-size ({ffn}) must be divisible by --tensor-model-parallel-size ({tp})")
-    max_positions = arch.max_position_embeddings
-    _require(t.seq_length <= max_positions,
-             f"--seq-length ({t.seq_length}) exceeds --max-position-embeddings ({max_positions})")
+    _validate_model_shape(config, tp)
 
-    global_batch = t.global_batch_size or t.micro_batch_size * dp
+    global_batch = global_batch_size(t, dp)
     _require(global_batch % (t.micro_batch_size * dp) == 0,
              f"--global-batch-size ({global_batch}) must be divisible by --micro-batch-size "
              f"({t.micro_batch_size}) x data-parallel size ({dp}) = {t.micro_batch_size * dp}")
@@ -109,6 +91,30 @@ def validate(config: Config, world_size: int) -> list:
     return notes
 
 
+def _validate_model_shape(config: Config, tp: int) -> None:
+    """Sizes that must divide one another (tensor parallelism included) and the sequence length."""
+    m, t = config.model, config.training
+    if m.kv_channels is None:
+        _require(m.hidden_size % m.num_attention_heads == 0,
+                 f"--hidden-size ({m.hidden_size}) must be divisible by --num-attention-heads "
+                 f"({m.num_attention_heads}), or pass --kv-channels")
+    _require(m.num_attention_heads % tp == 0,
+             f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
+             f"--tensor-model-parallel-size ({tp})")
+    if m.group_query_attention:
+        groups = m.num_query_groups
+        _require(m.num_attention_heads % groups == 0,
+                 f"--num-attention-heads ({m.num_attention_heads}) must be divisible by --num-query-groups ({groups})")
+        _require(groups % tp == 0 or tp % groups == 0,
+                 f"--num-query-groups ({groups}) and --tensor-model-parallel-size ({tp}) must divide one another")
+    arch = architecture(config)
+    ffn = arch.ffn_hidden_size
+    _require(ffn % tp == 0, f"--ffn-hidden-size ({ffn}) must be divisible by --tensor-model-parallel-size ({tp})")
+    max_positions = arch.max_position_embeddings
+    _require(t.seq_length <= max_positions,
+             f"--seq-length ({t.seq_length}) exceeds --max-position-embeddings ({max_positions})")
+
+
 def _megatron_lm_notes(config: Config) -> list:
     """Notes for the given Megatron-LM flags this framework does not build; the first one that would
     change the result is an error."""
@@ -150,7 +156,7 @@ def _validate_training_length(config: Config, dp: int) -> None:
         _validate_rampup(t, dp)
     t.train_iters = batch_schedule(t, dp).iterations_for(t.train_samples)
     _require(t.train_iters > 0, f"--train-samples ({t.train_samples}) is less than one global batch "
-                                f"({t.global_batch_size or t.micro_batch_size * dp})")
+                                f"({global_batch_size(t, dp)})")
 
 
 def _validate_rampup(t, dp: int) -> None:
@@ -159,7 +165,7 @@ def _validate_rampup(t, dp: int) -> None:
     _require(len(values) == 3 and all(str(v).isdigit() for v in values),
              f"--rampup-batch-size takes three non-negative integers START INCREMENT SAMPLES, got {' '.join(values)}")
     start, increment, samples = (int(v) for v in values)
-    final = t.global_batch_size or t.micro_batch_size * dp
+    final = global_batch_size(t, dp)
     step = t.micro_batch_size * dp
     _require(start > 0 and increment > 0 and samples > 0,
              f"--rampup-batch-size START ({start}), INCREMENT ({increment}) and SAMPLES ({samples}) must be positive")
