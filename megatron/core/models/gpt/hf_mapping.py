@@ -46,15 +46,17 @@ __all__ = ["padded_vocab_size"]  # re-exported: the vocabulary padding is the co
 class Family:
     """A Hugging Face model family GPTModel computes exactly (up to the weight transforms above).
 
-    `keys`: whose keys of the fields' `hf` metadata it reads (Qwen3 reads Llama's). `implies`: the
-    values of fields it has no key for. `selects`: the fields whose implied values pick the family
-    of a model on export (any other field it cannot express is then named in the error). `extra`:
+    `keys`: whose keys of the fields' `hf` metadata it reads, the first found (Qwen3: its own, then
+    Llama's; a Llama-shaped mixture-of-experts family would list its own name, then "llama").
+    `implies`: the values of fields it has no key for. `selects`: the fields whose implied values
+    pick the family of a model on export (any other field it cannot express is then named in the
+    error). `extra`:
     config entries it has that GPTModel has no field for, written on export and required on import.
     `copies`: entries written on export from a field ({key: field})."""
 
     title: str
     config_class: str
-    keys: str
+    keys: tuple
     implies: dict
     selects: tuple = ("normalization", "position_embedding_type", "swiglu")
     extra: dict = field(default_factory=dict)
@@ -66,11 +68,11 @@ _LLAMA_SHAPE = dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False,
                     position_embedding_type="rope", hidden_dropout=0.0)
 _LLAMA_SELECTS = ("normalization", "position_embedding_type", "swiglu", "qk_layernorm")
 FAMILIES = {
-    "llama": Family("Llama", "LlamaConfig", "llama", dict(_LLAMA_SHAPE, qk_layernorm=False), _LLAMA_SELECTS,
+    "llama": Family("Llama", "LlamaConfig", ("llama",), dict(_LLAMA_SHAPE, qk_layernorm=False), _LLAMA_SELECTS,
                     extra=dict(hidden_act="silu", attention_bias=False, mlp_bias=False)),
-    "qwen3": Family("Qwen3", "Qwen3Config", "llama", dict(_LLAMA_SHAPE, qk_layernorm=True), _LLAMA_SELECTS,
+    "qwen3": Family("Qwen3", "Qwen3Config", ("qwen3", "llama"), dict(_LLAMA_SHAPE, qk_layernorm=True), _LLAMA_SELECTS,
                     extra=dict(hidden_act="silu", attention_bias=False, use_sliding_window=False)),
-    "gpt2": Family("GPT-2", "GPT2Config", "gpt2",
+    "gpt2": Family("GPT-2", "GPT2Config", ("gpt2",),
                    dict(normalization="LayerNorm", swiglu=False, add_bias_linear=True,
                         position_embedding_type="learned_absolute"),
                    extra=dict(scale_attn_by_inverse_layer_idx=False, scale_attn_weights=True),
@@ -136,7 +138,8 @@ def hf_config_from_transformer_config(config: TransformerConfig, vocab_size: int
 
 
 def _key(spec: dataclasses.Field, family: Family) -> Optional[HFKey]:
-    key = spec.metadata.get("hf", {}).get(family.keys)
+    keys = spec.metadata.get("hf", {})
+    key = next((keys[name] for name in family.keys if name in keys), None)
     return HFKey(key) if isinstance(key, str) else key
 
 
