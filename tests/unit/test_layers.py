@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.distributed import replica_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.tensor_parallel import cross_entropy as tp_cross_entropy
@@ -402,7 +403,7 @@ def test_sum_partial_replica_grads_sums_over_the_ranks_sharing_a_slice(monkeypat
     """TP=4, 2 KV groups: k/v gradients are summed over ranks {0, 1} and {2, 3}; q is left alone.
     A replicated part marked sum_replica_grads (a sequence-parallel norm) is summed over all ranks."""
     group = ThreadGroup(4)
-    monkeypatch.setattr(tp_layers, "comm", group)
+    monkeypatch.setattr(replica_grads, "comm", group)
     grads = [randn(12, 5, seed=10 + r) for r in range(4)]
     norm_grads = [randn(7, seed=20 + r) for r in range(4)]
 
