@@ -16,7 +16,7 @@ from megatron.training.checkpointing import apply_checkpoint_args, architecture,
 from megatron.training.config import Config
 from megatron.training.initialize import world_size_from_env
 from megatron.training.memory import check_fits, estimate_report, reducing_flags
-from megatron.training.validation import ConfigError, validate
+from megatron.training.validation import ConfigError, resolve
 
 
 def memory_estimate(config: Config, model_config, world_size: int) -> tuple:
@@ -65,10 +65,12 @@ def dry_run(config: Config, vocab_size: int, check_inputs: Optional[Callable] = 
 
 def startup_checks(config: Config, vocab_size: int, world_size: int, check_inputs: Optional[Callable]) -> tuple:
     """The checks of `setup` and `--dry-run`, before anything is built: (config, with the model
-    flags of the checkpoint under --use-checkpoint-args; the derived architecture; notes; the
-    checkpoint to load as (directory, common.json), or None)."""
+    flags of the checkpoint under --use-checkpoint-args and what the flags imply made explicit
+    (`validation.resolve`); the derived architecture; notes; the checkpoint to load as
+    (directory, common.json), or None)."""
     config, notes, to_load = _find_checkpoint(config)
-    notes += validate(config, world_size)
+    config, resolved_notes = resolve(config, world_size)
+    notes += resolved_notes
     if check_inputs is not None:
         check_inputs(config)
     model_config = builders.transformer_config(config, vocab_size)

@@ -1,4 +1,5 @@
 """Cross-field checks run before anything expensive. Every message names the flags and values."""
+import copy
 import importlib.util
 import json
 import os
@@ -24,7 +25,23 @@ def _require(condition: bool, message: str) -> None:
 
 
 def validate(config: Config, world_size: int) -> list:
-    """Raises ConfigError on the first problem; returns notes to print (non-fatal adjustments)."""
+    """Raises ConfigError on the first problem; returns notes to print (non-fatal adjustments).
+    `config` is not changed (see `resolve` for the config the notes describe)."""
+    return resolve(config, world_size)[1]
+
+
+def resolve(config: Config, world_size: int) -> tuple:
+    """(the config with what the flags imply made explicit, notes): --train-iters from
+    --train-samples, the blends of --data-args-path / --per-split-data-args-path, the tokenizer
+    --vocab-file and --merge-file imply, --sequence-parallel off with one tensor-parallel rank, the
+    PyTorch profiler for --profile without a GPU. Checks everything on the way (raises ConfigError);
+    the given config is not changed."""
+    config = copy.deepcopy(config)
+    return config, _checked(config, world_size)
+
+
+def _checked(config: Config, world_size: int) -> list:
+    """The checks, in order, filling in the implied values of `config` (a private copy)."""
     notes = _megatron_lm_notes(config)
     m, p, t = config.model, config.parallel, config.training
     for flag, value in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
