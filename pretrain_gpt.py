@@ -17,7 +17,8 @@ from megatron.core.context_parallel import slice_batch
 from megatron.core.distributed import comm
 from megatron.training.arguments import parse_args
 from megatron.training.config import Config
-from megatron.training.training import dry_run, pretrain, print_rank_0
+from megatron.training.startup import dry_run
+from megatron.training.training import pretrain, print_rank_0
 from megatron.training.validation import implied_tokenizer_type
 
 

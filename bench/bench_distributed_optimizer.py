@@ -19,14 +19,14 @@ from megatron.core.distributed.ddp import DistributedDataParallel, DistributedDa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.parallel_state import single_process
-from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.config import ExecutionConfig, TransformerConfig
 
 PRESETS = {
-    "llama3.2-1b": dict(model=dict(num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8,
-                                   ffn_hidden_size=8192, vocab_size=128256),
+    "llama3.2-1b": dict(model=dict(num_layers=16, hidden_size=2048, num_attention_heads=32, group_query_attention=True,
+                                   num_query_groups=8, ffn_hidden_size=8192, padded_vocab_size=128256),
                         micro_batch_size=2, seq_length=4096),
-    "tiny": dict(model=dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                            ffn_hidden_size=128, vocab_size=256),
+    "tiny": dict(model=dict(num_layers=2, hidden_size=64, num_attention_heads=4, group_query_attention=True,
+                            num_query_groups=2, ffn_hidden_size=128, padded_vocab_size=256),
                  micro_batch_size=2, seq_length=64),
 }
 
@@ -34,10 +34,10 @@ PRESETS = {
 def build(preset: dict, device: torch.device, dtype: torch.dtype, use_distributed_optimizer: bool):
     groups = single_process(device)
     config = TransformerConfig(**preset["model"], max_position_embeddings=preset["seq_length"],
-                               normalization="RMSNorm", gated_linear_unit=True, activation="silu",
-                               add_bias_linear=False, position_embedding_type="rope", rotary_base=500000.0,
-                               rope_scaling=True, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype)
-    model = GPTModel(config, groups, device=device)
+                               normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                               position_embedding_type="rope", rotary_base=500000, use_rope_scaling=True,
+                               hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(config, groups, execution=ExecutionConfig(params_dtype=dtype), device=device)
     model.initialize_parameters(1234)
     chunk = DistributedDataParallel(model, groups, ddp_config=DistributedDataParallelConfig(
         use_distributed_optimizer=use_distributed_optimizer, overlap_grad_reduce=True))
@@ -61,7 +61,7 @@ def step(chunk, optimizer, groups, batches: list) -> None:
 def measure(preset: dict, device, dtype, use_distributed_optimizer: bool, args) -> str:
     groups, chunk, optimizer = build(preset, device, dtype, use_distributed_optimizer)
     mbs, seq = preset["micro_batch_size"], preset["seq_length"]
-    vocab = preset["model"]["vocab_size"]
+    vocab = preset["model"]["padded_vocab_size"]
     batches = [torch.randint(0, vocab, (mbs, seq + 1), device=device) for _ in range(args.micro_batches)]
     times = []
     for index in range(args.warmup + args.steps):

@@ -24,20 +24,23 @@ import torch  # noqa: E402
 
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.parallel_state import single_process  # noqa: E402
-from megatron.core.transformer.config import TransformerConfig  # noqa: E402
+from megatron.core.transformer.config import ExecutionConfig, TransformerConfig, derive  # noqa: E402
 from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
 from megatron.core.transformer.moe.token_dispatcher import permute, unpermute  # noqa: E402
 
 
 def config(moe: bool, hidden: int, expert_ffn: int, layers: int) -> TransformerConfig:
-    shape = dict(num_layers=layers, hidden_size=hidden, num_attention_heads=8, vocab_size=1024,
-                 ffn_hidden_size=2 * expert_ffn, gated_linear_unit=True, activation="silu", add_bias_linear=False,
+    shape = dict(num_layers=layers, hidden_size=hidden, num_attention_heads=8, padded_vocab_size=1024,
+                 ffn_hidden_size=2 * expert_ffn, swiglu=True, add_bias_linear=False,
                  normalization="RMSNorm", position_embedding_type="rope", hidden_dropout=0.0, attention_dropout=0.0,
-                 max_position_embeddings=4096, cross_entropy_loss_fusion=False, gradient_accumulation_fusion=False)
+                 max_position_embeddings=4096)
     if moe:
         shape.update(num_experts=8, moe_ffn_hidden_size=expert_ffn, moe_router_topk=2, moe_aux_loss_coeff=0.01,
                      moe_token_dispatcher_type="alltoall")
-    return TransformerConfig(**shape)
+    return derive(TransformerConfig(**shape))
+
+
+EXECUTION = ExecutionConfig(cross_entropy_loss_fusion=False, gradient_accumulation_fusion=False)
 
 
 def median_seconds(step, repeats: int = 3) -> float:
@@ -53,7 +56,7 @@ def training_tokens_per_second(args) -> tuple:
     """(dense, MoE) tokens/s: the two models' steps alternate, so both see the same machine load."""
     models = []
     for moe in (False, True):
-        model = GPTModel(config(moe, args.hidden, args.expert_ffn, args.layers), single_process())
+        model = GPTModel(config(moe, args.hidden, args.expert_ffn, args.layers), single_process(), execution=EXECUTION)
         model.initialize_parameters(1)
         models.append(model)
     tokens = torch.randint(0, 1024, (args.batch, args.seq))
@@ -76,7 +79,7 @@ def training_tokens_per_second(args) -> tuple:
 
 def layer_breakdown(args) -> dict:
     cfg = config(True, args.hidden, args.expert_ffn, 1)
-    layer = MoELayer(cfg, layer_number=0, groups=single_process(), device=torch.device("cpu"))
+    layer = MoELayer(cfg, execution=EXECUTION, layer_number=0, groups=single_process(), device=torch.device("cpu"))
     for param in layer.parameters():
         torch.nn.init.normal_(param, std=0.02)
     x = torch.randn(args.tokens, 1, args.hidden, requires_grad=True)

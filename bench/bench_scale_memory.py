@@ -23,19 +23,18 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.parallel_state import initialize_model_parallel
 from megatron.core.pipeline_parallel.layout import stage_layer_numbers
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
-from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.config import ExecutionConfig, TransformerConfig
 from megatron.training.memory import LiveTensorBytes
 
 SEED = 1234
 
 
-def model_config(args, num_layers: int, dtype=torch.float32) -> TransformerConfig:
+def model_config(args, num_layers: int) -> TransformerConfig:
     return TransformerConfig(num_layers=num_layers, hidden_size=args.hidden_size, num_attention_heads=8,
-                             num_query_groups=2, ffn_hidden_size=4 * args.hidden_size, vocab_size=args.vocab_size,
-                             max_position_embeddings=args.seq_length, normalization="RMSNorm",
-                             gated_linear_unit=True, activation="silu", add_bias_linear=False,
-                             position_embedding_type="rope", hidden_dropout=0.0, attention_dropout=0.0,
-                             params_dtype=dtype)
+                             group_query_attention=True, num_query_groups=2, ffn_hidden_size=4 * args.hidden_size,
+                             padded_vocab_size=args.vocab_size, max_position_embeddings=args.seq_length,
+                             normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                             position_embedding_type="rope", hidden_dropout=0.0, attention_dropout=0.0)
 
 
 def forward_step(data_iterator, model):
@@ -73,11 +72,13 @@ def pipeline_stage(args, virtual: int) -> dict:
 
 def fsdp_startup(args) -> dict:
     groups = initialize_model_parallel(1, 1)
-    config = model_config(args, args.fsdp_layers, torch.bfloat16)
+    config = model_config(args, args.fsdp_layers)
+    bf16 = ExecutionConfig(params_dtype=torch.bfloat16)
     peaks = {}
     for on_meta in (False, True):
         with LiveTensorBytes() as counter:
-            model = GPTModel(config, groups, device=torch.device("meta") if on_meta else groups.device)
+            model = GPTModel(config, groups, execution=bf16,
+                             device=torch.device("meta") if on_meta else groups.device)
             if not on_meta:
                 model.initialize_parameters(SEED)
             chunk = FullyShardedDataParallel(model, groups, init_seed=SEED)

@@ -19,7 +19,7 @@ import torch.nn.functional as F  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.hf_mapping import load_logical_into_model  # noqa: E402
 from megatron.core.parallel_state import single_process  # noqa: E402
-from megatron.training import checkpoint_conversion as conversion  # noqa: E402
+from megatron.core.checkpointing import conversion  # noqa: E402
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -68,7 +68,7 @@ def compare(argv=None) -> dict:
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(args.hf, local_files_only=True, dtype=torch.float32,
                                                                  attn_implementation="eager").eval()
     logical, config, vocab_size, _ = conversion.read_weights(args.checkpoint, args.iteration)
-    vocab_size = vocab_size or config.vocab_size  # not recorded (a Megatron-LM import): the padded size
+    vocab_size = vocab_size or config.padded_vocab_size  # not recorded (a Megatron-LM import): the padded size
     model = GPTModel(config, single_process())
     load_logical_into_model(model, logical)
     model = model.float().eval()

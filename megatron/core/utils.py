@@ -1,4 +1,5 @@
 """Small shared helpers. The only module in `megatron.core` that names a device type."""
+import functools
 import os
 import time
 
@@ -152,3 +153,14 @@ class IntervalTimer:
             total = sum(end - start for start, end in self.pairs)
         self.pairs = []
         return total
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(function):
+    """The torch.compile'd `function` (compiled lazily on first call, once per process)."""
+    return torch.compile(function, fullgraph=True, dynamic=False)
+
+
+def pick(function, fuse: bool):
+    """`function`, or its torch.compile'd version when `fuse` (the fused elementwise kernels)."""
+    return compiled(function) if fuse else function

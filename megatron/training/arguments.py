@@ -2,7 +2,9 @@
 
 A field `tensor_model_parallel_size` becomes `--tensor-model-parallel-size`; the string literal
 under a field is its help text. Booleans are switches (`store_true`); lists take several values.
-The few flags whose name is not the field name are in IRREGULAR_FLAGS. Every other flag of
+A flag spelled otherwise (`--disable-bias-linear` for `add_bias_linear`) says so in its field's
+metadata (a `Flag`), and a field with no flag (`padded_vocab_size`) is not parsed. The model
+section's architecture fields are megatron.core's TransformerConfig. Every other flag of
 Megatron-LM's pretrain_gpt.py parses too (megatron.training.megatron_lm): validation turns it into a
 start-up note or an error naming it. Unknown flags are errors.
 """
@@ -15,38 +17,9 @@ import textwrap
 import typing
 from typing import Optional
 
+from megatron.core.transformer.config.fields import Flag, flag_of
 from megatron.training import megatron_lm
 from megatron.training.config import SECTIONS, Config
-
-# field name -> (flag, argparse action, --help text): flags that invert or rename a field. An action
-# of None keeps the field's typed handling under the other name; BooleanOptionalAction gives a switch
-# both spellings (--x / --no-x). A help text of None takes the field's docstring (an inverted flag
-# has its own, since the field's docstring describes the field).
-IRREGULAR_FLAGS = {
-    "add_bias_linear": ("--disable-bias-linear", "store_false",
-                        "Disable the biases of the linear layers (as Llama); by default they have biases (as GPT)."),
-    "check_for_nan_in_loss_and_grad": ("--no-check-for-nan-in-loss-and-grad", "store_false",
-                                       "Do not stop (or, with --skip-iter-on-nan, skip the step) when the loss or the "
-                                       "gradient norm is NaN or Inf."),
-    "fp8": ("--fp8-format", None, None),
-    "gradient_accumulation_fusion": ("--gradient-accumulation-fusion", argparse.BooleanOptionalAction, None),
-    "cross_entropy_loss_fusion": ("--cross-entropy-loss-fusion", argparse.BooleanOptionalAction, None),
-    "overlap_p2p_comm": ("--no-overlap-p2p-communication", "store_false",
-                         "Wait for each pipeline send/receive before computing (by default they overlap the "
-                         "computation)."),
-    "overlap_p2p_comm_warmup_flush": ("--overlap-p2p-communication-warmup-flush", "store_true", None),
-    "microbatch_group_size_per_vp_stage": ("--microbatch-group-size-per-virtual-pipeline-stage", None, None),
-    "manual_gc_eval": ("--no-manual-gc-eval", "store_false",
-                       "With --manual-gc: do not collect at the start and end of each evaluation."),
-    "log_loss_scale_to_tensorboard": ("--no-log-loss-scale-to-tensorboard", "store_false",
-                                      "Do not write the loss scale to TensorBoard."),
-    "mmap_bin_files": ("--no-mmap-bin-files", "store_false",
-                       "Read each .bin file whole into memory instead of memory-mapping it."),
-    "create_attention_mask_in_dataloader": (
-        "--no-create-attention-mask-in-dataloader", "store_false",
-        "Build no document attention in the data loader: with --reset-attention-mask, attention is then causal "
-        "across documents (as in Megatron-LM)."),
-}
 
 # Switches kept for older Megatron-LM scripts: flag -> (field, help). They set a field to True that
 # is already True by default.
@@ -59,7 +32,16 @@ _MISSING = dataclasses.MISSING
 
 
 def field_docs(cls) -> dict:
-    """{field name: the string literal written under it} from the class source."""
+    """{field name: the string literal written under it} from the source of the class and of the
+    dataclasses it extends."""
+    docs = {}
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base):
+            docs.update(_own_field_docs(base))
+    return docs
+
+
+def _own_field_docs(cls) -> dict:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body
     docs = {}
@@ -84,12 +66,12 @@ def _add_field(group, field: dataclasses.Field, annotation, help_text: str) -> N
     has_default = field.default is not _MISSING or field.default_factory is not _MISSING
     default = field.default if field.default is not _MISSING else (
         field.default_factory() if field.default_factory is not _MISSING else None)
-    flag = "--" + name.replace("_", "-")
-    if name in IRREGULAR_FLAGS:
-        flag, action, flag_help = IRREGULAR_FLAGS[name]
-        help_text = flag_help or help_text
-        if action is not None:
-            group.add_argument(flag, dest=name, action=action, default=default, help=help_text)
+    flag = flag_of(field)
+    irregular = field.metadata.get("flag")
+    if isinstance(irregular, Flag):
+        help_text = irregular.help or help_text
+        if irregular.action is not None:
+            group.add_argument(flag, dest=name, action=irregular.action, default=default, help=help_text)
             return
     kind = _unwrap_optional(annotation)
     kwargs = dict(dest=name, help=help_text)
@@ -125,7 +107,8 @@ def build_parser(extra_sections: Optional[dict] = None, megatron_lm_flags: bool 
         docs = field_docs(cls)
         hints = typing.get_type_hints(cls)
         for field in dataclasses.fields(cls):
-            _add_field(group, field, hints[field.name], docs.get(field.name, ""))
+            if flag_of(field) is not None:
+                _add_field(group, field, hints[field.name], docs.get(field.name, ""))
     for flag, (name, help_text) in ACCEPTED_SWITCHES.items():
         parser.add_argument(flag, dest=name, action="store_true", default=argparse.SUPPRESS, help=help_text)
     if megatron_lm_flags:
@@ -139,14 +122,14 @@ def parse_args(argv: Optional[list] = None) -> Config:
     checkpoint in --load."""
     parser = build_parser()
     if "--use-checkpoint-args" in (sys.argv[1:] if argv is None else argv):
-        from megatron.training.checkpointing import CHECKPOINT_MODEL_ARGS
+        from megatron.core.checkpointing.architecture import restored_fields
 
         for action in parser._actions:
-            if action.dest in CHECKPOINT_MODEL_ARGS:
+            if action.dest in restored_fields():
                 action.required = False
     namespace = parser.parse_args(argv)
     values = vars(namespace)
-    sections = {section: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
+    sections = {section: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
                 for section, cls in SECTIONS.items()}
     return Config(**sections, megatron_lm_flags=megatron_lm.given(namespace))
 

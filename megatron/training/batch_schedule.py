@@ -50,9 +50,15 @@ class BatchSchedule:
         return iterations
 
 
+def global_batch_size(training_config, data_parallel_size: int) -> int:
+    """--global-batch-size, or Megatron's default: one micro-batch per data-parallel rank."""
+    t = training_config
+    return t.global_batch_size or t.micro_batch_size * data_parallel_size
+
+
 def batch_schedule(training_config, data_parallel_size: int) -> BatchSchedule:
     """The schedule of validated flags (--rampup-batch-size parsed to three integers)."""
     t = training_config
     micro_batch_times_dp = t.micro_batch_size * data_parallel_size
     rampup = tuple(int(value) for value in t.rampup_batch_size) if t.rampup_batch_size else None
-    return BatchSchedule(t.global_batch_size or micro_batch_times_dp, micro_batch_times_dp, rampup)
+    return BatchSchedule(global_batch_size(t, data_parallel_size), micro_batch_times_dp, rampup)

@@ -22,13 +22,9 @@ from megatron.core.optimizer import LRScheduleConfig, OptimizerConfig, Optimizer
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.pipeline_parallel import layout
 from megatron.core.transformer.attention import resolve_attention_backend
-from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.config import ExecutionConfig, TransformerConfig, derive
+from megatron.training.batch_schedule import global_batch_size
 from megatron.training.config import Config
-
-
-def padded_vocab_size(vocab_size: int, make_divisible_by: int, tp_size: int) -> int:
-    multiple = make_divisible_by * tp_size
-    return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
 def params_dtype(config: Config) -> torch.dtype:
@@ -54,84 +50,36 @@ def attention_backend(config: Config) -> str:
     return "flash_attn" if m.use_flash_attn and m.attention_backend == "auto" else m.attention_backend
 
 
-def ffn_hidden_size(model_config) -> int:
-    """--ffn-hidden-size, or Megatron-LM's default: 4h, or with SwiGLU 8h/3 rounded down to a
-    multiple of 64 (two input projections of that size hold about as many weights as one of 4h)."""
-    m = model_config
-    if m.ffn_hidden_size is not None:
-        return m.ffn_hidden_size
-    return int(4 * m.hidden_size * 2 / 3 / 64) * 64 if m.swiglu else 4 * m.hidden_size
-
-
 def transformer_config(config: Config, vocab_size: int) -> TransformerConfig:
-    m, t = config.model, config.training
-    return TransformerConfig(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-        vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by,
-                                     config.parallel.tensor_model_parallel_size),
-        ffn_hidden_size=ffn_hidden_size(m), kv_channels=m.kv_channels,
-        num_query_groups=m.num_query_groups if m.group_query_attention else None,
-        max_position_embeddings=m.max_position_embeddings or t.seq_length,
-        normalization=m.normalization, norm_epsilon=m.norm_epsilon,
-        gated_linear_unit=m.swiglu,
-        activation="silu" if m.swiglu else ("gelu_tanh" if m.openai_gelu else "gelu"),
-        add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_qkv_bias,
-        position_embedding_type=m.position_embedding_type, rotary_base=float(m.rotary_base),
-        rotary_percent=m.rotary_percent, rope_scaling=m.use_rope_scaling, rope_scaling_factor=m.rope_scaling_factor,
-        untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
-        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
-        init_method_std=m.init_method_std, params_dtype=params_dtype(config),
-        sequence_parallel=config.parallel.sequence_parallel,
-        attention_backend=attention_backend(config), fuse_elementwise=fuse_elementwise(config),
-        recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
-        recompute_num_layers=t.recompute_num_layers, cp_comm_type=config.parallel.cp_comm_type,
-        gradient_accumulation_fusion=m.gradient_accumulation_fusion and not config.parallel.use_torch_fsdp2,
-        cross_entropy_loss_fusion=m.cross_entropy_loss_fusion,
-        fp8=m.fp8, fp8_recipe=m.fp8_recipe, fp8_margin=m.fp8_margin, fp8_amax_history_len=m.fp8_amax_history_len,
-        fp8_amax_compute_algo=m.fp8_amax_compute_algo, first_last_layers_bf16=m.first_last_layers_bf16,
-        num_layers_at_start_in_bf16=m.num_layers_at_start_in_bf16,
-        num_layers_at_end_in_bf16=m.num_layers_at_end_in_bf16,
-        qk_layernorm=m.qk_layernorm, layernorm_zero_centered_gamma=m.apply_layernorm_1p,
-        rotary_interleaved=m.rotary_interleaved,
-        # Mixture of experts: the fields of the same names, one per line.
-        num_experts=m.num_experts,
-        moe_layer_freq=m.moe_layer_freq,
-        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
-        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
-        moe_shared_expert_gate=m.moe_shared_expert_gate,
-        moe_grouped_gemm=m.moe_grouped_gemm,
-        moe_router_topk=m.moe_router_topk,
-        moe_router_score_function=m.moe_router_score_function,
-        moe_router_pre_softmax=m.moe_router_pre_softmax,
-        moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
-        moe_router_dtype=m.moe_router_dtype,
-        moe_router_num_groups=m.moe_router_num_groups,
-        moe_router_group_topk=m.moe_router_group_topk,
-        moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
-        moe_router_bias_update_rate=m.moe_router_bias_update_rate,
-        moe_router_load_balancing_type=list(m.moe_router_load_balancing_type),
-        moe_aux_loss_coeff=list(m.moe_aux_loss_coeff),
-        moe_z_loss_coeff=m.moe_z_loss_coeff,
-        moe_input_jitter_eps=m.moe_input_jitter_eps,
-        moe_router_force_load_balancing=m.moe_router_force_load_balancing,
-        moe_token_dispatcher_type=m.moe_token_dispatcher_type,
-        moe_expert_capacity_factor=m.moe_expert_capacity_factor,
-        moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
-        moe_token_drop_policy=m.moe_token_drop_policy,
-        moe_layer_recompute=m.moe_layer_recompute,
-    )
+    """The architecture the flags describe, derived (padded vocabulary, kv channels, FFN size, max
+    positions) for this run's tensor-parallel size."""
+    return derive(config.model, vocab_size=vocab_size, tp_size=config.parallel.tensor_model_parallel_size,
+                  seq_length=config.training.seq_length)
 
 
-def resolve_attention(model_config: TransformerConfig, config: Config,
-                      groups: ParallelGroups) -> tuple[TransformerConfig, str]:
+def execution_config(config: Config) -> ExecutionConfig:
+    """How this run computes the model: each field from the flag of its name (in whichever section
+    holds it), and the few that the flags only imply."""
+    sections = (config.model, config.parallel, config.training)
+    values = {field.name: next(getattr(s, field.name) for s in sections if hasattr(s, field.name))
+              for field in dataclasses.fields(ExecutionConfig) if any(hasattr(s, field.name) for s in sections)}
+    values.update(params_dtype=params_dtype(config), fuse_elementwise=fuse_elementwise(config),
+                  attention_backend=attention_backend(config),
+                  gradient_accumulation_fusion=config.model.gradient_accumulation_fusion
+                  and not config.parallel.use_torch_fsdp2)
+    return ExecutionConfig(**values)
+
+
+def resolve_attention(model_config: TransformerConfig, execution: ExecutionConfig, config: Config,
+                      groups: ParallelGroups) -> tuple[ExecutionConfig, str]:
     """The attention kernel for this run (probed once on GPU for --attention-backend auto) and the
     log line naming it."""
     backend, report = resolve_attention_backend(
-        model_config.attention_backend, batch=config.training.micro_batch_size,
+        execution.attention_backend, batch=config.training.micro_batch_size,
         heads=model_config.num_attention_heads // groups.tp_size,
         groups=max(1, model_config.num_query_groups // groups.tp_size), seq=config.training.seq_length,
-        head_dim=model_config.kv_channels, dtype=model_config.params_dtype, device=groups.device)
-    return dataclasses.replace(model_config, attention_backend=backend), report
+        head_dim=model_config.kv_channels, dtype=execution.params_dtype, device=groups.device)
+    return dataclasses.replace(execution, attention_backend=backend), report
 
 
 def pipeline_split(config: Config) -> dict:
@@ -158,7 +106,7 @@ def stage_layer_numbers(config: Config, groups: ParallelGroups) -> list:
 
 
 def build_model_chunks(config: Config, groups: ParallelGroups, model_config: TransformerConfig,
-                       rng_tracker) -> list:
+                       execution: ExecutionConfig, rng_tracker) -> list:
     """This rank's model chunks: the embedding goes to chunk 0 of the first pipeline rank, the final
     norm, output layer and loss to the last chunk of the last rank. With FSDP2 they are built on the
     meta device (no memory) and initialized shard by shard when wrapped (`wrap_data_parallel`)."""
@@ -168,7 +116,7 @@ def build_model_chunks(config: Config, groups: ParallelGroups, model_config: Tra
     for index, layers in enumerate(layer_lists):
         first = groups.is_first_stage and index == 0
         last = groups.is_last_stage and index == len(layer_lists) - 1
-        model = GPTModel(model_config, groups, rng_tracker=rng_tracker, pre_process=first,
+        model = GPTModel(model_config, groups, execution=execution, rng_tracker=rng_tracker, pre_process=first,
                          post_process=last, layer_numbers=layers, device=device)
         if not config.parallel.use_torch_fsdp2:
             model.initialize_parameters(config.training.seed)
@@ -225,8 +173,8 @@ def build_optimizer(config: Config, wrapped_chunks: list, groups: ParallelGroups
     """The optimizer follows the wrapping: distributed (ZeRO-1) for chunks wrapped with
     --use-distributed-optimizer, sharded for FSDP2, else full fp32 masters on every rank."""
     optimizer = get_megatron_optimizer(optimizer_config(config), wrapped_chunks, groups)
-    global_batch_size = config.training.global_batch_size or config.training.micro_batch_size * groups.dp_size
-    scheduler = OptimizerParamScheduler(optimizer, lr_schedule_config(config, global_batch_size))
+    global_batch = global_batch_size(config.training, groups.dp_size)
+    scheduler = OptimizerParamScheduler(optimizer, lr_schedule_config(config, global_batch))
     return optimizer, scheduler
 
 

@@ -18,80 +18,40 @@ complete checkpoint; leftovers of an interrupted save are removed by the next sa
 import dataclasses
 import datetime
 import errno
-import json
 import os
-import re
 import shutil
 import threading
 import time
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron.core.checkpointing import CheckpointFormatError
+from megatron.core.checkpointing import architecture as ckpt_architecture
+from megatron.core.checkpointing.directory import (  # noqa: F401 (the format's names, used by callers of this module)
+    COMMON_FILE,
+    FORMAT,
+    FORMAT_VERSION,
+    ITERATION_DIR,
+    TRACKER_FILE,
+    checkpoint_dir,
+    fsync_directory,
+    read_common,
+    tracked_iteration,
+    write_json_atomically,
+    write_text_atomically,
+)
 from megatron.core.checkpointing import state as ckpt_state
 from megatron.core.checkpointing.sharded import ShardedState
-from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
+from megatron.core.distributed import comm
 from megatron.training.validation import ConfigError
-
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
-COMMON_FILE = "common.json"
-FORMAT = "megatron-lite torch_dist"
-FORMAT_VERSION = 1
-_ITERATION_DIR = re.compile(r"^iter_(\d{7,})$")
-
-# Model flags that --use-checkpoint-args takes from the checkpoint (the model's architecture).
-CHECKPOINT_MODEL_ARGS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels", "group_query_attention",
-    "num_query_groups", "max_position_embeddings", "position_embedding_type", "rotary_base", "rotary_percent",
-    "use_rope_scaling", "rope_scaling_factor", "normalization", "norm_epsilon", "swiglu", "openai_gelu",
-    "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "make_vocab_size_divisible_by",
-    "apply_layernorm_1p", "qk_layernorm", "rotary_interleaved",
-    # mixture of experts
-    "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-    "moe_shared_expert_gate", "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
-    "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
-    "moe_router_enable_expert_bias",
-)
-
-# Resolved architecture (TransformerConfig field -> the flag that sets it): a mismatch is an error.
-ARCHITECTURE_FLAGS = {
-    "num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidden_size": "--ffn-hidden-size",
-    "num_attention_heads": "--num-attention-heads", "kv_channels": "--kv-channels",
-    "num_query_groups": "--num-query-groups", "normalization": "--normalization", "gated_linear_unit": "--swiglu",
-    "add_bias_linear": "--disable-bias-linear", "add_qkv_bias": "--add-qkv-bias",
-    "position_embedding_type": "--position-embedding-type",
-    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-    "qk_layernorm": "--qk-layernorm", "layernorm_zero_centered_gamma": "--apply-layernorm-1p",
-    "rotary_interleaved": "--rotary-interleaved",
-    # mixture of experts (the expert layout, --expert-model-parallel-size, may change on load)
-    "num_experts": "--num-experts", "moe_layer_freq": "--moe-layer-freq", "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
-    "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
-    "moe_shared_expert_gate": "--moe-shared-expert-gate",
-}
-# Numerics that change the model without changing a shape: a mismatch is noted.
-SEMANTIC_FIELDS = ("activation", "norm_epsilon", "rotary_base", "rotary_percent", "rope_scaling",
-                   "rope_scaling_factor", "moe_router_topk", "moe_router_score_function")
-
-
-def checkpoint_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
 
 def read_tracker(root: str) -> Optional[int]:
     """The iteration named by `root`'s tracker file, or None when there is no tracker."""
-    path = os.path.join(root, TRACKER_FILE)
-    if not os.path.isfile(path):
-        return None
-    text = open(path).read().strip()
-    if text == "release":
-        raise ConfigError(f"{path} says 'release': that is a Megatron-LM checkpoint; import it with "
-                          "tools/checkpoint/convert.py --source-format megatron")
     try:
-        return int(text)
-    except ValueError:
-        raise ConfigError(f"{path} holds {text!r}, not an iteration number; fix or delete the file") from None
+        return tracked_iteration(root)
+    except CheckpointFormatError as error:
+        raise ConfigError(str(error)) from None
 
 
 def locate(load: str, ckpt_step: Optional[int]) -> tuple[Optional[str], Optional[str]]:
@@ -100,7 +60,7 @@ def locate(load: str, ckpt_step: Optional[int]) -> tuple[Optional[str], Optional
     if ckpt_step is not None:
         directory = checkpoint_dir(load, ckpt_step)
         if not os.path.isdir(directory):
-            found = sorted(name for name in os.listdir(load) if _ITERATION_DIR.match(name)) if os.path.isdir(load) else []
+            found = sorted(name for name in os.listdir(load) if ITERATION_DIR.match(name)) if os.path.isdir(load) else []
             raise ConfigError(f"--ckpt-step {ckpt_step}: {directory} does not exist (checkpoints in --load: "
                               f"{', '.join(found) or 'none'})")
         return directory, None
@@ -122,60 +82,25 @@ def _storage():
     return storage
 
 
-def read_common(directory: str) -> dict:
-    path = os.path.join(directory, COMMON_FILE)
-    if not os.path.isfile(path):
-        raise CheckpointFormatError(f"{path} is missing: {directory} is not a complete checkpoint of this framework")
-    try:
-        with open(path) as handle:
-            common = json.load(handle)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CheckpointFormatError(f"{path} is corrupt ({error})") from None
-    if common.get("format") != FORMAT:
-        raise CheckpointFormatError(f"{path} is not a {FORMAT} checkpoint (format {common.get('format')!r})")
-    if common.get("version", 0) > FORMAT_VERSION:
-        raise CheckpointFormatError(f"{path} has format version {common['version']}; this version reads "
-                                    f"up to {FORMAT_VERSION}: upgrade megatron-lite")
-    return common
-
-
-def apply_checkpoint_args(config, common: dict) -> list:
-    """--use-checkpoint-args: the model's architecture flags from the checkpoint. Returns notes."""
-    saved = common["args"]["model"]
-    notes = []
-    for name in CHECKPOINT_MODEL_ARGS:
-        if name in saved and getattr(config.model, name) != saved[name]:
-            notes.append(f"--use-checkpoint-args: {name} = {saved[name]!r} (was {getattr(config.model, name)!r})")
-            setattr(config.model, name, saved[name])
-    return notes
+def apply_checkpoint_args(config, common: dict) -> tuple:
+    """--use-checkpoint-args: (config with the model's architecture taken from the checkpoint, notes)."""
+    model, notes = ckpt_architecture.restore(config.model, common["args"]["model"])
+    return dataclasses.replace(config, model=model), notes
 
 
 def architecture(model_config, vocab_size: int) -> dict:
-    """The fields of a resolved TransformerConfig a checkpoint must match (plus the vocabulary)."""
-    fields = {name: getattr(model_config, name) for name in (*ARCHITECTURE_FLAGS, *SEMANTIC_FIELDS)}
-    for name in fields:  # a dense model has no expert fields; the layer pattern is compared as a list
-        if name.startswith("moe_"):
-            fields[name] = None if model_config.num_experts is None else fields[name]
-    if model_config.num_experts is not None:
-        fields["moe_layer_freq"] = moe_layer_pattern(model_config.moe_layer_freq, model_config.num_layers)
-    if model_config.position_embedding_type == "learned_absolute":
-        fields["max_position_embeddings"] = model_config.max_position_embeddings
-    fields["vocab_size"] = vocab_size
-    return fields
+    """What a checkpoint must match: every field that defines the model (a derived
+    TransformerConfig's), plus the vocabulary."""
+    return ckpt_architecture.record(model_config, vocab_size)
 
 
 def check_architecture(directory: str, saved: dict, current: dict) -> list:
     """Raises ConfigError naming the flag and both values when the checkpoint is of another model;
     returns notes for numerics that differ without changing a shape."""
-    flags = dict(ARCHITECTURE_FLAGS, max_position_embeddings="--max-position-embeddings",
-                 vocab_size="--vocab-size / the tokenizer's vocabulary size")
-    for name, flag in flags.items():
-        if saved.get(name) is not None and current.get(name) is not None and saved[name] != current[name]:
-            raise ConfigError(f"the checkpoint {directory} is of another model: it has {name} = {saved[name]!r} "
-                              f"({flag}), this run has {current[name]!r}; pass the checkpoint's value "
-                              "(or --use-checkpoint-args)")
-    return [f"{name} differs from the checkpoint's ({saved[name]!r} there, {current[name]!r} here)"
-            for name in SEMANTIC_FIELDS if name in saved and saved[name] != current.get(name)]
+    try:
+        return ckpt_architecture.check(directory, saved, current)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def layout_of(groups, num_chunks: int) -> dict:
@@ -184,33 +109,6 @@ def layout_of(groups, num_chunks: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-def write_json_atomically(path: str, value) -> None:
-    temporary = path + ".tmp"
-    with open(temporary, "w") as handle:
-        json.dump(value, handle, indent=1, sort_keys=True)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-
-
-def write_text_atomically(path: str, text: str) -> None:
-    temporary = path + ".tmp"
-    with open(temporary, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    _fsync_directory(os.path.dirname(path))
-
-
-def _fsync_directory(path: str) -> None:
-    descriptor = os.open(path or ".", os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def _directory_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
 
@@ -245,7 +143,7 @@ class Checkpointer:
         # DCP plans and commits over a gloo group of every rank: also usable from the background
         # thread of an async save while training keeps its own groups busy.
         timeout = datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes)
-        self.group = dist.new_group(backend="gloo", timeout=timeout) if groups.world_size > 1 else None
+        self.group = comm.new_gloo_group(timeout) if groups.world_size > 1 else None
 
     # -- saving --------------------------------------------------------------------------------
     def build_state(self, run) -> ShardedState:
@@ -279,7 +177,7 @@ class Checkpointer:
             "rng_layout": None if self.options.no_save_rng else layout_of(self.groups, len(run.chunks)),
             "fp8_layout": layout_of(self.groups, len(run.chunks)) if ckpt_state.fp8_tensors(run.chunks) else None,
             "model": architecture(run.model_config, vocab_size),
-            "args": dataclasses.asdict(run.config),
+            "args": dataclasses.asdict(run.config),  # its "model" part: what --use-checkpoint-args restores
         }
 
     def save(self, run, train_state, vocab_size: int) -> None:
@@ -339,14 +237,14 @@ class Checkpointer:
     def _commit(self, common: dict, incomplete: str, final: str, start: float) -> None:
         """Rank 0: common.json, the rename to iter_N, then the tracker (see the module docstring)."""
         write_json_atomically(os.path.join(incomplete, COMMON_FILE), common)
-        _fsync_directory(incomplete)
+        fsync_directory(incomplete)
         if os.path.exists(final):  # an older save of the same iteration (a re-run after resume)
             stale = final + ".replaced"
             shutil.rmtree(stale, ignore_errors=True)
             os.rename(final, stale)
             shutil.rmtree(stale, ignore_errors=True)
         os.rename(incomplete, final)
-        _fsync_directory(os.path.dirname(final))
+        fsync_directory(os.path.dirname(final))
         write_text_atomically(os.path.join(self.options.save, TRACKER_FILE), str(common["iteration"]))
         self._remove_old_checkpoints(common["iteration"])
         size = _directory_bytes(final)
@@ -358,7 +256,7 @@ class Checkpointer:
         if self.group is None:
             return failed
         flag = torch.tensor([float(failed)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        comm.all_reduce_max(flag, self.group)
         return bool(flag.item() > 0)
 
     def _save_failure(self, iteration: int, final: str, failure: Optional[BaseException], rank: int) -> str:
@@ -378,7 +276,7 @@ class Checkpointer:
         if not keep:
             return
         root = self.options.save
-        iterations = sorted(int(m.group(1)) for m in map(_ITERATION_DIR.match, os.listdir(root)) if m)
+        iterations = sorted(int(m.group(1)) for m in map(ITERATION_DIR.match, os.listdir(root)) if m)
         for iteration in iterations[:-keep]:
             if iteration != newest:
                 shutil.rmtree(checkpoint_dir(root, iteration), ignore_errors=True)
@@ -394,7 +292,7 @@ class Checkpointer:
 
     def _barrier(self) -> None:
         if self.group is not None:
-            dist.barrier(group=self.group)
+            comm.barrier(self.group)
 
     # -- loading -------------------------------------------------------------------------------
     def load(self, run, directory: str, common: dict, train_state_cls):

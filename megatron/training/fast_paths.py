@@ -11,11 +11,11 @@ chose. bench/bench_pretrain.py prints the line and bench/gpu_report.py records i
 import importlib.util
 
 from megatron.core.tensor_parallel.layers import _mixed_dtype_addmm_works
-from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.config import ExecutionConfig
 
 
-def _compile(model_config: TransformerConfig, no_torch_compile: bool, device) -> str:
-    if model_config.fuse_elementwise:
+def _compile(execution: ExecutionConfig, no_torch_compile: bool, device) -> str:
+    if execution.fuse_elementwise:
         return "on (norms, RoPE, SwiGLU, loss chunks, FP8 casts)"
     if no_torch_compile:
         return "off (--no-torch-compile)"
@@ -24,28 +24,28 @@ def _compile(model_config: TransformerConfig, no_torch_compile: bool, device) ->
     return "off (Triton not installed)" if importlib.util.find_spec("triton") is None else "off"
 
 
-def _weight_gradient(model_config: TransformerConfig, device) -> str:
-    if not model_config.gradient_accumulation_fusion:
+def _weight_gradient(execution: ExecutionConfig, device) -> str:
+    if not execution.gradient_accumulation_fusion:
         return "off: bf16 gradient, then added to main_grad (--no-gradient-accumulation-fusion or FSDP2)"
-    if model_config.params_dtype.is_floating_point and model_config.params_dtype.itemsize == 4:
+    if execution.params_dtype.is_floating_point and execution.params_dtype.itemsize == 4:
         return "one fp32 GEMM accumulating into main_grad"
     if _mixed_dtype_addmm_works(device):
         return "one GEMM with fp32 output accumulating into main_grad"
-    return f"product in {str(model_config.params_dtype).removeprefix('torch.')}, then added to main_grad " \
+    return f"product in {str(execution.params_dtype).removeprefix('torch.')}, then added to main_grad " \
            f"(no fp32-output GEMM on {device.type})"
 
 
-def _cross_entropy(model_config: TransformerConfig) -> str:
-    if not model_config.cross_entropy_loss_fusion:
+def _cross_entropy(execution: ExecutionConfig) -> str:
+    if not execution.cross_entropy_loss_fusion:
         return "plain, fp32 copy of the logits (--no-cross-entropy-loss-fusion)"
-    return "fused, chunked, one-pass backward" + (", compiled" if model_config.fuse_elementwise else ", eager")
+    return "fused, chunked, one-pass backward" + (", compiled" if execution.fuse_elementwise else ", eager")
 
 
-def _fp8(model_config: TransformerConfig) -> str:
-    if not model_config.fp8:
+def _fp8(execution: ExecutionConfig) -> str:
+    if not execution.fp8:
         return "off"
-    once = "each tensor cast once" if model_config.fp8_recipe != "rowwise" else "cast per GEMM axis"
-    return f"{model_config.fp8} {model_config.fp8_recipe}, {once}"
+    once = "each tensor cast once" if execution.fp8_recipe != "rowwise" else "cast per GEMM axis"
+    return f"{execution.fp8} {execution.fp8_recipe}, {once}"
 
 
 def _optimizer(optimizer) -> str:
@@ -55,14 +55,14 @@ def _optimizer(optimizer) -> str:
     return f"{type(optimizer.optimizer).__name__}, clipping a pass of its own"
 
 
-def fast_paths_line(model_config: TransformerConfig, *, no_torch_compile: bool, device, attention_report: str,
+def fast_paths_line(execution: ExecutionConfig, *, no_torch_compile: bool, device, attention_report: str,
                     optimizer) -> str:
     parts = {
-        "compile": _compile(model_config, no_torch_compile, device),
-        "weight-gradient GEMM": _weight_gradient(model_config, device),
-        "cross entropy": _cross_entropy(model_config),
+        "compile": _compile(execution, no_torch_compile, device),
+        "weight-gradient GEMM": _weight_gradient(execution, device),
+        "cross entropy": _cross_entropy(execution),
         "attention": attention_report.removeprefix("attention: "),
-        "FP8": _fp8(model_config),
+        "FP8": _fp8(execution),
         "optimizer": _optimizer(optimizer),
     }
     return "fast paths: " + " | ".join(f"{name}: {value}" for name, value in parts.items())

@@ -13,8 +13,8 @@ def flops_per_iteration(model: TransformerConfig, global_batch_size: int, seq_le
     In a mixture-of-experts layer f is what a token runs through: topk x --moe-ffn-hidden-size plus
     the shared experts' size (Megatron-LM's count; the router's GEMM is not counted).
     """
-    h, f, L, V = model.hidden_size, model.ffn_hidden_size, model.num_layers, model.vocab_size
-    m = 3 if model.gated_linear_unit else 2
+    h, f, L, V = model.hidden_size, model.ffn_hidden_size, model.num_layers, model.padded_vocab_size
+    m = 3 if model.swiglu else 2
     q = model.num_attention_heads * model.kv_channels
     k = model.kv_channels
     g = model.num_query_groups

@@ -4,7 +4,6 @@ import datetime
 import gc
 import logging
 import math
-import os
 import time
 from functools import partial
 from typing import Callable, Optional
@@ -14,20 +13,16 @@ import torch
 from megatron.core import utils
 from megatron.core.distributed import comm
 from megatron.core.distributed.ddp import finalize_model_grads
+from megatron.core.optimizer import OptimizerParamScheduler
+from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
+from megatron.core.parallel_state import ParallelGroups
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.transformer.config import ExecutionConfig, TransformerConfig
 from megatron.core.transformer.moe.router import aux_loss_log_values, finish_moe_step
 from megatron.training import builders
 from megatron.training.arguments import format_config
 from megatron.training.batch_schedule import BatchSchedule, batch_schedule
-from megatron.training.checkpointing import (
-    Checkpointer,
-    apply_checkpoint_args,
-    architecture,
-    checkpoint_dir,
-    check_architecture,
-    locate,
-    read_common,
-)
+from megatron.training.checkpointing import Checkpointer, checkpoint_dir
 from megatron.training.config import Config
 from megatron.training.data import build_loader
 from megatron.training.exits import ExitConditions
@@ -39,12 +34,10 @@ from megatron.training.initialize import initialize_distributed, world_size_from
 from megatron.training.logging import TensorBoardWriter, flops_per_iteration, iteration_line, tensorboard_scalars
 from megatron.training.memory import memory_report, theoretical_bytes
 from megatron.training.oom import MemoryWatch
-from megatron.training.planning.startup import (check_device_fits, persistent_bytes, persistent_hints,
-                                                print_dry_run_plan)
 from megatron.training.profiling import StepProfiler
 from megatron.training.progress import ProgressLog
+from megatron.training.startup import check_fits_in_memory, startup_checks
 from megatron.training.straggler import StragglerReport
-from megatron.training.validation import ConfigError, validate
 
 _JOB_START_TIME = time.time()  # --exit-duration-in-mins counts from here (module import ~ job start)
 
@@ -60,17 +53,19 @@ class TrainState:
     exit_reason: Optional[str] = None  # why training stopped before --train-iters (not saved)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Run:
-    """Everything a step needs, built once by `setup`."""
+    """Everything a step needs, built once by `setup` (and never changed: `pretrain` adds its
+    TensorBoard writer and progress log with `dataclasses.replace`)."""
 
     config: Config
-    groups: object
-    model_config: object
-    chunks: list
-    optimizer: object
-    scheduler: object
-    forward_step_func: Callable
+    groups: ParallelGroups
+    model_config: TransformerConfig      # the architecture (derived)
+    execution: ExecutionConfig           # how the layers run it
+    chunks: list                         # of ModelChunk (DDP or FSDP2), one per virtual pipeline stage
+    optimizer: MixedPrecisionOptimizer
+    scheduler: OptimizerParamScheduler
+    forward_step_func: Callable          # wrapped by the test-only faults when MEGATRON_TEST_FAULTS is set
     global_batch_size: int
     num_microbatches: int
     printer: Callable
@@ -97,27 +92,22 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int,
           check_inputs: Optional[Callable] = None) -> Run:
     """Validates the flags (and the checkpoint to load against them) and, with `check_inputs(config)`,
     the input files; joins the process groups, builds model, DDP and optimizer."""
-    notes, to_load = _find_checkpoint(config)
-    notes += validate(config, world_size_from_env())
-    if check_inputs is not None:
-        check_inputs(config)
+    config, model_config, notes, to_load = startup_checks(config, vocab_size, world_size_from_env(), check_inputs)
     if config.logging.logging_level is not None:
         logging.basicConfig(level=config.logging.logging_level)
         logging.getLogger().setLevel(config.logging.logging_level)
     groups, rng_tracker = initialize_distributed(config)
     print_rank_0(format_config(config))
-    model_config = builders.transformer_config(config, vocab_size)
-    _check_fits(config, model_config, groups.world_size, groups.device)
-    if to_load is not None:
-        notes += check_architecture(to_load[0], to_load[1]["model"], architecture(model_config, vocab_size))
+    check_fits_in_memory(config, model_config, groups.world_size, groups.device)
     for note in notes:
         print_rank_0(f"NOTE: {note}")
-    model_config, attention_report = builders.resolve_attention(model_config, config, groups)
+    execution, attention_report = builders.resolve_attention(model_config, builders.execution_config(config), config,
+                                                             groups)
     print_rank_0(f"> {attention_report}")
-    chunks = builders.build_model_chunks(config, groups, model_config, rng_tracker)
+    chunks = builders.build_model_chunks(config, groups, model_config, execution, rng_tracker)
     chunks = builders.wrap_data_parallel(chunks, config, groups)
     optimizer, scheduler = builders.build_optimizer(config, chunks, groups)
-    fast_paths = fast_paths_line(model_config, no_torch_compile=config.model.no_torch_compile, device=groups.device,
+    fast_paths = fast_paths_line(execution, no_torch_compile=config.model.no_torch_compile, device=groups.device,
                                  attention_report=attention_report, optimizer=optimizer)
     print_rank_0(f"> {fast_paths}")
     batches = batch_schedule(config.training, groups.dp_size)
@@ -125,34 +115,32 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int,
     num_microbatches = batches.num_microbatches_at(math.inf)
     params = sum(p.numel() for c in chunks for p in c.module.parameters())
     print_rank_0(f"> parameters on (tensor, pipeline) rank ({groups.tp_rank}, {groups.pp_rank}): {params}")
-    print_rank_0(f"> padded vocab size: {model_config.vocab_size}, micro-batches per step: {num_microbatches}, "
+    print_rank_0(f"> padded vocab size: {model_config.padded_vocab_size}, micro-batches per step: {num_microbatches}, "
                  f"data-parallel size: {groups.dp_size}, context-parallel size: {groups.cp_size}, "
                  f"device: {groups.device}")
     print_rank_0(memory_report(config, chunks, optimizer, groups, figures=_largest_over_ranks(chunks, optimizer, groups)))
     checkpointer = (Checkpointer(config, groups, rng_tracker, print_rank_0)
                     if config.checkpoint.save or to_load is not None else None)
-    run = Run(config, groups, model_config, chunks, optimizer, scheduler, forward_step_func, global_batch,
-              num_microbatches, print_rank_0, vocab_size, checkpointer, to_load, batches,
-              attention_report=attention_report, fast_paths=fast_paths)
-    _add_reliability(run)
-    return run
+    faults = FaultInjector.from_environment(groups.global_rank)  # test-only: wraps the step from outside
+    return Run(config, groups, model_config, execution, chunks, optimizer, scheduler,
+               faults.wrap(forward_step_func) if faults is not None else forward_step_func, global_batch,
+               num_microbatches, print_rank_0, vocab_size, checkpointer, to_load, batches,
+               attention_report=attention_report, fast_paths=fast_paths, faults=faults,
+               **_reliability(config, groups, checkpointer))
 
 
-def _add_reliability(run: Run) -> None:
-    """The per-step guards, the failure report, the straggler report and the test-only faults."""
-    config, groups = run.config, run.groups
-    run.guard = StepGuard.build(config.training, groups, print_rank_0, partial(_last_checkpoint, run))
-    run.failure_report = FailureReport.connect(groups.global_rank, groups.world_size, datetime.timedelta(
-        minutes=config.parallel.distributed_timeout_minutes))
-    run.straggler = StragglerReport(config.logging, groups) if config.logging.log_straggler else None
-    run.faults = FaultInjector.from_environment(groups.global_rank)
-    if run.faults is not None:
-        run.forward_step_func = run.faults.wrap(run.forward_step_func)
+def _reliability(config: Config, groups: ParallelGroups, checkpointer: Optional[Checkpointer]) -> dict:
+    """The per-step guards, the failure report and the straggler report."""
+    return dict(
+        guard=StepGuard.build(config.training, groups, print_rank_0,
+                              partial(_last_checkpoint, config.checkpoint, checkpointer)),
+        failure_report=FailureReport.connect(groups.global_rank, groups.world_size, datetime.timedelta(
+            minutes=config.parallel.distributed_timeout_minutes)),
+        straggler=StragglerReport(config.logging, groups) if config.logging.log_straggler else None)
 
 
-def _last_checkpoint(run: Run) -> Optional[str]:
+def _last_checkpoint(options, checkpointer: Optional[Checkpointer]) -> Optional[str]:
     """The directory of the newest checkpoint this run saved or loaded, if any."""
-    options, checkpointer = run.config.checkpoint, run.checkpointer
     if checkpointer is not None and checkpointer.last_saved_iteration is not None:
         return checkpoint_dir(options.save or options.load, checkpointer.last_saved_iteration)
     return None
@@ -167,66 +155,12 @@ def _largest_over_ranks(chunks: list, optimizer, groups) -> dict:
     return {name: int(value) for name, value in zip(figures, values.tolist())}
 
 
-def _check_fits(config: Config, model_config, world_size: int, device: torch.device) -> None:
-    """Stops before anything is allocated when the model's parameters, gradients and optimizer state
-    exceed the free memory of this rank's GPU (or, on CPU, the RAM all local processes share)."""
-    estimate = persistent_bytes(config, model_config, world_size)
-    processes = 1 if device.type != "cpu" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    where = f"{device}" if device.type != "cpu" else "this machine's RAM"
-    try:
-        check_device_fits(estimate, utils.available_memory(device), where, persistent_hints(config), processes)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-
-
-def dry_run(config: Config, vocab_size: int, check_inputs: Optional[Callable] = None) -> None:
-    """--dry-run: the start-up checks of a WORLD_SIZE-process run (flags, input files, the checkpoint
-    to load), in this one process; prints the layout and the plan for --dry-run-gpu (memory per GPU
-    term by term with a verdict, predicted step time), and stops when the plan does not fit. Builds
-    nothing, joins no process group, and never looks at this machine's memory."""
-    world_size = world_size_from_env()
-    notes, to_load = _find_checkpoint(config)
-    notes += validate(config, world_size)
-    if check_inputs is not None:
-        check_inputs(config)
-    model_config = builders.transformer_config(config, vocab_size)
-    if to_load is not None:
-        notes += check_architecture(to_load[0], to_load[1]["model"], architecture(model_config, vocab_size))
-    for note in notes:
-        print(f"NOTE: {note}", flush=True)
-    p, t = config.parallel, config.training
-    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
-    dp = world_size // (tp * pp * cp)
-    batches = batch_schedule(t, dp)
-    print(f"> layout: {world_size} processes = TP {tp} x CP {cp} x PP {pp} x DP {dp}; global batch "
-          f"{batches.global_batch_size} = {batches.num_microbatches_at(math.inf)} micro-batches of {t.micro_batch_size} "
-          f"x DP {dp}; {t.train_iters} iterations; padded vocabulary {model_config.vocab_size}", flush=True)
-    print_dry_run_plan(config, vocab_size, world_size, ConfigError)
-    print(f"> dry run: the flags are valid for {world_size} processes; nothing was built", flush=True)
-
-
-def _find_checkpoint(config: Config) -> tuple[list, Optional[tuple]]:
-    """(notes, (directory, common.json) of the checkpoint --load names, or None). With
-    --use-checkpoint-args the model flags are taken from it here, before validation."""
-    options = config.checkpoint
-    if not options.load:
-        return [], None
-    directory, note = locate(options.load, options.ckpt_step)
-    if directory is None and options.exit_on_missing_checkpoint:
-        raise ConfigError(f"{note.split(';')[0]}, and --exit-on-missing-checkpoint is given")
-    if directory is None:
-        return [note], None
-    common = read_common(directory)
-    notes = apply_checkpoint_args(config, common) if options.use_checkpoint_args else []
-    return notes, (directory, common)
-
-
 def _activation_shape(run: Run) -> tuple:
     """The [s, b, h] activation passed between pipeline stages: the sequence split over the context
     ranks, and over the tensor ranks with sequence parallelism."""
     t = run.config.training
     seq = t.seq_length // run.groups.cp_size
-    seq //= run.groups.tp_size if run.model_config.sequence_parallel and run.groups.tp_size > 1 else 1
+    seq //= run.groups.tp_size if run.execution.sequence_parallel and run.groups.tp_size > 1 else 1
     return (seq, t.micro_batch_size, run.model_config.hidden_size)
 
 
@@ -237,7 +171,7 @@ def _forward_backward(run: Run, data_iterator, forward_only: bool, num_microbatc
     return schedule(forward_step_func=run.forward_step_func, data_iterator=data_iterator,
                     model_chunks=run.chunks, num_microbatches=num_microbatches, groups=run.groups,
                     forward_only=forward_only, scale_loss=run.optimizer.scale_loss,
-                    tensor_shape=_activation_shape(run), dtype=run.model_config.params_dtype,
+                    tensor_shape=_activation_shape(run), dtype=run.execution.params_dtype,
                     overlap_p2p_comm=p.overlap_p2p_comm, overlap_p2p_comm_warmup_flush=p.overlap_p2p_comm_warmup_flush,
                     microbatch_group_size=p.microbatch_group_size_per_vp_stage, loss_divisor=1 if per_token else None)
 
@@ -613,6 +547,7 @@ def pretrain(config: Config, *, forward_step_func: Callable, datasets_provider: 
     checkpoint, load data, train, save, and evaluate the validation and test sets at the end (as
     Megatron does)."""
     run = setup(config, forward_step_func, vocab_size, check_inputs)
+    config = run.config  # with --use-checkpoint-args, the checkpoint's model flags
     state = TrainState()
     with Watch(run.failure_report, lambda: state.iteration), MemoryWatch(run, lambda: state.iteration):
         if run.checkpoint_to_load is not None:
@@ -620,8 +555,9 @@ def pretrain(config: Config, *, forward_step_func: Callable, datasets_provider: 
         t = config.training
         train_ds, valid_ds, test_ds = datasets_provider(config, run.groups, dataset_sizes(config, run.batches))
         exits = ExitConditions(t, run.groups, _JOB_START_TIME)
-        run.tensorboard = TensorBoardWriter(config.logging.tensorboard_dir if run.groups.is_logging_rank else None)
-        run.progress = ProgressLog(config, run.groups, _JOB_START_TIME)
+        run = dataclasses.replace(
+            run, tensorboard=TensorBoardWriter(config.logging.tensorboard_dir if run.groups.is_logging_rank else None),
+            progress=ProgressLog(config, run.groups, _JOB_START_TIME))
         run.progress.start(state)
         try:
             state = train(run, train_ds, valid_ds, state, exits)

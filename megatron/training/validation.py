@@ -1,4 +1,5 @@
 """Cross-field checks run before anything expensive. Every message names the flags and values."""
+import copy
 import importlib.util
 import json
 import os
@@ -10,8 +11,8 @@ from megatron.core.parallel_state import check_expert_sizes, check_sizes
 from megatron.core.pipeline_parallel.layout import validate_pipeline
 from megatron.core.transformer.moe.moe_utils import LOAD_BALANCING_TYPES, moe_layer_pattern
 from megatron.training import megatron_lm
-from megatron.training.batch_schedule import batch_schedule
-from megatron.training.builders import ffn_hidden_size
+from megatron.training.batch_schedule import batch_schedule, global_batch_size
+from megatron.core.transformer.config import derive
 from megatron.training.config import Config
 
 
@@ -25,7 +26,23 @@ def _require(condition: bool, message: str) -> None:
 
 
 def validate(config: Config, world_size: int) -> list:
-    """Raises ConfigError on the first problem; returns notes to print (non-fatal adjustments)."""
+    """Raises ConfigError on the first problem; returns notes to print (non-fatal adjustments).
+    `config` is not changed (see `resolve` for the config the notes describe)."""
+    return resolve(config, world_size)[1]
+
+
+def resolve(config: Config, world_size: int) -> tuple:
+    """(the config with what the flags imply made explicit, notes): --train-iters from
+    --train-samples, the blends of --data-args-path / --per-split-data-args-path, the tokenizer
+    --vocab-file and --merge-file imply, --sequence-parallel off with one tensor-parallel rank, the
+    PyTorch profiler for --profile without a GPU. Checks everything on the way (raises ConfigError);
+    the given config is not changed."""
+    config = copy.deepcopy(config)
+    return config, _checked(config, world_size)
+
+
+def _checked(config: Config, world_size: int) -> list:
+    """The checks, in order, filling in the implied values of `config` (a private copy)."""
     notes = _megatron_lm_notes(config)
     m, p, t = config.model, config.parallel, config.training
     for flag, value in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
@@ -42,26 +59,9 @@ def validate(config: Config, world_size: int) -> list:
                         ("--num-attention-heads", m.num_attention_heads), ("--micro-batch-size", t.micro_batch_size),
                         ("--seq-length", t.seq_length)):
         _require(value > 0, f"{flag} must be positive, got {value}")
-    if m.kv_channels is None:
-        _require(m.hidden_size % m.num_attention_heads == 0,
-                 f"--hidden-size ({m.hidden_size}) must be divisible by --num-attention-heads "
-                 f"({m.num_attention_heads}), or pass --kv-channels")
-    _require(m.num_attention_heads % tp == 0,
-             f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
-             f"--tensor-model-parallel-size ({tp})")
-    ffn = ffn_hidden_size(m)
-    _require(ffn % tp == 0, f"--ffn-hidden-size ({ffn}) must be divisible by --tensor-model-parallel-size ({tp})")
-    if m.group_query_attention:
-        groups = m.num_query_groups
-        _require(m.num_attention_heads % groups == 0,
-                 f"--num-attention-heads ({m.num_attention_heads}) must be divisible by --num-query-groups ({groups})")
-        _require(groups % tp == 0 or tp % groups == 0,
-                 f"--num-query-groups ({groups}) and --tensor-model-parallel-size ({tp}) must divide one another")
-    max_positions = m.max_position_embeddings or t.seq_length
-    _require(t.seq_length <= max_positions,
-             f"--seq-length ({t.seq_length}) exceeds --max-position-embeddings ({max_positions})")
+    _validate_model_shape(config, tp)
 
-    global_batch = t.global_batch_size or t.micro_batch_size * dp
+    global_batch = global_batch_size(t, dp)
     _require(global_batch % (t.micro_batch_size * dp) == 0,
              f"--global-batch-size ({global_batch}) must be divisible by --micro-batch-size "
              f"({t.micro_batch_size}) x data-parallel size ({dp}) = {t.micro_batch_size * dp}")
@@ -110,6 +110,30 @@ def validate(config: Config, world_size: int) -> list:
     return notes
 
 
+def _validate_model_shape(config: Config, tp: int) -> None:
+    """Sizes that must divide one another (tensor parallelism included) and the sequence length."""
+    m, t = config.model, config.training
+    if m.kv_channels is None:
+        _require(m.hidden_size % m.num_attention_heads == 0,
+                 f"--hidden-size ({m.hidden_size}) must be divisible by --num-attention-heads "
+                 f"({m.num_attention_heads}), or pass --kv-channels")
+    _require(m.num_attention_heads % tp == 0,
+             f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
+             f"--tensor-model-parallel-size ({tp})")
+    if m.group_query_attention:
+        groups = m.num_query_groups
+        _require(m.num_attention_heads % groups == 0,
+                 f"--num-attention-heads ({m.num_attention_heads}) must be divisible by --num-query-groups ({groups})")
+        _require(groups % tp == 0 or tp % groups == 0,
+                 f"--num-query-groups ({groups}) and --tensor-model-parallel-size ({tp}) must divide one another")
+    arch = architecture(config)
+    ffn = arch.ffn_hidden_size
+    _require(ffn % tp == 0, f"--ffn-hidden-size ({ffn}) must be divisible by --tensor-model-parallel-size ({tp})")
+    max_positions = arch.max_position_embeddings
+    _require(t.seq_length <= max_positions,
+             f"--seq-length ({t.seq_length}) exceeds --max-position-embeddings ({max_positions})")
+
+
 def _megatron_lm_notes(config: Config) -> list:
     """Notes for the given Megatron-LM flags this framework does not build; the first one that would
     change the result is an error."""
@@ -151,7 +175,7 @@ def _validate_training_length(config: Config, dp: int) -> None:
         _validate_rampup(t, dp)
     t.train_iters = batch_schedule(t, dp).iterations_for(t.train_samples)
     _require(t.train_iters > 0, f"--train-samples ({t.train_samples}) is less than one global batch "
-                                f"({t.global_batch_size or t.micro_batch_size * dp})")
+                                f"({global_batch_size(t, dp)})")
 
 
 def _validate_rampup(t, dp: int) -> None:
@@ -160,7 +184,7 @@ def _validate_rampup(t, dp: int) -> None:
     _require(len(values) == 3 and all(str(v).isdigit() for v in values),
              f"--rampup-batch-size takes three non-negative integers START INCREMENT SAMPLES, got {' '.join(values)}")
     start, increment, samples = (int(v) for v in values)
-    final = t.global_batch_size or t.micro_batch_size * dp
+    final = global_batch_size(t, dp)
     step = t.micro_batch_size * dp
     _require(start > 0 and increment > 0 and samples > 0,
              f"--rampup-batch-size START ({start}), INCREMENT ({increment}) and SAMPLES ({samples}) must be positive")
@@ -282,9 +306,8 @@ def _validate_fp8(config: Config) -> None:
     _require(not p.use_torch_fsdp2, "--fp8-format with --use-torch-fsdp2 is not supported yet (cached FP8 "
                                     "weights follow DDP's parameter storage); drop one of them")
     tp = p.tensor_model_parallel_size
-    kv = m.kv_channels or m.hidden_size // m.num_attention_heads
-    groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
-    ffn = ffn_hidden_size(m)
+    arch = architecture(config)
+    kv, groups, ffn = arch.kv_channels, arch.num_query_groups, arch.ffn_hidden_size
     sizes = {"--hidden-size": m.hidden_size, "--ffn-hidden-size / TP": ffn // tp,
              "attention heads x --kv-channels / TP": m.num_attention_heads * kv // tp,
              "query groups x --kv-channels": groups * kv,
@@ -296,6 +319,15 @@ def _validate_fp8(config: Config) -> None:
         _require(start >= 0 and end >= 0 and start + end <= m.num_layers,
                  f"--num-layers-at-start-in-bf16 ({start}) + --num-layers-at-end-in-bf16 ({end}) must be >= 0 "
                  f"and at most --num-layers ({m.num_layers})")
+
+
+def architecture(config: Config):
+    """The architecture the model flags describe (derived; the vocabulary is left out: it comes
+    from the tokenizer). Call after the shape checks above: it raises ConfigError otherwise."""
+    try:
+        return derive(config.model, seq_length=config.training.seq_length)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def implied_tokenizer_type(data_config) -> Optional[str]:
@@ -428,7 +460,7 @@ def _validate_moe(config: Config, stage_ranks: int, notes: list) -> None:
     except ValueError as error:
         raise ConfigError(str(error)) from None
     _require(etp in (1, tp), f"--expert-tensor-parallel-size ({etp}) must be 1 or --tensor-model-parallel-size ({tp})")
-    expert_ffn = m.moe_ffn_hidden_size or ffn_hidden_size(m)
+    expert_ffn = m.moe_ffn_hidden_size or architecture(config).ffn_hidden_size
     _require(expert_ffn % etp == 0, f"--moe-ffn-hidden-size ({expert_ffn}) must be divisible by "
                                     f"--expert-tensor-parallel-size ({etp})")
     _require(1 <= topk <= experts, f"--moe-router-topk ({topk}) must be between 1 and --num-experts ({experts})")

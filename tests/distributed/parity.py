@@ -9,27 +9,34 @@ from megatron.core.distributed.ddp import DistributedDataParallel, finalize_mode
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.parallel_state import single_process
-from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.config import ExecutionConfig, TransformerConfig, derive
 
 SEED = 1234
 
 
 def llama_config(**overrides) -> TransformerConfig:
-    values = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=96,
-                  vocab_size=128, max_position_embeddings=16, normalization="RMSNorm", gated_linear_unit=True,
-                  activation="silu", add_bias_linear=False, position_embedding_type="rope",
+    values = dict(num_layers=2, hidden_size=64, num_attention_heads=8, group_query_attention=True,
+                  num_query_groups=2, ffn_hidden_size=96, padded_vocab_size=128, max_position_embeddings=16,
+                  normalization="RMSNorm", swiglu=True, add_bias_linear=False, position_embedding_type="rope",
                   untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0)
     values.update(overrides)
-    return TransformerConfig(**values)
+    return derive(TransformerConfig(**values))
 
 
 def gpt2_config(**overrides) -> TransformerConfig:
-    values = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=128,
-                  max_position_embeddings=16, normalization="LayerNorm", activation="gelu_tanh",
+    values = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, padded_vocab_size=128,
+                  max_position_embeddings=16, normalization="LayerNorm", openai_gelu=True,
                   add_bias_linear=True, position_embedding_type="learned_absolute",
                   untie_embeddings_and_output_weights=False, hidden_dropout=0.0, attention_dropout=0.0)
     values.update(overrides)
-    return TransformerConfig(**values)
+    return derive(TransformerConfig(**values))
+
+
+def split_overrides(overrides: dict) -> tuple:
+    """(architecture overrides, ExecutionConfig) of test overrides naming fields of either object."""
+    execution_names = {field.name for field in dataclasses.fields(ExecutionConfig)}
+    execution = ExecutionConfig(**{k: v for k, v in overrides.items() if k in execution_names})
+    return {k: v for k, v in overrides.items() if k not in execution_names}, execution
 
 
 def global_batches(steps: int, global_batch: int, seq: int, vocab: int) -> list:
@@ -64,12 +71,13 @@ def gather_full_params(model: GPTModel, groups) -> dict:
 
 
 def train_steps(config: TransformerConfig, groups, batches: list, micro_batch_size: int, *,
-                optimizer_config: OptimizerConfig = None, sequence_parallel: bool = False) -> dict:
+                optimizer_config: OptimizerConfig = None, sequence_parallel: bool = False,
+                execution: ExecutionConfig = None) -> dict:
     """Trains one model chunk over `batches` (global batches); this rank takes its data-parallel
     slice of each micro-batch step as the pretraining sampler does. Returns per step: the loss
     (averaged over micro-batches and data ranks), the gradient norm, and the full gradients."""
-    config = dataclasses.replace(config, sequence_parallel=sequence_parallel)
-    model = GPTModel(config, groups)
+    execution = dataclasses.replace(execution or ExecutionConfig(), sequence_parallel=sequence_parallel)
+    model = GPTModel(config, groups, execution=execution)
     model.initialize_parameters(SEED)
     ddp = DistributedDataParallel(model, groups)
     optimizer = get_megatron_optimizer(optimizer_config or parity_optimizer_config(), [ddp], groups)

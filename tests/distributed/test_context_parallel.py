@@ -36,7 +36,7 @@ from megatron.core.parallel_state import initialize_model_parallel, single_proce
 from megatron.core.pipeline_parallel.layout import stage_layer_numbers, validate_pipeline
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.tensor_parallel.random import build_tracker
-from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.config import ExecutionConfig, TransformerConfig
 from tests.distributed.harness import run_distributed
 from tests.distributed.parity import assert_norm_is_the_full_gradients_norm
 
@@ -94,13 +94,17 @@ FOUR_RANKS = [
 
 def _model_config(scenario: Scenario, **overrides) -> TransformerConfig:
     values = dict(num_layers=scenario.layers, hidden_size=HIDDEN, num_attention_heads=scenario.heads,
-                  num_query_groups=scenario.groups, ffn_hidden_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ,
-                  normalization="RMSNorm", gated_linear_unit=True, activation="silu", add_bias_linear=False,
-                  position_embedding_type="rope", untie_embeddings_and_output_weights=not scenario.tied,
-                  hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=scenario.sp,
-                  cp_comm_type=scenario.comm_type, **dict(scenario.recompute))
+                  group_query_attention=True, num_query_groups=scenario.groups, ffn_hidden_size=64,
+                  padded_vocab_size=VOCAB, max_position_embeddings=SEQ, normalization="RMSNorm", swiglu=True,
+                  add_bias_linear=False, position_embedding_type="rope",
+                  untie_embeddings_and_output_weights=not scenario.tied, hidden_dropout=0.0, attention_dropout=0.0)
     values.update(overrides)
     return TransformerConfig(**values)
+
+
+def _execution(scenario: Scenario, **overrides) -> ExecutionConfig:
+    values = dict(sequence_parallel=scenario.sp, cp_comm_type=scenario.comm_type, **dict(scenario.recompute))
+    return ExecutionConfig(**(values | overrides))
 
 
 def _micro_batch(step: int, dp_rank: int, index: int) -> dict:
@@ -168,7 +172,8 @@ def _run_scenario(scenario: Scenario) -> dict:
     tracker = build_tracker(SEED, groups.tp_rank, groups.pp_rank, groups.device)
     chunks = []
     for index, layers in enumerate(layer_lists):
-        model = GPTModel(config, groups, rng_tracker=tracker, pre_process=groups.is_first_stage and index == 0,
+        model = GPTModel(config, groups, execution=_execution(scenario), rng_tracker=tracker,
+                         pre_process=groups.is_first_stage and index == 0,
                          post_process=groups.is_last_stage and index == virtual - 1, layer_numbers=layers)
         model.initialize_parameters(SEED)
         if scenario.wrapper == "fsdp":
@@ -184,7 +189,8 @@ def _run_scenario(scenario: Scenario) -> dict:
 def _reference(scenario: Scenario) -> dict:
     """One process, no context parallelism, every data-parallel rank's micro-batches in turn."""
     groups = single_process()
-    model = GPTModel(_model_config(scenario, sequence_parallel=False, cp_comm_type="p2p"), groups,
+    model = GPTModel(_model_config(scenario), groups, execution=_execution(scenario, sequence_parallel=False,
+                                                                           cp_comm_type="p2p"),
                      rng_tracker=build_tracker(SEED, 0, 0, groups.device))
     model.initialize_parameters(SEED)
     return _train([DistributedDataParallel(model, groups)], groups, n=scenario.dp * scenario.n, virtual=1,
@@ -246,9 +252,9 @@ class _SavedBytes:
 
 def activation_bytes(groups, seq: int = 256) -> int:
     """Peak saved activation bytes of one forward/backward of a 2-layer Llama at sequence `seq`."""
-    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                               ffn_hidden_size=128, vocab_size=256, max_position_embeddings=seq,
-                               normalization="RMSNorm", gated_linear_unit=True, activation="silu",
+    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, group_query_attention=True,
+                               num_query_groups=2, ffn_hidden_size=128, padded_vocab_size=256,
+                               max_position_embeddings=seq, normalization="RMSNorm", swiglu=True,
                                add_bias_linear=False, position_embedding_type="rope", hidden_dropout=0.0,
                                attention_dropout=0.0)
     model = GPTModel(config, groups)
@@ -265,8 +271,8 @@ def activation_bytes(groups, seq: int = 256) -> int:
 def bf16_step(groups) -> tuple:
     """Loss and gradients (averaged over the CP ranks, as the data-parallel reduction does) of one
     bf16 forward/backward through `pretrain_gpt.forward_step`."""
-    config = _model_config(Scenario("bf16", cp=groups.cp_size), params_dtype=torch.bfloat16)
-    model = GPTModel(config, groups)
+    scenario = Scenario("bf16", cp=groups.cp_size)
+    model = GPTModel(_model_config(scenario), groups, execution=_execution(scenario, params_dtype=torch.bfloat16))
     model.initialize_parameters(SEED)
     batch = _micro_batch(0, 0, 0)
     output, loss_func = pretrain_gpt.forward_step(iter([batch]), model)

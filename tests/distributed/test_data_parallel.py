@@ -18,6 +18,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.parallel_state import initialize_model_parallel, single_process
 from megatron.core.transformer.config import TransformerConfig
 from tests.distributed.harness import run_distributed
+from tests.distributed.parity import split_overrides
 
 SEED = 1234
 STEPS = 3
@@ -29,9 +30,9 @@ RTOL = 1e-5
 
 
 def model_config(**overrides) -> TransformerConfig:
-    values = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, ffn_hidden_size=64,
+    values = dict(num_layers=2, hidden_size=32, num_attention_heads=4, padded_vocab_size=VOCAB, ffn_hidden_size=64,
                   max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False)
-    values.update(overrides)
+    values.update(overrides, group_query_attention="num_query_groups" in overrides)
     return TransformerConfig(**values)
 
 
@@ -86,7 +87,9 @@ def full_params(module, groups) -> dict:
 def reference_run(num_microbatches_total: int, model_overrides: tuple = ()) -> dict:
     """One process, the whole global batch as gradient accumulation."""
     groups = single_process()
-    model = GPTModel(model_config(**dict(model_overrides)), groups, rng_tracker=None, device=torch.device("cpu"))
+    overrides, execution = split_overrides(dict(model_overrides))
+    model = GPTModel(model_config(**overrides), groups, execution=execution, rng_tracker=None,
+                     device=torch.device("cpu"))
     model.initialize_parameters(SEED)
     chunk = DistributedDataParallel(model, groups)
     optimizer = get_megatron_optimizer(optimizer_config(), [chunk], groups)
@@ -102,7 +105,9 @@ def reference_run(num_microbatches_total: int, model_overrides: tuple = ()) -> d
 
 def build_parallel(tp: int, ddp_config: DistributedDataParallelConfig, model_overrides: dict = None, **opt):
     groups = initialize_model_parallel(tp, 1)
-    model = GPTModel(model_config(**(model_overrides or {})), groups, rng_tracker=None, device=torch.device("cpu"))
+    overrides, execution = split_overrides(model_overrides or {})
+    model = GPTModel(model_config(**overrides), groups, execution=execution, rng_tracker=None,
+                     device=torch.device("cpu"))
     model.initialize_parameters(SEED)
     chunk = DistributedDataParallel(model, groups, ddp_config=ddp_config)
     optimizer = get_megatron_optimizer(optimizer_config(**opt), [chunk], groups)

@@ -18,7 +18,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.parallel_state import initialize_model_parallel, single_process
 from megatron.core.pipeline_parallel.schedules import set_moe_aux_loss_scale
-from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.config import DEFAULT_EXECUTION, ExecutionConfig, TransformerConfig, derive
 from megatron.core.transformer.moe.router import finish_moe_step
 from tests.distributed.harness import run_distributed
 
@@ -27,13 +27,13 @@ CLIP, RTOL = 0.05, 1e-5
 
 
 def model_config(**overrides) -> TransformerConfig:
-    values = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, ffn_hidden_size=64,
+    values = dict(num_layers=2, hidden_size=32, num_attention_heads=4, padded_vocab_size=VOCAB, ffn_hidden_size=64,
                   max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
-                  normalization="RMSNorm", gated_linear_unit=True, activation="silu", position_embedding_type="rope",
+                  normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
                   num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2, moe_aux_loss_coeff=0.01,
                   moe_z_loss_coeff=0.001, init_method_std=0.1)
     values.update(overrides)
-    return TransformerConfig(**values)
+    return derive(TransformerConfig(**values))
 
 
 def global_batches(num_microbatches: int) -> torch.Tensor:
@@ -41,8 +41,8 @@ def global_batches(num_microbatches: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (STEPS, num_microbatches, MICRO_BATCH, SEQ + 1), generator=generator)
 
 
-def train(groups, config, ddp_config=None, dp_size=1, dp_rank=0) -> dict:
-    model = GPTModel(config, groups)
+def train(groups, config, ddp_config=None, dp_size=1, dp_rank=0, execution=DEFAULT_EXECUTION) -> dict:
+    model = GPTModel(config, groups, execution=execution)
     model.initialize_parameters(SEED)
     chunk = DistributedDataParallel(model, groups, ddp_config=ddp_config or DistributedDataParallelConfig())
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3, weight_decay=0.1, clip_grad=CLIP, adam_eps=1e-4),
@@ -86,10 +86,11 @@ def reference(dp_size: int, overrides: tuple = ()) -> dict:
 
 def _parallel(tp: int, ep: int, etp=None, overrides: tuple = (), distributed_optimizer=False, overlap=False) -> dict:
     groups = initialize_model_parallel(tp, 1, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
-    config = model_config(sequence_parallel=tp > 1, **dict(overrides))
+    config = model_config(**dict(overrides))
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer,
                                                overlap_grad_reduce=overlap, bucket_size=2000 if overlap else None)
-    return train(groups, config, ddp_config, dp_size=groups.dp_size, dp_rank=groups.dp_rank)
+    return train(groups, config, ddp_config, dp_size=groups.dp_size, dp_rank=groups.dp_rank,
+                 execution=ExecutionConfig(sequence_parallel=tp > 1))
 
 
 ALLGATHER = (("moe_token_dispatcher_type", "allgather"),)

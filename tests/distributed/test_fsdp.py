@@ -18,6 +18,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.distributed_optimizer import FSDPOptimizer
 from megatron.core.parallel_state import initialize_model_parallel, single_process
+from megatron.core.transformer.config import ExecutionConfig
+from tests.distributed.parity import split_overrides
 from tests.distributed.test_data_parallel import (
     SEED,
     TP2_OVERRIDES,
@@ -37,7 +39,9 @@ def _fsdp_run(tp, per_rank, model_overrides, reduce_dtype=torch.float32):
     """Built on the meta device as training builds it; returns the parallel run plus the weights it
     started from and the dtypes of its gradient reduce-scatters."""
     groups = initialize_model_parallel(tp, 1)
-    model = GPTModel(model_config(**dict(model_overrides)), groups, rng_tracker=None, device=torch.device("meta"))
+    overrides, execution = split_overrides(dict(model_overrides))
+    model = GPTModel(model_config(**overrides), groups, execution=execution, rng_tracker=None,
+                     device=torch.device("meta"))
     chunk = FullyShardedDataParallel(model, groups, init_seed=SEED, reduce_dtype=reduce_dtype)
     initial = full_params(model, groups)
     # Inside no_sync a micro-batch's gradient is already reduce-scattered into the shards: nothing
@@ -76,11 +80,11 @@ def _fsdp_startup_peak(layers):
     from megatron.training.memory import LiveTensorBytes
 
     groups = initialize_model_parallel(1, 1)
-    config = model_config(num_layers=layers, params_dtype=torch.bfloat16)
+    config = model_config(num_layers=layers)
     peaks, weights = {}, {}
     for on_meta in (False, True):
         with LiveTensorBytes() as counter:
-            model = GPTModel(config, groups, rng_tracker=None,
+            model = GPTModel(config, groups, execution=ExecutionConfig(params_dtype=torch.bfloat16), rng_tracker=None,
                              device=torch.device("meta") if on_meta else torch.device("cpu"))
             if not on_meta:
                 model.initialize_parameters(SEED)
@@ -97,7 +101,9 @@ def _fsdp_startup_peak(layers):
 
 def _initial_weights(model_overrides=()) -> dict:
     groups = single_process()
-    model = GPTModel(model_config(**dict(model_overrides)), groups, rng_tracker=None, device=torch.device("cpu"))
+    overrides, execution = split_overrides(dict(model_overrides))
+    model = GPTModel(model_config(**overrides), groups, execution=execution, rng_tracker=None,
+                     device=torch.device("cpu"))
     model.initialize_parameters(SEED)
     return full_params(model, groups)
 

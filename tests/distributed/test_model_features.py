@@ -12,13 +12,13 @@ from tests.distributed.harness import run_distributed
 from tests.distributed.parity import assert_runs_match, global_batches, gpt2_config, llama_config, reference_steps, train_steps
 
 STEPS, GLOBAL_BATCH, MICRO_BATCH, SEQ = 3, 4, 2, 16
-FEATURES = dict(qk_layernorm=True, layernorm_zero_centered_gamma=True)
+FEATURES = dict(qk_layernorm=True, apply_layernorm_1p=True)
 
 
 def _compare(rank, world_size, tp, cases):
     groups = initialize_model_parallel(tp, 1)
     for name, config, sequence_parallel in cases:
-        batches = global_batches(STEPS, GLOBAL_BATCH, SEQ, config.vocab_size)
+        batches = global_batches(STEPS, GLOBAL_BATCH, SEQ, config.padded_vocab_size)
         run = train_steps(config, groups, batches, MICRO_BATCH, sequence_parallel=sequence_parallel)
         reference = reference_steps(config, batches, MICRO_BATCH)
         try:

@@ -25,7 +25,7 @@ from megatron.core.parallel_state import initialize_model_parallel, single_proce
 from megatron.core.pipeline_parallel.layout import stage_layer_numbers, validate_pipeline
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.tensor_parallel.random import build_tracker
-from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.config import ExecutionConfig, TransformerConfig
 from tests.distributed.harness import run_distributed
 from tests.distributed.parity import assert_norm_is_the_full_gradients_norm
 
@@ -104,13 +104,16 @@ EIGHT_RANKS = [
 
 
 def _model_config(scenario: Scenario, **overrides) -> TransformerConfig:
-    values = dict(num_layers=scenario.layers, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2,
-                  vocab_size=scenario.vocab, max_position_embeddings=SEQ, normalization="RMSNorm",
-                  gated_linear_unit=True, activation="silu", add_bias_linear=False, position_embedding_type="rope",
-                  untie_embeddings_and_output_weights=not scenario.tied, hidden_dropout=0.0, attention_dropout=0.0,
-                  sequence_parallel=scenario.sp, params_dtype=scenario.dtype, **dict(scenario.recompute))
+    values = dict(num_layers=scenario.layers, hidden_size=HIDDEN, num_attention_heads=4, group_query_attention=True,
+                  num_query_groups=2, padded_vocab_size=scenario.vocab, max_position_embeddings=SEQ,
+                  normalization="RMSNorm", swiglu=True, add_bias_linear=False, position_embedding_type="rope",
+                  untie_embeddings_and_output_weights=not scenario.tied, hidden_dropout=0.0, attention_dropout=0.0)
     values.update(overrides)
     return TransformerConfig(**values)
+
+
+def _execution(scenario: Scenario) -> ExecutionConfig:
+    return ExecutionConfig(sequence_parallel=scenario.sp, params_dtype=scenario.dtype, **dict(scenario.recompute))
 
 
 def _micro_batches(step: int, dp_rank: int, n: int, vocab: int) -> list:
@@ -233,7 +236,7 @@ def build_chunks(scenario: Scenario, groups) -> tuple:
     device = torch.device("meta") if scenario.wrapper == "fsdp" else groups.device
     chunks = []
     for index, layers in enumerate(layer_lists):
-        model = GPTModel(_model_config(scenario), groups, rng_tracker=tracker,
+        model = GPTModel(_model_config(scenario), groups, execution=_execution(scenario), rng_tracker=tracker,
                          pre_process=groups.is_first_stage and index == 0,
                          post_process=groups.is_last_stage and index == virtual - 1, layer_numbers=layers,
                          device=device)
@@ -279,7 +282,7 @@ def _reference(scenario: Scenario) -> dict:
     reference = dataclasses.replace(scenario, sp=False, recompute=(), pp=1, tp=1, virtual=1, first=None, last=None,
                                     account=(False, False), wrapper="ddp", shared_data=True)
     config = _model_config(reference)
-    model = GPTModel(config, groups, rng_tracker=build_tracker(SEED, 0, 0, groups.device))
+    model = GPTModel(config, groups, execution=_execution(reference), rng_tracker=build_tracker(SEED, 0, 0, groups.device))
     model.initialize_parameters(SEED)
     chunks = [DistributedDataParallel(model, groups)]
     schedule = get_forward_backward_func(1)

@@ -20,7 +20,7 @@ def _compare(rank, world_size, tp, dp, cases):
     groups = initialize_model_parallel(tp, 1)
     assert groups.dp_size == dp
     for name, config, sequence_parallel in cases:
-        batches = global_batches(STEPS, GLOBAL_BATCH, SEQ, config.vocab_size)
+        batches = global_batches(STEPS, GLOBAL_BATCH, SEQ, config.padded_vocab_size)
         run = train_steps(config, groups, batches, MICRO_BATCH, sequence_parallel=sequence_parallel)
         reference = reference_steps(config, batches, MICRO_BATCH)
         try:
@@ -82,7 +82,7 @@ def _dropout_check(rank, world_size):
     from megatron.core.tensor_parallel.random import build_tracker
 
     config = llama_config(hidden_dropout=0.2, attention_dropout=0.0)
-    tokens, labels = global_batches(1, 2, SEQ, config.vocab_size)[0]
+    tokens, labels = global_batches(1, 2, SEQ, config.padded_vocab_size)[0]
     positions = torch.arange(SEQ).expand_as(tokens)
 
     def loss_of(groups):

@@ -174,15 +174,14 @@ def test_clipping_folded_into_fused_adamw_on_cuda():
 
 
 def test_attention_backends_and_probe_on_cuda():
-    from types import SimpleNamespace
-
-    from megatron.core.transformer.attention import CoreAttention, resolve_attention_backend
+    from megatron.core.transformer.attention import resolve_attention_backend
+    from tests.unit.test_attention_backends import core
 
     q = randn(2, 32, 1024, 128, seed=1, dtype=torch.bfloat16)
     k, v = randn(2, 8, 1024, 128, seed=2, dtype=torch.bfloat16), randn(2, 8, 1024, 128, seed=3, dtype=torch.bfloat16)
-    reference = CoreAttention(SimpleNamespace(attention_backend="math", attention_dropout=0.0), None)(q, k, v)
+    reference = core("math")(q, k, v)
     for backend in ("flash", "fused", "cudnn", "efficient", "unfused", "auto"):
-        out = CoreAttention(SimpleNamespace(attention_backend=backend, attention_dropout=0.0), None)(q, k, v)
+        out = core(backend)(q, k, v)
         torch.testing.assert_close(out.float(), reference.float(), rtol=2e-2, atol=2e-2, msg=backend)
     backend, line = resolve_attention_backend("auto", batch=1, heads=32, groups=8, seq=4096, head_dim=128,
                                               dtype=torch.bfloat16, device=CUDA)
@@ -191,16 +190,15 @@ def test_attention_backends_and_probe_on_cuda():
 
 
 def test_document_mask_with_compiled_flex_attention_matches_dense():
-    from types import SimpleNamespace
-
-    from megatron.core.transformer.attention import CoreAttention, document_attention_mask
+    from megatron.core.transformer.attention import document_attention_mask
+    from tests.unit.test_attention_backends import core
 
     s = 2048
     lengths = torch.tensor([300, 700, 48, 1000])
     document_ids = torch.repeat_interleave(torch.arange(4), lengths).to(CUDA).unsqueeze(0).expand(2, s)
     allowed = (document_ids.unsqueeze(-1) == document_ids.unsqueeze(-2)) & torch.ones(
         s, s, dtype=torch.bool, device=CUDA).tril()
-    attention = CoreAttention(SimpleNamespace(attention_backend="auto", attention_dropout=0.0), None)
+    attention = core("auto")
     q = randn(2, 16, s, 128, seed=1, dtype=torch.bfloat16)
     k, v = randn(2, 4, s, 128, seed=2, dtype=torch.bfloat16), randn(2, 4, s, 128, seed=3, dtype=torch.bfloat16)
     mask = document_attention_mask(document_ids)

@@ -10,7 +10,10 @@ of a size that makes logits O(1), saves each in both formats (torch_dist with `d
 legacy `mp_rank_00/model_optim_rng.pt`) and saves the logits of a forward pass on fixed tokens.
 Then it loads those torch_dist checkpoints at TP2 x PP2 with `dist_checkpointing.load` (Megatron's
 own resharding) and saves them again at that layout in both formats; the Llama model also at
-TP2 x PP2 with two virtual stages (legacy keys `model0`, `model1`).
+TP2 x PP2 with two virtual stages (legacy keys `model0`, `model1`). A third model, "qk", has
+the options whose import was once refused: query/key layer norms, zero-centered norm weights
+(--apply-layernorm-1p) and interleaved rotary embeddings (LayerNorm, GQA, RoPE, biases, exact
+GeLU, untied).
 
 Checkpoints follow Megatron-LM's `save_checkpoint`: `iter_0000007/` plus
 `latest_checkpointed_iteration.txt`; the state dict holds `args` (an argparse.Namespace with
@@ -20,13 +23,16 @@ included). The GPT-style legacy files use the Transformer Engine spec's paramete
 layer norms fused into linear_qkv / linear_fc1, `_extra_state` entries), renamed from the local
 spec by Megatron's own `sharded_state_dict_keys_map`, because Transformer Engine needs a GPU.
 
-Megatron-Core runs on CPU here with four shims, none of which changes any arithmetic:
+Megatron-Core runs on CPU here with five shims, none of which changes any arithmetic:
 `torch.cuda.current_device` answers "cpu" (rotary frequencies are moved to it each forward),
 `torch.cuda.synchronize` is a no-op (called by the checkpoint writer), `Tensor.cuda` returns the
 tensor itself (the tied output layer of the last pipeline stage is moved to the GPU before its
 all-reduce with the first stage's embedding), and the CUDA RNG tracker's `fork` is a null context
-(dropout is zero; the tracker itself needs CUDA). The causal mask is passed
-explicitly, because Megatron's default mask is built on "cuda".
+(dropout is zero; the tracker itself needs CUDA), and apex's fused layer-norm function, which
+Megatron-Core's `FusedLayerNorm` calls with the (1 + weight) scale it forms itself, is
+`F.layer_norm` (apex is not installed; Megatron-Core's torch norms refuse zero-centered weights, so
+the "qk" model's norms are `FusedLayerNorm`, Megatron-Core's choice when apex is present). The
+causal mask is passed explicitly, because Megatron's default mask is built on "cuda".
 """
 import argparse
 import contextlib
@@ -54,6 +60,14 @@ MODELS = {
         normalization="LayerNorm", norm_epsilon=1e-5, swiglu=False, bias_swiglu_fusion=False,
         bias_gelu_fusion=True, add_bias_linear=True, add_qkv_bias=False,
         untie_embeddings_and_output_weights=False, padded_vocab_size=128),
+    "qk": dict(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, group_query_attention=True,
+        num_query_groups=2, kv_channels=16, max_position_embeddings=64, position_embedding_type="rope",
+        rotary_base=10000, rotary_percent=1.0, use_rope_scaling=False, rope_scaling_factor=8.0,
+        normalization="LayerNorm", norm_epsilon=1e-5, swiglu=False, bias_swiglu_fusion=False,
+        bias_gelu_fusion=False, add_bias_linear=True, add_qkv_bias=False,
+        untie_embeddings_and_output_weights=True, padded_vocab_size=128,
+        qk_layernorm=True, apply_layernorm_1p=True, rotary_interleaved=True),
 }
 # Megatron-LM's defaults for the options the importer checks (and refuses when set).
 COMMON_ARGS = dict(
@@ -73,7 +87,7 @@ def main():
                                          world_size=int(os.environ["WORLD_SIZE"]))
     for name in MODELS:
         _single(torch, name, out_dir)
-    for name, tp, pp, vpp in (("llama", 2, 2, None), ("gpt", 2, 2, None), ("llama", 2, 2, 2)):
+    for name, tp, pp, vpp in (("llama", 2, 2, None), ("gpt", 2, 2, None), ("llama", 2, 2, 2), ("qk", 2, 2, None)):
         _parallel(torch, name, out_dir, tp, pp, vpp)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -86,7 +100,23 @@ def _cpu_megatron_core():
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     from megatron.core.tensor_parallel import random as megatron_random
     megatron_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    from megatron.core.fusions import fused_layer_norm
+    fused_layer_norm.FusedLayerNormAffineFunction = _LayerNormFunction
+    fused_layer_norm.HAVE_FUSED_LAYER_NORM = True
     return torch
+
+
+class _LayerNormFunction:
+    """apex's FusedLayerNormAffineFunction, computed by F.layer_norm."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, normalized_shape, eps):
+        raise NotImplementedError  # only its signature is read
+
+    @staticmethod
+    def apply(input, weight, bias, normalized_shape, eps):
+        import torch.nn.functional as F
+        return F.layer_norm(input, normalized_shape, weight, bias, eps)
 
 
 def fixture_name(name, fmt, tp=1, pp=1, vpp=None):
@@ -97,7 +127,7 @@ def megatron_args(torch, name, tp, pp, vpp, fmt):
     from megatron.core.enums import ModelType
     from megatron.core.transformer.enums import AttnBackend
     return argparse.Namespace(
-        **MODELS[name], **COMMON_ARGS, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        **{**COMMON_ARGS, **MODELS[name]}, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, ckpt_format=fmt, use_dist_ckpt=fmt == "torch_dist",
         params_dtype=torch.float32, model_type=ModelType.encoder_or_decoder, attention_backend=AttnBackend.auto)
 
@@ -105,12 +135,19 @@ def megatron_args(torch, name, tp, pp, vpp, fmt):
 def build_chunks(torch, name, tp, pp, vpp):
     """The model chunks of this rank (one, or one per virtual stage), as Megatron-LM builds them."""
     from megatron.core import parallel_state
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+    from megatron.core.models import backends
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import transformer_block
     from megatron.core.transformer.transformer_config import TransformerConfig
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp)
-    a = argparse.Namespace(**MODELS[name], **COMMON_ARGS)
+    a = argparse.Namespace(**{**COMMON_ARGS, **MODELS[name]})
+    # The LayerNorm class of the local spec and of the final norm: the torch one (apex absent), FusedLayerNorm
+    # for zero-centered weights.
+    backends.LNImpl = transformer_block.LayerNormImpl = (
+        FusedLayerNorm if a.apply_layernorm_1p else backends.WrappedTorchNorm)
     config = TransformerConfig(
         num_layers=a.num_layers, hidden_size=a.hidden_size, ffn_hidden_size=a.ffn_hidden_size,
         num_attention_heads=a.num_attention_heads,
@@ -121,12 +158,14 @@ def build_chunks(torch, name, tp, pp, vpp):
         add_bias_linear=a.add_bias_linear, add_qkv_bias=a.add_qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
         pipeline_dtype=torch.float32, use_cpu_initialization=True, masked_softmax_fusion=False,
-        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False)
+        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False, qk_layernorm=a.qk_layernorm,
+        layernorm_zero_centered_gamma=a.apply_layernorm_1p, rotary_interleaved=a.rotary_interleaved)
     chunks = []
     for stage in range(vpp or 1):
         vp_stage = stage if vpp else None
         chunks.append(GPTModel(
-            config, get_gpt_layer_local_spec(normalization=a.normalization), vocab_size=a.padded_vocab_size,
+            config, get_gpt_layer_local_spec(normalization=a.normalization, qk_layernorm=a.qk_layernorm),
+            vocab_size=a.padded_vocab_size,
             max_sequence_length=a.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),

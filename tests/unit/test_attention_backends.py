@@ -31,7 +31,8 @@ def reference_attention(q, k, v, allowed):
 
 
 def core(backend):
-    return CoreAttention(SimpleNamespace(attention_backend=backend, attention_dropout=0.0), None)
+    return CoreAttention(SimpleNamespace(attention_dropout=0.0), None,
+                         execution=SimpleNamespace(attention_backend=backend))
 
 
 @pytest.mark.parametrize("backend", ["auto", "flash", "unfused", "local", "math"])
@@ -56,7 +57,7 @@ def test_resolution_on_cpu_names_what_runs():
     q = torch.randn(1, 4, 16, 8)
     k, v = torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
     for name in ("flash", "math", "auto"):  # each choice the CPU resolves to runs there
-        CoreAttention(SimpleNamespace(attention_backend=name, attention_dropout=0.0), None)(q, k, v)
+        core(name)(q, k, v)
     backend, line = resolve_attention_backend("flash_attn", **shape)
     if backend == "flash":
         assert "flash-attn not installed" in line

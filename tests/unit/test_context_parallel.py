@@ -183,7 +183,7 @@ def test_pipeline_activation_shape_splits_the_sequence_over_cp_and_sequence_para
         return _activation_shape(SimpleNamespace(
             config=SimpleNamespace(training=SimpleNamespace(seq_length=64, micro_batch_size=2)),
             groups=ParallelGroups(cp_size=cp, tp_size=tp),
-            model_config=SimpleNamespace(sequence_parallel=sequence_parallel, hidden_size=8)))
+            model_config=SimpleNamespace(hidden_size=8), execution=SimpleNamespace(sequence_parallel=sequence_parallel)))
 
     assert shape(2, 1, False) == (32, 2, 8)
     assert shape(4, 2, True) == (8, 2, 8)

@@ -7,18 +7,19 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.parallel_state import single_process
 from megatron.core.tensor_parallel.layers import _mixed_dtype_addmm_works
 from megatron.training.fast_paths import fast_paths_line
-from tests.distributed.parity import llama_config
+from tests.distributed.parity import llama_config, split_overrides
 
 CPU = torch.device("cpu")
 
 
 def _line(optimizer_name="adam", **overrides):
-    config = llama_config(**overrides)
+    architecture, execution = split_overrides(overrides)
+    config = llama_config(**architecture)
     groups = single_process()
-    model = GPTModel(config, groups)
+    model = GPTModel(config, groups, execution=execution)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer=optimizer_name, bf16=True),
                                        [DistributedDataParallel(model, groups)], groups)
-    return fast_paths_line(config, no_torch_compile=False, device=CPU,
+    return fast_paths_line(execution, no_torch_compile=False, device=CPU,
                            attention_report="attention: SDPA, kernel chosen by PyTorch (CPU)", optimizer=optimizer)
 
 

@@ -137,11 +137,10 @@ def test_weight_cast_is_cached_until_the_weight_changes(monkeypatch):
 def test_first_last_layers_bf16_picks_layers_by_global_number():
     from types import SimpleNamespace
 
-    config = SimpleNamespace(num_layers=6, first_last_layers_bf16=True, num_layers_at_start_in_bf16=1,
-                             num_layers_at_end_in_bf16=2)
-    assert fp8_layer_numbers(config) == {1, 2, 3}
-    config.first_last_layers_bf16 = False
-    assert fp8_layer_numbers(config) == set(range(6))
+    execution = SimpleNamespace(first_last_layers_bf16=True, num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=2)
+    assert fp8_layer_numbers(execution, 6) == {1, 2, 3}
+    execution.first_last_layers_bf16 = False
+    assert fp8_layer_numbers(execution, 6) == set(range(6))
 
 
 @pytest.mark.parametrize("recipe, message", [
@@ -160,13 +159,15 @@ def _train(fp8_format, recipe, steps):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.parallel_state import single_process
+    from megatron.core.transformer.config import ExecutionConfig
     from tests.distributed.parity import llama_config
 
-    config = llama_config(params_dtype=torch.bfloat16, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                          ffn_hidden_size=128, vocab_size=64, max_position_embeddings=32, fp8=fp8_format,
-                          fp8_recipe=recipe, fp8_amax_history_len=4, fp8_amax_compute_algo="max")
+    config = llama_config(hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+                          padded_vocab_size=64, max_position_embeddings=32)
+    execution = ExecutionConfig(params_dtype=torch.bfloat16, fp8=fp8_format, fp8_recipe=recipe, fp8_amax_history_len=4,
+                                fp8_amax_compute_algo="max")
     groups = single_process()
-    model = GPTModel(config, groups)
+    model = GPTModel(config, groups, execution=execution)
     model.initialize_parameters(7)
     ddp = DistributedDataParallel(model, groups)
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=3e-3, bf16=True, clip_grad=1.0), [ddp], groups)

@@ -41,12 +41,14 @@ def _tiny_fp8_training(recipe):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.parallel_state import single_process
+    from megatron.core.transformer.config import ExecutionConfig
     from tests.distributed.parity import llama_config
 
-    config = llama_config(params_dtype=torch.bfloat16, vocab_size=64, fp8="hybrid", fp8_recipe=recipe,
-                          fp8_amax_history_len=2, fp8_amax_compute_algo="max")
+    config = llama_config(padded_vocab_size=64)
+    execution = ExecutionConfig(params_dtype=torch.bfloat16, fp8="hybrid", fp8_recipe=recipe,
+                                fp8_amax_history_len=2, fp8_amax_compute_algo="max")
     groups = single_process()
-    model = GPTModel(config, groups)
+    model = GPTModel(config, groups, execution=execution)
     model.initialize_parameters(7)
     ddp = DistributedDataParallel(model, groups)
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=True), [ddp], groups)
@@ -129,9 +131,11 @@ def test_every_roll_records_the_cached_weights_amax():
 def test_evaluation_forwards_leave_the_amax_history_alone():
     from megatron.core.models.gpt import GPTModel
     from megatron.core.parallel_state import single_process
+    from megatron.core.transformer.config import ExecutionConfig
     from tests.distributed.parity import llama_config
 
-    model = GPTModel(llama_config(vocab_size=64, fp8="e4m3", fp8_amax_history_len=3), single_process())
+    model = GPTModel(llama_config(padded_vocab_size=64), single_process(),
+                     execution=ExecutionConfig(fp8="e4m3", fp8_amax_history_len=3))
     model.initialize_parameters(1)
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
     positions = torch.arange(16).expand_as(tokens)

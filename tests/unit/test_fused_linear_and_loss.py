@@ -181,12 +181,13 @@ def test_fused_cross_entropy_leaves_a_leaf_tensor_untouched():
 
 def test_gpt_model_loss_is_the_same_fused_or_not():
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.config import ExecutionConfig
     from tests.distributed.parity import llama_config
 
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     results = []
     for fused in (False, True):
-        model = GPTModel(llama_config(cross_entropy_loss_fusion=fused), single_process())
+        model = GPTModel(llama_config(), single_process(), execution=ExecutionConfig(cross_entropy_loss_fusion=fused))
         model.initialize_parameters(3)
         loss = model(tokens, torch.arange(16).expand_as(tokens), labels=tokens).mean()
         loss.backward()
@@ -200,12 +201,14 @@ def test_gpt_model_loss_is_the_same_fused_or_not():
 def test_gpt_model_main_grads_are_the_same_with_and_without_fusion(config_name):
     """Whole model under DDP, 2 micro-batches: --gradient-accumulation-fusion changes no gradient."""
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.config import ExecutionConfig
     from tests.distributed import parity
 
     tokens = torch.randint(0, 128, (2, 2, 16), generator=torch.Generator().manual_seed(1))
     grads = []
     for fusion in (False, True):
-        model = GPTModel(getattr(parity, config_name)(gradient_accumulation_fusion=fusion), single_process())
+        model = GPTModel(getattr(parity, config_name)(), single_process(),
+                         execution=ExecutionConfig(gradient_accumulation_fusion=fusion))
         model.initialize_parameters(3)
         ddp = DistributedDataParallel(model, single_process())
         ddp.zero_grad_buffer()

@@ -49,13 +49,14 @@ def test_compiled_rms_norm_swiglu_and_rotary_match_eager(dtype, tol):
 def test_fused_model_matches_eager_model():
     from megatron.core.models.gpt import GPTModel
     from megatron.core.parallel_state import single_process
+    from megatron.core.transformer.config import ExecutionConfig
     from tests.distributed.parity import llama_config
 
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(16).expand_as(tokens)
     losses, grads = [], []
     for fuse in (False, True):
-        model = GPTModel(llama_config(fuse_elementwise=fuse), single_process())
+        model = GPTModel(llama_config(), single_process(), execution=ExecutionConfig(fuse_elementwise=fuse))
         model.initialize_parameters(5)
         loss = model(tokens, positions, labels=tokens).mean()
         loss.backward()

@@ -10,6 +10,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from megatron.core.parallel_state import single_process
 from megatron.core.transformer import fusions
+from megatron.core.transformer.config import ExecutionConfig
 from tests.distributed.parity import llama_config
 
 
@@ -26,7 +27,7 @@ def _eager_adds_over_activations(layer, x) -> int:
 def test_compiled_layer_adds_the_first_residual_inside_the_norm():
     from megatron.core.models.gpt import GPTModel
 
-    model = GPTModel(llama_config(fuse_elementwise=True), single_process())
+    model = GPTModel(llama_config(), single_process(), execution=ExecutionConfig(fuse_elementwise=True))
     model.initialize_parameters(1)
     layer = model.decoder.layers[0]
     x = torch.randn(16, 2, 64, requires_grad=True)

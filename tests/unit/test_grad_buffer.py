@@ -17,6 +17,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.distributed_optimizer import DistributedOptimizer
 from megatron.core.parallel_state import single_process
 from megatron.training.memory import memory_report, theoretical_bytes
+from megatron.core.transformer.config import ExecutionConfig
 from tests.distributed.test_data_parallel import (
     SEED,
     global_batches,
@@ -69,7 +70,8 @@ def test_flag_combinations_are_refused_with_the_flags_named():
 
 
 def _model(dtype=torch.float32):
-    model = GPTModel(model_config(params_dtype=dtype), single_process(), device=torch.device("cpu"))
+    model = GPTModel(model_config(), single_process(), execution=ExecutionConfig(params_dtype=dtype),
+                     device=torch.device("cpu"))
     model.initialize_parameters(SEED)
     return model
 

@@ -25,7 +25,7 @@ from megatron.core.models.gpt.hf_mapping import (  # noqa: E402
     padded_vocab_size,
 )
 from megatron.core.transformer.moe.moe_utils import moe_layer_pattern  # noqa: E402
-from megatron.training.checkpoint_conversion import read_hf  # noqa: E402
+from megatron.core.checkpointing.conversion import read_hf  # noqa: E402
 from tests.unit.test_hf_parity import randomize  # noqa: E402
 
 VOCAB, BATCH, SEQ, TOLERANCE = 128, 2, 24, 1e-4  # 128: no padded rows in the training loss
@@ -87,7 +87,7 @@ def test_moe_round_trip_gives_the_files_back(case, tmp_path):
         torch.testing.assert_close(back[key], tensor, rtol=0, atol=0, msg=key)
     exported = hf_config_from_transformer_config(config, VOCAB)
     again = hf_config_to_transformer_config(exported)
-    assert again == config and padded_vocab_size(VOCAB) == config.vocab_size
+    assert again == config and padded_vocab_size(VOCAB) == config.padded_vocab_size
 
 
 def test_qwen3_moe_layer_pattern_and_router_options():
@@ -108,7 +108,7 @@ def test_moe_without_hf_equivalent_is_refused():
 
 def test_converted_checkpoint_keys_experts_by_global_index(tmp_path):
     from megatron.core.checkpointing.storage import saved_shapes
-    from megatron.training.checkpoint_conversion import read_weights, write_weights
+    from megatron.core.checkpointing.conversion import read_weights, write_weights
 
     _, ours, _, _ = saved_pair("qwen3_moe", tmp_path / "hf")
     logical = model_to_logical(ours)

@@ -112,7 +112,7 @@ def assert_loss_matches(hf, ours, vocab_size):
 # ------------------------------------------------------------------------------------------------
 def test_llama2_mha_untied_logits():
     hf, ours = build_pair(llama_config(), "llama")
-    assert ours.config.vocab_size == 1024 and ours.config.untie_embeddings_and_output_weights
+    assert ours.config.padded_vocab_size == 1024 and ours.config.untie_embeddings_and_output_weights
     assert_logits_match(hf, ours, 1000)
 
 
@@ -139,12 +139,12 @@ def test_llama31_rope_scaling_logits_and_scaling_matters():
     hf_config = llama_config(num_key_value_heads=2, rope_theta=500000.0, rope_scaling=scaling)
     hf, ours = build_pair(hf_config, "llama")
     config = ours.config
-    assert config.rope_scaling and config.rope_original_max_position_embeddings == 16
+    assert config.use_rope_scaling and config.rope_original_max_position_embeddings == 16
     scaled = assert_logits_match(hf, ours, 1000)
 
     # The same weights without scaling must give clearly different logits, or this test proves nothing.
     unscaled_config = hf_config_to_transformer_config(llama_config(num_key_value_heads=2, rope_theta=500000.0))
-    assert not unscaled_config.rope_scaling
+    assert not unscaled_config.use_rope_scaling
     unscaled = GPTModel(unscaled_config, parallel_state.single_process()).eval()
     load_logical_into_model(unscaled, model_to_logical(ours))
     tokens, positions = inputs(1000)
@@ -166,7 +166,7 @@ def test_loss_matches_hf(arch):
     # do not exist in HF's.
     hf_config = llama_config(vocab_size=256, num_key_value_heads=2) if arch == "llama" else gpt2_config(vocab_size=256)
     hf, ours = build_pair(hf_config, arch)
-    assert ours.config.vocab_size == 256
+    assert ours.config.padded_vocab_size == 256
     assert_loss_matches(hf, ours, 256)
 
 
@@ -235,7 +235,7 @@ def test_load_into_tensor_parallel_rank_slices_heads():
         k = hf_state["model.layers.1.self_attn.k_proj.weight"][rank * head_dim:(rank + 1) * head_dim]
         v = hf_state["model.layers.1.self_attn.v_proj.weight"][rank * head_dim:(rank + 1) * head_dim]
         assert torch.equal(qkv, torch.cat((q, k, v)))
-        vocab_rows = config.vocab_size // 2
+        vocab_rows = config.padded_vocab_size // 2
         embedding = model.embedding.word_embeddings.weight
         assert torch.equal(embedding, logical["embedding.word_embeddings.weight"][""][rank * vocab_rows:][:vocab_rows])
 
@@ -258,9 +258,9 @@ def test_config_mapping_and_vocab_padding():
     assert padded_vocab_size(50257, 128, tp_size=8) == 51200
     config = hf_config_to_transformer_config(llama_config(num_key_value_heads=2), make_vocab_size_divisible_by=64,
                                              tp_size=4)
-    assert config.vocab_size == 1024
+    assert config.padded_vocab_size == 1024
     assert (config.num_layers, config.hidden_size, config.ffn_hidden_size) == (2, 64, 96)
-    assert config.normalization == "RMSNorm" and config.gated_linear_unit and config.activation == "silu"
+    assert config.normalization == "RMSNorm" and config.swiglu and config.activation == "silu"
     assert not config.add_bias_linear and config.position_embedding_type == "rope"
     gpt2 = hf_config_to_transformer_config(gpt2_config())
     assert gpt2.activation == "gelu_tanh" and gpt2.add_bias_linear and gpt2.ffn_hidden_size == 256

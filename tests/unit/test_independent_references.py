@@ -27,7 +27,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.lr_scheduler import LRScheduleConfig, learning_rate
 from megatron.core.parallel_state import single_process
-from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.config import ExecutionConfig, TransformerConfig, derive
 from megatron.core.transformer.fusions import rotary as apply_rotary
 from megatron.core.transformer.rope import RotaryEmbedding, inverse_frequencies
 from tests.optional import require_module
@@ -46,14 +46,14 @@ def _transformers_llama(head_dim: int, theta: float, scaling: dict = None):
 
 
 def _ours(head_dim: int, theta: float, scaling: dict = None) -> TransformerConfig:
-    values = dict(num_layers=1, hidden_size=head_dim * 4, num_attention_heads=4, vocab_size=8,
+    values = dict(num_layers=1, hidden_size=head_dim * 4, num_attention_heads=4, padded_vocab_size=8,
                   position_embedding_type="rope", rotary_base=theta)
     if scaling is not None:
-        values.update(rope_scaling=True, rope_scaling_factor=scaling["factor"],
+        values.update(use_rope_scaling=True, rope_scaling_factor=scaling["factor"],
                       rope_low_freq_factor=scaling["low_freq_factor"],
                       rope_high_freq_factor=scaling["high_freq_factor"],
                       rope_original_max_position_embeddings=scaling["original_max_position_embeddings"])
-    return TransformerConfig(**values)
+    return derive(TransformerConfig(**values))
 
 
 LLAMA31 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -162,7 +162,7 @@ def test_inverse_square_root_values_by_hand():
 # Weight decay
 
 def _gpt2_like() -> TransformerConfig:
-    return TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=32, ffn_hidden_size=32,
+    return TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, padded_vocab_size=32, ffn_hidden_size=32,
                              max_position_embeddings=8, normalization="LayerNorm", add_bias_linear=True,
                              untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0)
 
@@ -203,10 +203,9 @@ def test_masked_loss_gradients_and_reported_average_equal_cross_entropy_with_ign
     import pretrain_gpt
     from megatron.training.training import local_sums, reduce_reported
 
-    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32, ffn_hidden_size=32,
-                               max_position_embeddings=8, hidden_dropout=0.0, attention_dropout=0.0,
-                               gradient_accumulation_fusion=False)
-    model = GPTModel(config, single_process())
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, padded_vocab_size=32,
+                               ffn_hidden_size=32, max_position_embeddings=8, hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(config, single_process(), execution=ExecutionConfig(gradient_accumulation_fusion=False))
     model.initialize_parameters(11)
     generator = torch.Generator().manual_seed(3)
     micro_batches = []

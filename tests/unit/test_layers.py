@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.distributed import replica_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.tensor_parallel import cross_entropy as tp_cross_entropy
@@ -16,7 +17,7 @@ from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.cross_entropy import _VocabParallelCrossEntropy
 from megatron.core.tensor_parallel.layers import Part, TPLayout, replicated_layout, split_layout
 from megatron.core.transformer.attention import SelfAttention
-from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.config import ExecutionConfig, TransformerConfig, derive
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.norm import LayerNorm, RMSNorm, build_norm
 from megatron.core.transformer.fusions import rotary as apply_rotary
@@ -26,13 +27,14 @@ SINGLE = dict(tp_size=1, tp_rank=0, device=None)
 
 
 def make_config(**overrides) -> TransformerConfig:
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
-                hidden_dropout=0.0, attention_dropout=0.0)
-    return TransformerConfig(**(base | overrides))
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, padded_vocab_size=64,
+                max_position_embeddings=4096, hidden_dropout=0.0, attention_dropout=0.0,
+                group_query_attention="num_query_groups" in overrides)
+    return derive(TransformerConfig(**(base | overrides)))
 
 
 def llama_like(**overrides) -> TransformerConfig:
-    return make_config(**(dict(normalization="RMSNorm", gated_linear_unit=True, activation="silu",
+    return make_config(**(dict(normalization="RMSNorm", swiglu=True,
                                add_bias_linear=False, position_embedding_type="rope") | overrides))
 
 
@@ -78,8 +80,8 @@ def test_layernorm_matches_torch_and_manual():
 
 def test_norm_layouts_replicated_and_sum_grads_only_with_sequence_parallel():
     for sequence_parallel, tp_size, expected in ((False, 2, False), (True, 1, False), (True, 2, True)):
-        norm = build_norm(make_config(sequence_parallel=sequence_parallel), 32, tp_size=tp_size, tp_rank=1,
-                          device=None)
+        norm = build_norm(make_config(), 32, execution=ExecutionConfig(sequence_parallel=sequence_parallel),
+                          tp_size=tp_size, tp_rank=1, device=None)
         for name, param in norm.named_parameters():
             (part,) = param.tp_layout.parts
             assert (part.full_size, part.num_shards, part.sum_replica_grads) == (32, 1, expected)
@@ -123,7 +125,7 @@ def test_inverse_frequencies_default():
 
 
 def test_inverse_frequencies_llama31_scaling_covers_all_three_bands():
-    config = llama_like(hidden_size=128, num_attention_heads=4, rotary_base=500000.0, rope_scaling=True,
+    config = llama_like(hidden_size=128, num_attention_heads=4, rotary_base=500000.0, use_rope_scaling=True,
                         rope_scaling_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                         rope_original_max_position_embeddings=64)
     expected = reference_frequencies(500000.0, 32, (8.0, 1.0, 4.0, 64))
@@ -179,7 +181,7 @@ def test_swiglu_mlp_matches_manual():
 
 
 def test_gelu_tanh_mlp_with_bias_matches_manual():
-    config = make_config(activation="gelu_tanh", ffn_hidden_size=64)
+    config = make_config(openai_gelu=True, ffn_hidden_size=64)
     mlp = MLP(config, tp_group=None, **SINGLE)
     fill_random(mlp)
     x = randn(6, 2, 32, seed=1)
@@ -401,7 +403,7 @@ def test_sum_partial_replica_grads_sums_over_the_ranks_sharing_a_slice(monkeypat
     """TP=4, 2 KV groups: k/v gradients are summed over ranks {0, 1} and {2, 3}; q is left alone.
     A replicated part marked sum_replica_grads (a sequence-parallel norm) is summed over all ranks."""
     group = ThreadGroup(4)
-    monkeypatch.setattr(tp_layers, "comm", group)
+    monkeypatch.setattr(replica_grads, "comm", group)
     grads = [randn(12, 5, seed=10 + r) for r in range(4)]
     norm_grads = [randn(7, seed=20 + r) for r in range(4)]
 
@@ -472,7 +474,7 @@ def test_initialization_rules():
 def test_initialization_is_tensor_parallel_invariant(tp_size):
     """Rank r of a TP model starts from its slice of the TP=1 weights (built alone: construction
     and initialization issue no collectives)."""
-    config = llama_like(hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=64,
+    config = llama_like(hidden_size=32, num_attention_heads=4, num_query_groups=2, padded_vocab_size=64,
                         untie_embeddings_and_output_weights=True)
     reference = built(config, 11)
     full = {reference.global_param_name(n): p.tp_layout.local_to_full(p, None)
@@ -502,7 +504,7 @@ def test_initialization_is_pipeline_invariant_and_ties_the_last_stage_head():
      r"6 is not divisible by 4 \(--num-attention-heads by --tensor-model-parallel-size\)"),
     (dict(num_attention_heads=8, ffn_hidden_size=100), 8,
      r"100 is not divisible by 8 \(--ffn-hidden-size by --tensor-model-parallel-size\)"),
-    (dict(num_attention_heads=8, vocab_size=100), 8,
+    (dict(num_attention_heads=8, padded_vocab_size=100), 8,
      r"100 is not divisible by 8 \(padded vocabulary size by --tensor-model-parallel-size\)"),
     (dict(num_attention_heads=12, hidden_size=48, num_query_groups=6), 4,
      r"6 is not divisible by 4 \(--num-query-groups by --tensor-model-parallel-size\)"),

@@ -31,7 +31,7 @@ WRITER = Path(__file__).with_name("megatron_lm_reference.py")
 WORLD_SIZE = 4
 ITERATION = 7
 TOLERANCE = 1e-4  # max |logit difference|, fp32; logits are O(1) to O(10) (measured: <= 1e-5)
-LAYOUTS = {"llama": ("tp1_pp1", "tp2_pp2", "tp2_pp2_vpp2"), "gpt": ("tp1_pp1", "tp2_pp2")}
+LAYOUTS = {"llama": ("tp1_pp1", "tp2_pp2", "tp2_pp2_vpp2"), "gpt": ("tp1_pp1", "tp2_pp2"), "qk": ("tp1_pp1", "tp2_pp2")}
 CHECKPOINTS = [(model, fmt, layout) for model, layouts in LAYOUTS.items() for fmt in ("torch_dist", "torch")
                for layout in layouts]
 
@@ -104,7 +104,7 @@ def test_convert_tool_writes_a_checkpoint_of_the_same_model(megatron_checkpoints
     imported tensors and gives Megatron-Core's logits."""
     import importlib.util
 
-    from megatron.training.checkpoint_conversion import read_weights
+    from megatron.core.checkpointing.conversion import read_weights
 
     spec = importlib.util.spec_from_file_location("convert_tool", Path(__file__).resolve().parents[2]
                                                   / "tools" / "checkpoint" / "convert.py")
@@ -124,10 +124,10 @@ def test_convert_tool_writes_a_checkpoint_of_the_same_model(megatron_checkpoints
 
 def test_config_follows_megatron_arguments(megatron_checkpoints):
     llama = read_megatron_checkpoint(checkpoint_dir(megatron_checkpoints, "llama", "torch_dist", "tp2_pp2")).config
-    assert (llama.num_layers, llama.num_query_groups, llama.kv_channels, llama.vocab_size) == (4, 2, 16, 128)
-    assert (llama.normalization, llama.gated_linear_unit, llama.activation, llama.add_bias_linear) == \
+    assert (llama.num_layers, llama.num_query_groups, llama.kv_channels, llama.padded_vocab_size) == (4, 2, 16, 128)
+    assert (llama.normalization, llama.swiglu, llama.activation, llama.add_bias_linear) == \
         ("RMSNorm", True, "silu", False)
-    assert (llama.position_embedding_type, llama.rotary_base, llama.rope_scaling) == ("rope", 500000.0, True)
+    assert (llama.position_embedding_type, llama.rotary_base, llama.use_rope_scaling) == ("rope", 500000.0, True)
     assert llama.untie_embeddings_and_output_weights
     checkpoint = read_megatron_checkpoint(checkpoint_dir(megatron_checkpoints, "gpt", "torch", "tp2_pp2"))
     gpt = checkpoint.config
@@ -226,9 +226,9 @@ def _rewrite_args(directory: Path, **changes) -> None:
 
 
 @pytest.mark.parametrize("changes,message", [
-    (dict(qk_layernorm=True), "--qk-layernorm"),
+    (dict(qk_layernorm=True), "missing ['decoder.layers.0.self_attention.k_layernorm.weight'"),
     (dict(num_experts=8), "--num-experts"),
-    (dict(apply_layernorm_1p=True), "--apply-layernorm-1p"),
+    (dict(multi_latent_attention=True), "--multi-latent-attention"),
     (dict(position_embedding_type="yarn"), "--position-embedding-type yarn"),
     (dict(num_layers=3), "expected the layers stacked in its first dimension (num_layers=3)"),
     (dict(ffn_hidden_size=64), "decoder.layers.0.mlp.linear_fc1.weight has shapes"),

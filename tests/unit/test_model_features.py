@@ -87,7 +87,7 @@ def test_llama_with_interleaved_rope_and_layernorm_1p(interleaved, zero_centered
     the Hugging Face Llama computes with the converted weights, and converts back bit for bit."""
     hf = randomize(transformers.LlamaForCausalLM(llama_config(num_key_value_heads=2))).eval()
     config = dataclasses.replace(hf_config_to_transformer_config(hf.config), rotary_interleaved=interleaved,
-                                 layernorm_zero_centered_gamma=zero_centered)
+                                 apply_layernorm_1p=zero_centered)
     logical = hf_to_logical(hf.state_dict(), config, "llama")
     plain_logical = hf_to_logical(hf.state_dict(), hf_config_to_transformer_config(hf.config), "llama")
     q = "decoder.layers.0.self_attention.linear_qkv.weight"
@@ -104,7 +104,7 @@ def test_llama_with_interleaved_rope_and_layernorm_1p(interleaved, zero_centered
 
 def test_gpt2_with_layernorm_1p():
     hf = randomize(transformers.GPT2LMHeadModel(gpt2_config())).eval()
-    config = dataclasses.replace(hf_config_to_transformer_config(hf.config), layernorm_zero_centered_gamma=True)
+    config = dataclasses.replace(hf_config_to_transformer_config(hf.config), apply_layernorm_1p=True)
     ours = ours_from_hf(hf, config, "gpt2")
     assert_logits_match(hf, ours, 1000, seq=64)
 
@@ -121,7 +121,7 @@ def test_interleaved_rotation_pairs_neighbouring_channels():
 
 
 def test_new_norms_start_as_the_identity_scale():
-    config = dataclasses.replace(hf_config_to_transformer_config(qwen3_config()), layernorm_zero_centered_gamma=True)
+    config = dataclasses.replace(hf_config_to_transformer_config(qwen3_config()), apply_layernorm_1p=True)
     model = GPTModel(config, parallel_state.single_process())
     model.initialize_parameters(1234)
     norms = {n: p for n, p in model.named_parameters() if "layernorm" in n}
@@ -144,7 +144,7 @@ def test_partial_rotary_is_refused():
 
 
 @pytest.mark.parametrize("flag, field", [("--qk-layernorm", "qk_layernorm"),
-                                         ("--apply-layernorm-1p", "layernorm_zero_centered_gamma"),
+                                         ("--apply-layernorm-1p", "apply_layernorm_1p"),
                                          ("--rotary-interleaved", "rotary_interleaved")])
 def test_checkpoint_of_another_layout_is_refused(flag, field):
     from megatron.training.checkpointing import architecture, check_architecture

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.parallel_state import ParallelGroups, single_process
-from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.config import ExecutionConfig, TransformerConfig, derive
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.experts import GroupedMLP, initialize_expert_param
 from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -17,15 +17,18 @@ HIDDEN, EXPERTS = 16, 4
 
 
 def config(**overrides):
-    base = dict(num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, vocab_size=64, ffn_hidden_size=24,
-                num_experts=EXPERTS, moe_ffn_hidden_size=12, moe_router_topk=2, gated_linear_unit=True,
-                activation="silu", add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-                moe_router_load_balancing_type="none", params_dtype=torch.float64)
-    return TransformerConfig(**(base | overrides))
+    base = dict(num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, padded_vocab_size=64, ffn_hidden_size=24,
+                num_experts=EXPERTS, moe_ffn_hidden_size=12, moe_router_topk=2, swiglu=True,
+                add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+                moe_router_load_balancing_type="none")
+    return derive(TransformerConfig(**(base | overrides)))
+
+
+EXECUTION = ExecutionConfig(params_dtype=torch.float64)
 
 
 def initialized_layer(cfg, seed=3):
-    layer = MoELayer(cfg, layer_number=0, groups=single_process(), device=torch.device("cpu"))
+    layer = MoELayer(cfg, execution=EXECUTION, layer_number=0, groups=single_process(), device=torch.device("cpu"))
     with torch.no_grad():
         for name, param in layer.named_parameters():
             full_name = f"decoder.layers.0.mlp.{name}"
@@ -48,7 +51,7 @@ def naive(layer, cfg, x):
                 continue
             h = F.linear(tokens[t], experts.fc1_weight[e],
                          experts.fc1_bias[e] if experts.fc1_bias is not None else None)
-            if cfg.gated_linear_unit:
+            if cfg.swiglu:
                 gate, up = h.chunk(2)
                 h = F.silu(gate) * up
             else:
@@ -63,7 +66,7 @@ def naive(layer, cfg, x):
 
 @pytest.mark.parametrize("overrides", [
     dict(),
-    dict(gated_linear_unit=False, activation="gelu", add_bias_linear=True, moe_router_topk=1),
+    dict(swiglu=False, add_bias_linear=True, moe_router_topk=1),
     dict(moe_shared_expert_intermediate_size=20, moe_shared_expert_gate=True, moe_router_score_function="sigmoid"),
     dict(moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=True),
     dict(moe_expert_capacity_factor=0.75, moe_token_drop_policy="position", moe_token_dispatcher_type="alltoall"),
@@ -100,9 +103,9 @@ def test_permute_then_unpermute_sums_copies():
 
 def test_expert_initialization_is_independent_of_expert_parallel_size():
     cfg = config()
-    whole = GroupedMLP(cfg, num_local_experts=4, expert_offset=0, etp_size=1, etp_rank=0, tp_size=1, tp_rank=0,
+    whole = GroupedMLP(cfg, execution=EXECUTION, num_local_experts=4, expert_offset=0, etp_size=1, etp_rank=0, tp_size=1, tp_rank=0,
                        device="cpu")
-    half = GroupedMLP(cfg, num_local_experts=2, expert_offset=2, etp_size=1, etp_rank=0, tp_size=1, tp_rank=0,
+    half = GroupedMLP(cfg, execution=EXECUTION, num_local_experts=2, expert_offset=2, etp_size=1, etp_rank=0, tp_size=1, tp_rank=0,
                       device="cpu")
     for module in (whole, half):
         initialize_expert_param(module.fc1_weight, "decoder.layers.0.mlp.experts.fc1_weight", 5, 0.02, 2)
@@ -112,9 +115,9 @@ def test_expert_initialization_is_independent_of_expert_parallel_size():
 
 def test_expert_tensor_parallel_slices_each_expert():
     cfg = config()
-    whole = GroupedMLP(cfg, num_local_experts=4, expert_offset=0, etp_size=1, etp_rank=0, tp_size=1, tp_rank=0,
+    whole = GroupedMLP(cfg, execution=EXECUTION, num_local_experts=4, expert_offset=0, etp_size=1, etp_rank=0, tp_size=1, tp_rank=0,
                        device="cpu")
-    second = GroupedMLP(cfg, num_local_experts=4, expert_offset=0, etp_size=2, etp_rank=1, tp_size=2, tp_rank=1,
+    second = GroupedMLP(cfg, execution=EXECUTION, num_local_experts=4, expert_offset=0, etp_size=2, etp_rank=1, tp_size=2, tp_rank=1,
                         device="cpu")
     for module in (whole, second):
         for name in ("fc1_weight", "fc2_weight"):
@@ -125,7 +128,7 @@ def test_expert_tensor_parallel_slices_each_expert():
 
 
 def test_gpt_model_builds_moe_layers_per_layer_freq():
-    cfg = config(num_layers=4, params_dtype=torch.float32, moe_layer_freq="[0]*1+[1]*3", position_embedding_type="rope",
+    cfg = config(num_layers=4, moe_layer_freq="[0]*1+[1]*3", position_embedding_type="rope",
                  normalization="RMSNorm", moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01)
     model = GPTModel(cfg, single_process())
     model.initialize_parameters(1)
@@ -144,9 +147,9 @@ def test_gpt_model_builds_moe_layers_per_layer_freq():
 def test_moe_needs_experts_divisible_by_expert_parallel_size():
     groups = ParallelGroups(ep_size=3)
     with pytest.raises(ValueError, match=r"4 is not divisible by 3 \(--num-experts by --expert-model-parallel-size\)"):
-        MoELayer(config(), layer_number=0, groups=groups, device="cpu")
+        MoELayer(config(), execution=EXECUTION, layer_number=0, groups=groups, device="cpu")
 
 
 def test_unknown_dispatcher_is_refused_by_name():
     with pytest.raises(ValueError, match="--moe-token-dispatcher-type must be one of"):
-        MoELayer(config(moe_token_dispatcher_type="flex"), layer_number=0, groups=single_process(), device="cpu")
+        MoELayer(config(moe_token_dispatcher_type="flex"), execution=EXECUTION, layer_number=0, groups=single_process(), device="cpu")

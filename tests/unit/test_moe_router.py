@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.config import TransformerConfig, derive
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router import AuxLossTracker, TopKRouter
 from tests.optional import require_megatron_core, skip_unless_importable_by_megatron_core
@@ -39,9 +39,9 @@ DROP_OPTIONS = [dict(drop_policy=policy, pad_to_capacity=pad, capacity_factor=fa
 
 
 def moe_config(**overrides) -> TransformerConfig:
-    base = dict(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=64, ffn_hidden_size=32,
-                num_experts=EXPERTS, moe_ffn_hidden_size=8, params_dtype=torch.float32)
-    return TransformerConfig(**(base | overrides))
+    base = dict(num_layers=2, hidden_size=16, num_attention_heads=2, padded_vocab_size=64, ffn_hidden_size=32,
+                num_experts=EXPERTS, moe_ffn_hidden_size=8)
+    return derive(TransformerConfig(**(base | overrides)))
 
 
 def _cases(generator):

@@ -15,6 +15,7 @@ from megatron.core.distributed.ddp import DistributedDataParallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.parallel_state import single_process
+from megatron.core.transformer.config import ExecutionConfig
 from tests.distributed.parity import llama_config
 
 
@@ -36,7 +37,7 @@ class CountPasses(TorchDispatchMode):
 
 def _trained_one_step(clip_grad):
     groups = single_process()
-    model = GPTModel(llama_config(params_dtype=torch.bfloat16), groups)
+    model = GPTModel(llama_config(), groups, execution=ExecutionConfig(params_dtype=torch.bfloat16))
     model.initialize_parameters(5)
     ddp = DistributedDataParallel(model, groups)
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, bf16=True, clip_grad=clip_grad), [ddp], groups)

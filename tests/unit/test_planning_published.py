@@ -14,9 +14,8 @@ residuals). Each must be reproduced within 15%.
   the benchmark presets), against the plan of this implementation's unfused path.
 """
 import pytest
-import torch
 
-from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.config import TransformerConfig, derive
 from megatron.training.planning.architecture import architecture
 from megatron.training.planning.hardware import cluster
 from megatron.training.planning.layout import Layout
@@ -30,9 +29,9 @@ SEQ, VOCAB = 2048, 51200
 def gpt3(layers: int, hidden: int, heads: int):
     """A GPT-3-style model as both papers describe it: LayerNorm, GeLU, biases, learned positions,
     tied embeddings, dropout 0.1, vocabulary 51200, sequence 2048."""
-    return architecture(TransformerConfig(
-        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=VOCAB, max_position_embeddings=SEQ,
-        hidden_dropout=0.1, attention_dropout=0.1, params_dtype=torch.float16))
+    return architecture(derive(TransformerConfig(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, padded_vocab_size=VOCAB,
+        max_position_embeddings=SEQ, hidden_dropout=0.1, attention_dropout=0.1)))
 
 
 KORTHIKANTI_MODELS = {"22B": (48, 6144, 64), "175B": (96, 12288, 96), "530B": (105, 20480, 128), "1T": (128, 25600, 160)}
@@ -131,11 +130,11 @@ def test_ptd_p_weak_scaling_table(row):
 
 
 def llama(layers, hidden, heads, groups, ffn, tied):
-    return architecture(TransformerConfig(
-        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups, ffn_hidden_size=ffn,
-        vocab_size=128256, normalization="RMSNorm", gated_linear_unit=True, activation="silu", add_bias_linear=False,
-        position_embedding_type="rope", untie_embeddings_and_output_weights=not tied, hidden_dropout=0.0,
-        attention_dropout=0.0, params_dtype=torch.bfloat16, max_position_embeddings=4096))
+    return architecture(derive(TransformerConfig(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, group_query_attention=True,
+        num_query_groups=groups, ffn_hidden_size=ffn, padded_vocab_size=128256, normalization="RMSNorm", swiglu=True,
+        add_bias_linear=False, position_embedding_type="rope", untie_embeddings_and_output_weights=not tied,
+        hidden_dropout=0.0, attention_dropout=0.0, max_position_embeddings=4096)))
 
 
 # docs/performance.md: Megatron-Core local layers + SDPA, measured on an H100 (seq 4096, bf16,

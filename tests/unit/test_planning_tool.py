@@ -108,16 +108,14 @@ def test_an_empty_table_file_is_refused(tmp_path):
 @pytest.mark.parametrize("family", ["llama", "gpt"])
 def test_throughput_counts_the_log_lines_flops(family):
     """The plan's TFLOP/s and MFU use the formula of the iteration log line."""
-    import torch
-
-    from megatron.core.transformer.config import TransformerConfig
+    from megatron.core.transformer.config import TransformerConfig, derive
     from megatron.training.logging import flops_per_iteration as logged
     from megatron.training.planning.architecture import architecture, flops_per_iteration
 
     if family == "llama":
-        config = TransformerConfig(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=2,
-                                   ffn_hidden_size=688, vocab_size=1024, gated_linear_unit=True, activation="silu",
-                                   params_dtype=torch.bfloat16)
+        config = TransformerConfig(num_layers=4, hidden_size=256, num_attention_heads=8, group_query_attention=True,
+                                   num_query_groups=2, ffn_hidden_size=688, padded_vocab_size=1024, swiglu=True)
     else:
-        config = TransformerConfig(num_layers=3, hidden_size=192, num_attention_heads=6, vocab_size=512)
+        config = TransformerConfig(num_layers=3, hidden_size=192, num_attention_heads=6, padded_vocab_size=512)
+    config = derive(config)
     assert flops_per_iteration(architecture(config), 16, 512) == logged(config, 16, 512)

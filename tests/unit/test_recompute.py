@@ -9,15 +9,15 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.parallel_state import single_process
 from megatron.core.tensor_parallel.random import MODEL_PARALLEL_RNG, build_tracker, checkpoint
 from megatron.core.transformer.block import recompute_segments
-from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.config import ExecutionConfig, TransformerConfig
 
 SEED = 1234
 
 
 def _config(**overrides) -> TransformerConfig:
-    base = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=128, max_position_embeddings=32,
+    base = dict(num_layers=4, hidden_size=32, num_attention_heads=4, padded_vocab_size=128, max_position_embeddings=32,
                 hidden_dropout=0.1, attention_dropout=0.1, position_embedding_type="rope",
-                normalization="RMSNorm", gated_linear_unit=True, activation="silu", add_bias_linear=False)
+                normalization="RMSNorm", swiglu=True, add_bias_linear=False)
     base.update(overrides)
     return TransformerConfig(**base)
 
@@ -48,10 +48,10 @@ class _Held:
         self.counter.live -= self.nbytes
 
 
-def _train_step(config: TransformerConfig):
+def _train_step(config: TransformerConfig = None, execution: ExecutionConfig = ExecutionConfig()):
     """One forward/backward from fixed seeds; returns (loss, {name: grad}, peak saved bytes)."""
     tracker = build_tracker(SEED, 0, 0, torch.device("cpu"))  # also seeds the default generator
-    model = GPTModel(config, single_process(), rng_tracker=tracker)
+    model = GPTModel(config or _config(), single_process(), execution=execution, rng_tracker=tracker)
     model.initialize_parameters(SEED)
     generator = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, 128, (2, 32), generator=generator)
@@ -76,13 +76,12 @@ def _assert_same(reference, other):
 
 def test_recompute_matches_gradients_with_dropout_and_saves_memory():
     reference = _train_step(_config())
-    full_uniform = _train_step(_config(recompute_granularity="full", recompute_method="uniform",
-                                       recompute_num_layers=1))
-    full_block = _train_step(_config(recompute_granularity="full", recompute_method="block",
-                                     recompute_num_layers=3))
-    full_uniform_pairs = _train_step(_config(recompute_granularity="full", recompute_method="uniform",
-                                             recompute_num_layers=2))
-    selective = _train_step(_config(recompute_granularity="selective"))
+    full = dict(recompute_granularity="full")
+    full_uniform = _train_step(execution=ExecutionConfig(**full, recompute_method="uniform", recompute_num_layers=1))
+    full_block = _train_step(execution=ExecutionConfig(**full, recompute_method="block", recompute_num_layers=3))
+    full_uniform_pairs = _train_step(execution=ExecutionConfig(**full, recompute_method="uniform",
+                                                               recompute_num_layers=2))
+    selective = _train_step(execution=ExecutionConfig(recompute_granularity="selective"))
     for run in (full_uniform, full_block, full_uniform_pairs, selective):
         _assert_same(reference, run)
     no_recompute_peak = reference[2]
@@ -125,12 +124,12 @@ def test_checkpoint_restores_default_and_tracker_rng():
 
 
 def test_recompute_segments():
-    config = _config(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3)
+    config = ExecutionConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3)
     assert recompute_segments(config, 7) == [(0, 3, True), (3, 6, True), (6, 7, True)]
     config = dataclasses.replace(config, recompute_method="block", recompute_num_layers=2)
     assert recompute_segments(config, 5) == [(0, 1, True), (1, 2, True), (2, 5, False)]
     assert recompute_segments(config, 1) == [(0, 1, True)]
-    assert recompute_segments(_config(recompute_granularity="selective"), 4) == [(0, 4, False)]
+    assert recompute_segments(ExecutionConfig(recompute_granularity="selective"), 4) == [(0, 4, False)]
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -140,4 +139,4 @@ def test_recompute_segments():
 ])
 def test_bad_recompute_flags(overrides, message):
     with pytest.raises(ValueError, match=message):
-        recompute_segments(_config(**overrides), 4)
+        recompute_segments(ExecutionConfig(**overrides), 4)

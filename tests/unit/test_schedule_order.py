@@ -85,7 +85,7 @@ def our_steps(pp: int, rank: int, virtual: int, n: int, group, mode: str, monkey
     """One rank's (kind, chunk, micro-batch) steps in our schedule."""
     monkeypatch.setattr(p2p.comm, "batch_send_recv", lambda ops: [])
     groups = SimpleNamespace(pp_size=pp, pp_rank=rank, is_first_stage=rank == 0, is_last_stage=rank == pp - 1,
-                             pp_next_rank=(rank + 1) % pp, pp_prev_rank=(rank - 1) % pp, pp=None,
+                             pp_next_rank=(rank + 1) % pp, pp_prev_rank=(rank - 1) % pp, pp=None, cp_size=1,
                              device=torch.device("cpu"))
     record = []
     common = dict(forward_step_func=_recording_step(record), data_iterator=iter(range(n)),

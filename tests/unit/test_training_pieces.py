@@ -5,7 +5,7 @@ import pytest
 
 from megatron.core.optimizer.grad_scaler import DynamicGradScaler
 from megatron.core.optimizer.lr_scheduler import LRScheduleConfig, learning_rate
-from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.config import TransformerConfig, derive
 from megatron.training.data import PretrainingSampler
 from megatron.training.logging import flops_per_iteration, iteration_line
 
@@ -53,8 +53,8 @@ def test_dynamic_loss_scale_backs_off_after_hysteresis_and_grows():
 
 
 def test_flops_formula_matches_design_for_llama3_8b():
-    model = TransformerConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
-                              ffn_hidden_size=14336, vocab_size=128256, gated_linear_unit=True)
+    model = derive(TransformerConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, group_query_attention=True,
+                                     num_query_groups=8, ffn_hidden_size=14336, padded_vocab_size=128256, swiglu=True))
     B, s, L, h, f, q, k, g, V = 1, 8192, 32, 4096, 14336, 4096, 128, 8, 128256
     expected = 6 * B * s * (L * (3 * h * f + 2 * h * q + 2 * h * k * g + s * q) + h * V)
     assert flops_per_iteration(model, 1, 8192) == expected
@@ -107,11 +107,11 @@ def test_weight_decay_skips_norms_and_biases_and_masters_are_fp32():
     from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.parallel_state import single_process
-    from megatron.core.transformer.config import TransformerConfig
+    from megatron.core.transformer.config import ExecutionConfig, TransformerConfig
 
-    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64,
-                               params_dtype=torch.bfloat16, add_bias_linear=True)
-    model = GPTModel(config, single_process())
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, padded_vocab_size=64,
+                               max_position_embeddings=4096, add_bias_linear=True)
+    model = GPTModel(config, single_process(), execution=ExecutionConfig(params_dtype=torch.bfloat16))
     model.initialize_parameters(3)
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3, weight_decay=0.1, bf16=True),
                                        [DistributedDataParallel(model, single_process())], single_process())

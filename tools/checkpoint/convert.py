@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 import torch  # noqa: E402
 
 from megatron.core.models.gpt import hf_mapping  # noqa: E402
-from megatron.training import checkpoint_conversion as conversion  # noqa: E402
+from megatron.core.checkpointing import conversion  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -86,7 +86,7 @@ def convert(argv=None) -> str:
         print(f"wrote {directory}: load it with --load {args.target} --finetune --use-checkpoint-args")
         return directory
     arch = hf_mapping.architecture_for_hf(config)
-    vocab_size = vocab_size or config.vocab_size  # unknown: keep the padded rows
+    vocab_size = vocab_size or config.padded_vocab_size  # unknown: keep the padded rows
     state = hf_mapping.logical_to_hf(logical, config, arch, vocab_size=vocab_size)
     conversion.write_hf(args.target, hf_mapping.hf_config_from_transformer_config(config, vocab_size), state)
     print(f"wrote {args.target} ({arch}, {len(state)} tensors)")

@@ -34,11 +34,13 @@ Layouts undone:
 - A tied output layer (no `--untie-embeddings-and-output-weights`) is the word embedding: the last
   pipeline stage's copy in legacy files is not read.
 
+The model's arguments are read by name: TransformerConfig's fields are Megatron-LM's argument names,
+so the config is a loop over them (`config_from_megatron_args`).
+
 Refused with a ValueError naming the option: what GPTModel cannot represent (mixture of experts,
---qk-layernorm, --apply-layernorm-1p, multi-latent attention, multi-token prediction, interleaved
-rotary, sliding-window attention, non-vanilla softmax, squared ReLU, quick GeGLU, post-layernorm
-residuals, rotary sequence interpolation, position embeddings other than rope / learned_absolute /
-none), Megatron-LM's pre-Core models (`--use-legacy-models`, keys under `language_model`), checkpoint
+multi-latent attention, multi-token prediction, sliding-window attention, non-vanilla softmax,
+squared ReLU, quick GeGLU, post-layernorm residuals, rotary sequence interpolation, position
+embeddings other than rope / learned_absolute / none), Megatron-LM's pre-Core models (`--use-legacy-models`, keys under `language_model`), checkpoint
 versions before 3.0, and formats other than the two above.
 
 Safety: nothing in the files is executed (see safe_pickle: `.pt` files are read with
@@ -46,6 +48,7 @@ Safety: nothing in the files is executed (see safe_pickle: `.pt` files are read 
 torch.distributed.checkpoint's `.metadata` is unpickled with an allow-list). A corrupt or truncated
 file is a ValueError naming the file.
 """
+import dataclasses
 import json
 import os
 import re
@@ -64,7 +67,7 @@ from megatron.core.checkpointing.safe_pickle import SafeFileSystemReader, check_
 from megatron.core.models.gpt.hf_mapping import OUTPUT_LAYER
 from megatron.core.models.gpt.model import WORD_EMBEDDINGS, GPTModel
 from megatron.core.parallel_state import single_process
-from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.config import TransformerConfig, derive
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FORMATS = ("torch_dist", "torch")
@@ -87,6 +90,8 @@ _LAYER_SPLIT = {
     "self_attention.linear_qkv.weight": 0, "self_attention.linear_qkv.bias": 0,
     "self_attention.linear_proj.weight": 1, "self_attention.linear_proj.bias": None,
     "pre_mlp_layernorm.weight": None, "pre_mlp_layernorm.bias": None,
+    "self_attention.q_layernorm.weight": None, "self_attention.q_layernorm.bias": None,
+    "self_attention.k_layernorm.weight": None, "self_attention.k_layernorm.bias": None,
     "mlp.linear_fc1.weight": 0, "mlp.linear_fc1.bias": 0,
     "mlp.linear_fc2.weight": 1, "mlp.linear_fc2.bias": None,
 }
@@ -360,11 +365,8 @@ def _number_layers_globally(chunks: dict, pp_size: int, directory: str) -> dict:
 # (argument, Megatron flag, what it is) for options GPTModel does not implement: refused when set.
 _UNSUPPORTED = (
     ("num_experts", "--num-experts", "mixture of experts"),
-    ("qk_layernorm", "--qk-layernorm", "layer norms on queries and keys"),
-    ("apply_layernorm_1p", "--apply-layernorm-1p", "zero-centered layer-norm weights"),
     ("multi_latent_attention", "--multi-latent-attention", "multi-latent attention"),
     ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction"),
-    ("rotary_interleaved", "--rotary-interleaved", "interleaved rotary embeddings"),
     ("rotary_seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor", "rotary interpolation"),
     ("apply_residual_connection_post_layernorm", "--apply-residual-connection-post-layernorm",
      "residuals taken after the layer norm"),
@@ -425,41 +427,20 @@ def config_from_megatron_args(args: dict, padded_vocab_size: int, *, source: str
     if saved_vocab is not None and saved_vocab != padded_vocab_size:
         raise ValueError(f"{source}: padded_vocab_size is {saved_vocab} in the arguments but the word embedding has "
                          f"{padded_vocab_size} rows")
-    hidden = _required(args, "hidden_size", source)
-    heads = _required(args, "num_attention_heads", source)
-    add_bias_linear = bool(args.get("add_bias_linear", True))
-    swiglu = bool(args.get("swiglu", False))
-    return TransformerConfig(
-        num_layers=_required(args, "num_layers", source),
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        vocab_size=padded_vocab_size,
-        ffn_hidden_size=args.get("ffn_hidden_size") or 4 * hidden,
-        kv_channels=args.get("kv_channels") or hidden // heads,
-        num_query_groups=args.get("num_query_groups") if args.get("group_query_attention") else heads,
-        max_position_embeddings=args.get("max_position_embeddings") or 4096,
-        normalization=args.get("normalization") or "LayerNorm",
-        norm_epsilon=float(args.get("norm_epsilon", 1e-5)),
-        gated_linear_unit=swiglu,
-        activation="silu" if swiglu else _gelu(args, add_bias_linear),
-        add_bias_linear=add_bias_linear,
-        add_qkv_bias=bool(args.get("add_qkv_bias", False)),
-        position_embedding_type=args.get("position_embedding_type") or "learned_absolute",
-        rotary_base=float(args.get("rotary_base", 10000)),
-        rotary_percent=float(args.get("rotary_percent", 1.0)),
-        rope_scaling=bool(args.get("use_rope_scaling", False)),
-        rope_scaling_factor=float(args.get("rope_scaling_factor", 8.0)),
-        untie_embeddings_and_output_weights=bool(args.get("untie_embeddings_and_output_weights", False)),
-        hidden_dropout=float(args.get("hidden_dropout", 0.1)),
-        attention_dropout=float(args.get("attention_dropout", 0.1)),
-        init_method_std=float(args.get("init_method_std", 0.02)),
-    )
+    for name in ("num_layers", "hidden_size", "num_attention_heads"):
+        _required(args, name, source)
+    names = {field.name for field in dataclasses.fields(TransformerConfig)}
+    values = {name: value for name, value in args.items() if name in names and value is not None}
+    values.update(padded_vocab_size=padded_vocab_size, openai_gelu=_tanh_gelu(args))
+    return derive(TransformerConfig(**values), seq_length=args.get("seq_length"))
 
 
-def _gelu(args: dict, add_bias_linear: bool) -> str:
-    """Megatron-Core's fused bias-GeLU (--bias-gelu-fusion, on by default, used when linear layers
-    have biases) is the tanh approximation; otherwise its MLP calls the exact F.gelu."""
-    return "gelu_tanh" if args.get("bias_gelu_fusion", True) and add_bias_linear else "gelu"
+def _tanh_gelu(args: dict) -> bool:
+    """--openai-gelu, or Megatron-Core's fused bias-GeLU (--bias-gelu-fusion, on by default, used when
+    linear layers have biases), which is the tanh approximation; otherwise its MLP calls the exact
+    F.gelu."""
+    fused = args.get("bias_gelu_fusion", True) and args.get("add_bias_linear", True)
+    return bool(args.get("openai_gelu") or fused)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -474,7 +455,7 @@ def _to_logical(tensors: dict, config: TransformerConfig, source: str) -> dict:
         suffix = match.group(2) if match else ""
         if suffix.startswith("self_attention.linear_qkv."):
             parts = _split_qkv(tensor, config, name, source)
-        elif suffix.startswith("mlp.linear_fc1.") and config.gated_linear_unit:
+        elif suffix.startswith("mlp.linear_fc1.") and config.swiglu:
             gate, up = tensor.chunk(2, dim=0)
             parts = {"gate": gate, "up": up}
         else:

@@ -52,15 +52,15 @@ class ContextParallelAttention(torch.nn.Module):
 
     q: [b, nq, s/C, d], k/v: [b, nkv, s/C, d] (this rank's two chunks) -> [b, nq, s/C, d]."""
 
-    def __init__(self, config, *, cp_group, num_local_heads: int, num_local_groups: int):
+    def __init__(self, config, *, execution, cp_group, num_local_heads: int, num_local_groups: int):
         super().__init__()
         self.cp_group = cp_group
-        self.comm_type = config.cp_comm_type
+        self.comm_type = execution.cp_comm_type
         check_context_parallel(cp_size=comm.size(cp_group), comm_type=self.comm_type,
                                num_local_heads=num_local_heads, num_local_groups=num_local_groups,
                                attention_dropout=config.attention_dropout)
         self.use_flash_attn_package = False
-        if config.attention_backend == "flash_attn":
+        if execution.attention_backend == "flash_attn":
             self.use_flash_attn_package = flash_attn_package_usable()
             if not self.use_flash_attn_package:
                 logger.warning("--use-flash-attn: flash-attn >= 2.6 is not installed; context-parallel attention "

@@ -42,10 +42,6 @@ def get_bin_path(path_prefix: str) -> str:
     return path_prefix + ".bin"
 
 
-def dataset_exists(path_prefix: str) -> bool:
-    return os.path.isfile(get_idx_path(path_prefix)) and os.path.isfile(get_bin_path(path_prefix))
-
-
 def _temporary_path(path: str) -> str:
     return f"{path}.tmp-{os.getpid()}"
 

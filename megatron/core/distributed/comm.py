@@ -160,6 +160,12 @@ def reduce_scatter_mean(output: torch.Tensor, input_: torch.Tensor, group: Group
         output, input_.contiguous(), op=dist.ReduceOp.AVG, group=group, async_op=async_op))
 
 
+def new_gloo_group(timeout) -> dist.ProcessGroup:
+    """A gloo group of every rank, apart from the training groups (checkpoint planning and commits,
+    also from an async save's background thread)."""
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
 def barrier(group: Group = None) -> None:
     """Barrier over `group`; with None, over the world when distributed is initialized."""
     if group is not None:

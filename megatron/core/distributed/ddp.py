@@ -31,9 +31,10 @@ from typing import Optional
 import torch
 
 from megatron.core.distributed import comm
+from megatron.core.distributed.chunk import ModelChunk
 from megatron.core.distributed.param_and_grad_buffer import DEFAULT_BUCKET_SIZE, ParamAndGradBuffer
+from megatron.core.distributed.replica_grads import all_reduce_partial_replica_grads
 from megatron.core.parallel_state import ParallelGroups
-from megatron.core.tensor_parallel.layers import all_reduce_partial_replica_grads
 
 
 @dataclass
@@ -149,12 +150,10 @@ def chain_param_gathers(chunks: list) -> ParamGatherChain:
     return chain
 
 
-class DistributedDataParallel(torch.nn.Module):
+class DistributedDataParallel(ModelChunk):
     def __init__(self, module: torch.nn.Module, groups: ParallelGroups, *,
                  ddp_config: Optional[DistributedDataParallelConfig] = None, grad_dtype=None):
-        super().__init__()
-        self.module = module
-        self.groups = groups
+        super().__init__(module, groups)
         self.ddp_config = ddp_config or DistributedDataParallelConfig()
         cfg = self.ddp_config
         if grad_dtype is None:
@@ -190,13 +189,7 @@ class DistributedDataParallel(torch.nn.Module):
         if cfg.overlap_param_gather:
             self._register_param_gather_hooks()
 
-    # -- the contract the training loop and schedules use -----------------------------------
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def set_input_tensor(self, tensor) -> None:
-        self.module.set_input_tensor(tensor)
-
+    # -- the contract the training loop and schedules use (chunk.ModelChunk) ---------------------
     @contextlib.contextmanager
     def no_sync(self):
         """Micro-batches inside this block only accumulate; no bucket reduction starts."""

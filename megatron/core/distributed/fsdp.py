@@ -24,16 +24,14 @@ finish_grad_sync, set_input_tensor, module). Gradients are the parameters' shard
 (DTensors); `finish_grad_sync` adds the tensor-parallel sums of partial replica gradients on the
 shards, which `finalize_model_grads` does for the DDP buffers.
 """
-import contextlib
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron.core.distributed import comm
+from megatron.core.distributed.chunk import ModelChunk
 from megatron.core.parallel_state import ParallelGroups
-from megatron.core.tensor_parallel.layers import initial_values
-from megatron.core.transformer.rope import RotaryEmbedding, inverse_frequencies
 
 _PARAM_ATTRIBUTES = ("tp_layout", "shared_embedding", "init", "is_embedding_or_output_parameter")
 
@@ -52,12 +50,12 @@ def _data_parallel_mesh(groups: ParallelGroups):
     return DeviceMesh.from_group(group, groups.device.type, mesh_dim_names=("dp_cp",))
 
 
-class FullyShardedDataParallel(torch.nn.Module):
+class FullyShardedDataParallel(ModelChunk):
     def __init__(self, module: torch.nn.Module, groups: ParallelGroups, *, compute_dtype: Optional[torch.dtype] = None,
                  reduce_dtype: torch.dtype = torch.float32, init_seed: Optional[int] = None):
         """`module`: a GPTModel, on the meta device (then `init_seed` gives its initial values) or
         already initialized. `reduce_dtype`: the dtype of the gradient reduce-scatter."""
-        super().__init__()
+        super().__init__(module, groups)
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if not dist.is_initialized():
@@ -65,8 +63,6 @@ class FullyShardedDataParallel(torch.nn.Module):
         on_meta = any(p.is_meta for p in module.parameters())
         if on_meta and init_seed is None:
             raise ValueError("a model built on the meta device needs init_seed to be initialized")
-        self.module = module
-        self.groups = groups
         compute_dtype = compute_dtype or next(module.parameters()).dtype
         self.compute_dtype = compute_dtype
         attributes = {name: {a: getattr(p, a) for a in _PARAM_ATTRIBUTES if hasattr(p, a)}
@@ -91,36 +87,24 @@ class FullyShardedDataParallel(torch.nn.Module):
     def _initialize_shards(self, seed: int, model_dtype: torch.dtype) -> None:
         """Each fp32 shard gets its rows of the parameter's initial value, rounded to the model's dtype
         as an unsharded model's would be. One parameter at a time, the only full-size temporary is the
-        generated fp32 value of that parameter. Buffers (rotary frequencies) are recomputed."""
+        generated fp32 value of that parameter (the model's `initial_values(name, param, seed, device)`).
+        Non-persistent buffers (rotary frequencies) are recomputed by their modules' `reset_buffers()`."""
         model = self.module
         for submodule in model.modules():
-            if isinstance(submodule, RotaryEmbedding):
-                submodule.inv_freq = inverse_frequencies(model.config).to(self.groups.device)
+            if hasattr(submodule, "reset_buffers"):
+                submodule.reset_buffers()
         for name, param in model.named_parameters():
-            full = initial_values(param, model.global_param_name(name), seed, model.config.init_method_std,
-                                  model.config.num_layers, self.groups.device)
+            full = model.initial_values(name, param, seed, self.groups.device)
             local = param.to_local()
             rows = _local_rows(full, param.tp_layout, shard_row_start(param, self.groups), local.shape[0])
             local.copy_(rows.to(model_dtype))
 
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def set_input_tensor(self, tensor) -> None:
-        self.module.set_input_tensor(tensor)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Gradient reduction is not suspended: each micro-batch's backward reduce-scatters into the
-        fp32 gradient shards, so no unsharded gradient is held from one micro-batch to the next."""
-        yield
-
+    # no_sync: gradient reduction is not suspended (ModelChunk's): each micro-batch's backward
+    # reduce-scatters into the fp32 gradient shards, so no unsharded gradient is held from one
+    # micro-batch to the next.
     def zero_grad_buffer(self) -> None:
         for param in self.params:
             param.grad = None
-
-    def start_grad_sync(self) -> None:
-        """FSDP2 issues its reduce-scatters during backward."""
 
     def finish_grad_sync(self) -> None:
         """The reduce-scatters are complete when backward returns; sums the tensor-parallel partial
@@ -130,9 +114,6 @@ class FullyShardedDataParallel(torch.nn.Module):
         for param in self.params:
             if param.grad is not None:
                 sum_partial_replica_shard(param, param.grad.to_local(), self.groups)
-
-    def finish_param_sync(self) -> None:
-        """Parameters are gathered by FSDP itself before each forward."""
 
 
 def _local_rows(full: dict, layout, start: int, count: int) -> torch.Tensor:

@@ -86,17 +86,6 @@ def post(groups, *, tensor_shape, dtype, send_next: Optional[torch.Tensor] = Non
             None if from_next is None else Received(from_next, batch, activation=False), batch)
 
 
-def communicate(groups, *, tensor_shape, dtype, send_next: Optional[torch.Tensor] = None,
-                send_prev: Optional[torch.Tensor] = None, recv_prev: bool = False,
-                recv_next: bool = False) -> tuple:
-    """Sends/receives in one batch and waits; returns (received from prev, received from next),
-    None where nothing was asked."""
-    from_prev, from_next, batch = post(groups, tensor_shape=tensor_shape, dtype=dtype, send_next=send_next,
-                                       send_prev=send_prev, recv_prev=recv_prev, recv_next=recv_next)
-    batch.wait()
-    return wait(from_prev), wait(from_next)
-
-
 class Pipe:
     """A schedule's point-to-point traffic: posts batches (blocking or overlapped, see the module
     notes), frees sent outputs, and waits for every send at `finish()`."""

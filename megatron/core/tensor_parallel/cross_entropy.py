@@ -15,7 +15,7 @@ Two implementations, the same loss:
 import torch
 
 from megatron.core.distributed import comm
-from megatron.core.transformer.fusions import pick
+from megatron.core.utils import pick
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 26  # fp32 elements per chunk: 256 MiB of temporaries per pass
 

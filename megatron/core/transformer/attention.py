@@ -18,6 +18,7 @@ from megatron.core import utils
 from megatron.core.context_parallel import ContextParallelAttention
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, Part, RowParallelLinear
 from megatron.core.tensor_parallel.random import RNGStatesTracker
+from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.fusions import pick, rotary, rotary_interleaved
 from megatron.core.transformer.norm import build_norm
 
@@ -70,15 +71,15 @@ class CoreAttention(torch.nn.Module):
     recomputation re-runs, and what context parallelism replaces with ring attention.
     """
 
-    def __init__(self, config, rng_tracker):
+    def __init__(self, config, rng_tracker, *, execution=DEFAULT_EXECUTION):
         super().__init__()
-        if config.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
-                             f"got {config.attention_backend!r}")
+        requested = execution.attention_backend
+        if requested not in ATTENTION_BACKENDS:
+            raise ValueError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {requested!r}")
         self.dropout = config.attention_dropout
         self.rng_tracker = rng_tracker
-        self.flash_attn = flash_attn_module() if config.attention_backend == "flash_attn" else None
-        backend = "flash" if config.attention_backend == "flash_attn" else config.attention_backend
+        self.flash_attn = flash_attn_module() if requested == "flash_attn" else None
+        backend = "flash" if requested == "flash_attn" else requested
         self.kernels = SDPA_KERNELS.get(backend)  # None: PyTorch chooses (auto, unresolved)
         self.expand_kv = not _SDPA_HAS_GQA  # set when the chosen kernel rejects grouped k/v
 
@@ -206,8 +207,8 @@ def _time_backend(name, batch, heads, groups, seq, head_dim, dtype, device, repe
     reason) if no kernel of `name` takes it."""
     from types import SimpleNamespace
 
-    config = SimpleNamespace(attention_backend=name, attention_dropout=0.0)
-    attention = CoreAttention(config, None)
+    attention = CoreAttention(SimpleNamespace(attention_dropout=0.0), None,
+                              execution=SimpleNamespace(attention_backend=name))
     q, k, v, grad = probe_inputs(batch, heads, groups, seq, head_dim, dtype, device)
     try:
         attention(q, k, v).backward(grad)  # warm-up (and the check that it runs)
@@ -229,8 +230,8 @@ def _time_backend(name, batch, heads, groups, seq, head_dim, dtype, device, repe
 
 
 class SelfAttention(torch.nn.Module):
-    def __init__(self, config, *, tp_group, tp_size: int, tp_rank: int, rng_tracker: RNGStatesTracker, device,
-                 cp_group=None):
+    def __init__(self, config, *, execution=DEFAULT_EXECUTION, tp_group, tp_size: int, tp_rank: int,
+                 rng_tracker: RNGStatesTracker, device, cp_group=None):
         super().__init__()
         config.check_tensor_parallel(tp_size)
         self.config = config
@@ -244,22 +245,22 @@ class SelfAttention(torch.nn.Module):
             Part("v", config.kv_projection_size, kv_shards, sum_replica_grads=True),
         )
         common = dict(tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank,
-                      sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype, device=device,
-                      gradient_accumulation_fusion=config.gradient_accumulation_fusion)
+                      sequence_parallel=execution.sequence_parallel, params_dtype=execution.params_dtype,
+                      device=device, gradient_accumulation_fusion=execution.gradient_accumulation_fusion)
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, None, parts=parts,
                                                bias=config.add_bias_linear or config.add_qkv_bias, **common)
         if cp_group is None:
-            self.core_attention = CoreAttention(config, rng_tracker)
+            self.core_attention = CoreAttention(config, rng_tracker, execution=execution)
         else:  # context parallelism: this rank holds part of the sequence (None is a group of one)
             self.core_attention = ContextParallelAttention(
-                config, cp_group=cp_group, num_local_heads=self.num_local_heads, num_local_groups=self.num_local_groups)
+                config, execution=execution, cp_group=cp_group, num_local_heads=self.num_local_heads, num_local_groups=self.num_local_groups)
         self.linear_proj = RowParallelLinear(config.query_projection_size, config.hidden_size,
                                              bias=config.add_bias_linear, **common)
-        self._rotate = pick(rotary_interleaved if config.rotary_interleaved else rotary, config.fuse_elementwise)
+        self._rotate = pick(rotary_interleaved if config.rotary_interleaved else rotary, execution.fuse_elementwise)
         if config.qk_layernorm:
             # One weight over each head's channels, shared by all heads; each rank normalizes its
             # own heads, so the gradients are partial sums over the TP group.
-            norm = dict(tp_size=tp_size, tp_rank=tp_rank, device=device, partial_grads=True)
+            norm = dict(execution=execution, tp_size=tp_size, tp_rank=tp_rank, device=device, partial_grads=True)
             self.q_layernorm = build_norm(config, config.kv_channels, **norm)
             self.k_layernorm = build_norm(config, config.kv_channels, **norm)
         else:

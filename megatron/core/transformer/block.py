@@ -1,6 +1,6 @@
 """A stack of transformer layers (this pipeline stage's share), with the final norm on the last.
 
-Activation recomputation is decided here, from the config (Megatron's flags):
+Activation recomputation is decided here, from the execution config (Megatron's flags):
 
 - `--recompute-granularity full --recompute-method uniform --recompute-num-layers N`: the layers are
   cut into groups of N; only each group's input is kept, and the group is re-run in backward.
@@ -20,21 +20,21 @@ from megatron.core.transformer.norm import build_norm
 
 
 class TransformerBlock(torch.nn.Module):
-    def __init__(self, config, *, layer_numbers: list, post_process: bool, tp_group, tp_size: int,
+    def __init__(self, config, execution, *, layer_numbers: list, post_process: bool, tp_group, tp_size: int,
                  tp_rank: int, rng_tracker, device, cp_group=None, groups=None):
         super().__init__()
         self.config = config
         self.layer_numbers = list(layer_numbers)  # global index of each local layer
         self.rng_tracker = rng_tracker
         self.layers = torch.nn.ModuleList(
-            TransformerLayer(config, tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank,
+            TransformerLayer(config, execution=execution, tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank,
                              rng_tracker=rng_tracker, device=device, cp_group=cp_group, layer_number=number,
                              groups=groups)
             for number in self.layer_numbers)
-        self.final_layernorm = (build_norm(config, config.hidden_size, tp_size=tp_size, tp_rank=tp_rank,
-                                           device=device) if post_process else None)
-        self.segments = recompute_segments(config, len(self.layers))
-        if config.recompute_granularity == "selective":
+        self.final_layernorm = (build_norm(config, config.hidden_size, execution=execution, tp_size=tp_size,
+                                           tp_rank=tp_rank, device=device) if post_process else None)
+        self.segments = recompute_segments(execution, len(self.layers))
+        if execution.recompute_granularity == "selective":
             for layer in self.layers:
                 attention = layer.self_attention
                 attention.core_attention = RecomputedCoreAttention(attention.core_attention, rng_tracker)
@@ -70,9 +70,10 @@ class RecomputedCoreAttention(torch.nn.Module):
         return checkpoint(self.core_attention, self.rng_tracker, q, k, v, attention_mask)
 
 
-def recompute_segments(config, num_layers: int) -> list:
-    """(start, end, recompute) runs of local layers, from the recompute flags of `config`."""
-    granularity, method, count = config.recompute_granularity, config.recompute_method, config.recompute_num_layers
+def recompute_segments(execution, num_layers: int) -> list:
+    """(start, end, recompute) runs of local layers, from the recompute flags of `execution`."""
+    granularity, method, count = (execution.recompute_granularity, execution.recompute_method,
+                                  execution.recompute_num_layers)
     if granularity not in (None, "full", "selective"):
         raise ValueError(f"--recompute-granularity must be full or selective, got {granularity!r}")
     if granularity != "full":

@@ -346,22 +346,22 @@ class FP8Linear:
         return scaled_mm(g_t, x_t.t(), g_scale, x_scale, dtype)
 
 
-def fp8_layer_numbers(config) -> set:
+def fp8_layer_numbers(execution, num_layers: int) -> set:
     """Global numbers of the layers that run in FP8 (all, less --first-last-layers-bf16's)."""
-    layers = set(range(config.num_layers))
-    if config.first_last_layers_bf16:
-        start, end = config.num_layers_at_start_in_bf16, config.num_layers_at_end_in_bf16
-        layers = {n for n in layers if start <= n < config.num_layers - end}
+    layers = set(range(num_layers))
+    if execution.first_last_layers_bf16:
+        start, end = execution.num_layers_at_start_in_bf16, execution.num_layers_at_end_in_bf16
+        layers = {n for n in layers if start <= n < num_layers - end}
     return layers
 
 
-def attach_fp8(decoder, config, device) -> Optional[DelayedScaling]:
+def attach_fp8(decoder, config, num_layers: int, device) -> Optional[DelayedScaling]:
     """Gives every column/row-parallel linear of the FP8 layers of `decoder` an `FP8Linear`;
     returns the chunk's delayed-scaling state (None for the other recipes, or no FP8 layer)."""
     options = FP8Options(config.fp8, config.fp8_recipe, config.fp8_margin, config.fp8_amax_history_len,
                          config.fp8_amax_compute_algo)
     scaling = DelayedScaling(options) if options.recipe == "delayed" else None
-    fp8_layers = fp8_layer_numbers(config)
+    fp8_layers = fp8_layer_numbers(config, num_layers)
     linears = []
     for number, layer in zip(decoder.layer_numbers, decoder.layers):
         if number not in fp8_layers:

@@ -2,15 +2,17 @@
 residual add before it), RoPE, SwiGLU.
 
 Eagerly, each is several memory-bound kernels over a full activation (RMSNorm upcasts, squares,
-reduces, scales, casts and multiplies). With `TransformerConfig.fuse_elementwise` the modules call
+reduces, scales, casts and multiplies). With `ExecutionConfig.fuse_elementwise` the modules call
 the `torch.compile`d version instead, which inductor fuses into one kernel forward and one or two
 backward. The eager functions are the reference; `tests/unit/test_fusions.py` checks the compiled
 ones against them.
 """
-import functools
-
 import torch
 import torch.nn.functional as F
+
+from megatron.core.utils import compiled, pick
+
+__all__ = ["compiled", "pick", "rms_norm", "rms_norm_1p", "swiglu", "rotary", "rotary_interleaved"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -76,13 +78,3 @@ def rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     """As `rotary`, with channel 2i paired with 2i+1 (Megatron's --rotary-interleaved, the original
     Llama and GPT-J layout); cos/sin then repeat each frequency twice in a row."""
     return _rotate(x, cos, sin, _rotate_pairs)
-
-
-@functools.lru_cache(maxsize=None)
-def compiled(function):
-    """The torch.compile'd `function` (compiled lazily on first call, once per process)."""
-    return torch.compile(function, fullgraph=True, dynamic=False)
-
-
-def pick(function, fuse: bool):
-    return compiled(function) if fuse else function

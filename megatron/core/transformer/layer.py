@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.tensor_parallel.random import checkpoint
+from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
@@ -14,10 +15,10 @@ from megatron.core.transformer.norm import build_norm
 
 
 class TransformerLayer(torch.nn.Module):
-    def __init__(self, config, *, tp_group, tp_size: int, tp_rank: int, rng_tracker, device, cp_group=None,
-                 layer_number: int = 0, groups=None):
+    def __init__(self, config, *, execution=DEFAULT_EXECUTION, tp_group, tp_size: int, tp_rank: int, rng_tracker,
+                 device, cp_group=None, layer_number: int = 0, groups=None):
         super().__init__()
-        common = dict(tp_size=tp_size, tp_rank=tp_rank, device=device)
+        common = dict(execution=execution, tp_size=tp_size, tp_rank=tp_rank, device=device)
         self.input_layernorm = build_norm(config, config.hidden_size, **common)
         self.self_attention = SelfAttention(config, tp_group=tp_group, rng_tracker=rng_tracker, cp_group=cp_group,
                                             **common)
@@ -27,15 +28,15 @@ class TransformerLayer(torch.nn.Module):
         self.is_moe = config.num_experts is not None and moe_layer_pattern(config.moe_layer_freq,
                                                                              config.num_layers)[layer_number] == 1
         if self.is_moe:
-            self.mlp = MoELayer(config, layer_number=layer_number, groups=groups, device=device)
+            self.mlp = MoELayer(config, execution=execution, layer_number=layer_number, groups=groups, device=device)
         else:
             self.mlp = MLP(config, tp_group=tp_group, **common)
-        self.recompute_mlp = self.is_moe and config.moe_layer_recompute
+        self.recompute_mlp = self.is_moe and execution.moe_layer_recompute
         self.rng_tracker = rng_tracker
         self.hidden_dropout = config.hidden_dropout
         # Sequence-parallel activations differ per TP rank, so their dropout draws from the
         # per-rank stream; replicated activations draw from the shared default stream.
-        self.dropout_rng = rng_tracker if (config.sequence_parallel and tp_size > 1) else None
+        self.dropout_rng = rng_tracker if (execution.sequence_parallel and tp_size > 1) else None
 
     def forward(self, x, rotary=None, attention_mask=None):
         # x: [s, b, h] ([s/tp, b, h] with sequence parallelism)

@@ -1,6 +1,6 @@
 """LayerNorm and RMSNorm, with their TP layout (replicated; summed grads under sequence parallelism).
 
-With `layernorm_zero_centered_gamma` (Megatron's --apply-layernorm-1p) a norm multiplies by
+With `apply_layernorm_1p` (Megatron's --apply-layernorm-1p) a norm multiplies by
 (1 + weight) and its weight starts at zero; the scale is formed in fp32, so a small weight is not
 lost to rounding in bf16."""
 from typing import Optional
@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.layers import replicated_layout, set_layout
+from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.fusions import add_rms_norm, add_rms_norm_1p, pick, rms_norm, rms_norm_1p
 
 
@@ -49,20 +50,21 @@ class LayerNorm(torch.nn.Module):
         return x, self(x)
 
 
-def build_norm(config, hidden_size: int, *, tp_size: int, tp_rank: int, device,
+def build_norm(config, hidden_size: int, *, execution=DEFAULT_EXECUTION, tp_size: int, tp_rank: int, device,
                partial_grads: Optional[bool] = None) -> torch.nn.Module:
     """A norm over `hidden_size` channels, replicated on every TP rank. Its gradients are partial
     sums to be added over the TP group when the ranks normalize different activations: the
     sequence shards under sequence parallelism (the default of `partial_grads`), or their own
     attention heads (query/key norms)."""
-    zero_centered = config.layernorm_zero_centered_gamma
+    zero_centered = config.apply_layernorm_1p
+    dtype = execution.params_dtype
     if config.normalization == "RMSNorm":
-        norm = RMSNorm(hidden_size, config.norm_epsilon, config.params_dtype, device, fuse=config.fuse_elementwise,
+        norm = RMSNorm(hidden_size, config.norm_epsilon, dtype, device, fuse=execution.fuse_elementwise,
                        zero_centered=zero_centered)
     else:
-        norm = LayerNorm(hidden_size, config.norm_epsilon, config.params_dtype, device, zero_centered=zero_centered)
+        norm = LayerNorm(hidden_size, config.norm_epsilon, dtype, device, zero_centered=zero_centered)
     if partial_grads is None:
-        partial_grads = config.sequence_parallel
+        partial_grads = execution.sequence_parallel
     partial_grads = partial_grads and tp_size > 1
     for name, param in norm.named_parameters():
         layout = replicated_layout(param.shape, tp_size, tp_rank, sum_replica_grads=partial_grads)

@@ -11,7 +11,7 @@ import torch
 def inverse_frequencies(config) -> torch.Tensor:
     rotary_dim = int(config.kv_channels * config.rotary_percent)
     inv_freq = 1.0 / (config.rotary_base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
-    if config.rope_scaling:
+    if config.use_rope_scaling:
         inv_freq = _llama31_scaling(inv_freq, config)
     return inv_freq.float()
 
@@ -32,8 +32,14 @@ def _llama31_scaling(inv_freq: torch.Tensor, config) -> torch.Tensor:
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, config, device):
         super().__init__()
+        self.config = config
         self.register_buffer("inv_freq", inverse_frequencies(config).to(device), persistent=False)
         self.interleaved = config.rotary_interleaved
+
+    def reset_buffers(self) -> None:
+        """Recomputes the frequencies where the buffer now lives (after a model built on the meta
+        device is moved to a real one: its non-persistent buffers hold no values)."""
+        self.inv_freq = inverse_frequencies(self.config).to(self.inv_freq.device)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [b, s] -> (cos, sin), each [s, b, 1, rotary_dim] in fp32."""

@@ -2,6 +2,8 @@
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from megatron.core.transformer.config.fields import Flag, flag_field
+
 
 @dataclass
 class DataConfig:
@@ -38,11 +40,15 @@ class DataConfig:
     """merges.txt of a GPT-2 BPE tokenizer."""
     vocab_size: Optional[int] = None
     """NullTokenizer vocabulary: ids 0..N-1, plus the end-of-document token N (as Megatron-LM)."""
-    create_attention_mask_in_dataloader: bool = True
+    create_attention_mask_in_dataloader: bool = flag_field(True, Flag(
+        "--no-create-attention-mask-in-dataloader", "store_false",
+        "Build no document attention in the data loader: with --reset-attention-mask, attention is then causal "
+        "across documents (as in Megatron-LM)."))
     """With --reset-attention-mask, samples carry each token's document index for document-aware attention (never an s x s mask); --no-create-attention-mask-in-dataloader drops it, so attention stays causal over the whole sequence (as Megatron-LM)."""
     data_args_path: Optional[str] = None
     """A file holding the --data-path value (weights and prefixes, whitespace-separated), for blends too long for a command line."""
     per_split_data_args_path: Optional[str] = None
     """A JSON file {"train": ..., "valid": ..., "test": ...} holding the --train/--valid/--test-data-path values (lists or strings)."""
-    mmap_bin_files: bool = True
+    mmap_bin_files: bool = flag_field(True, Flag(
+        "--no-mmap-bin-files", "store_false", "Read each .bin file whole into memory instead of memory-mapping it."))
     """Memory-map the .bin files (off with --no-mmap-bin-files: each is read whole into memory)."""

@@ -2,6 +2,8 @@
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megatron.core.transformer.config.fields import Flag, flag_field
+
 
 @dataclass
 class LoggingConfig:
@@ -33,7 +35,8 @@ class LoggingConfig:
     """Count the gradient elements equal to zero and show the count in the log line and TensorBoard."""
     log_timers_to_tensorboard: bool = False
     """Write the time per iteration to TensorBoard (iteration-time, seconds)."""
-    log_loss_scale_to_tensorboard: bool = True
+    log_loss_scale_to_tensorboard: bool = flag_field(True, Flag(
+        "--no-log-loss-scale-to-tensorboard", "store_false", "Do not write the loss scale to TensorBoard."))
     """Write the loss scale to TensorBoard (off with --no-log-loss-scale-to-tensorboard)."""
     log_validation_ppl_to_tensorboard: bool = False
     """Also write validation perplexities to TensorBoard."""

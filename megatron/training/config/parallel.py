@@ -2,6 +2,8 @@
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from megatron.core.transformer.config.fields import Flag, flag_field
+
 
 @dataclass
 class ParallelConfig:
@@ -47,11 +49,14 @@ class ParallelConfig:
     """Context-parallel attention: p2p (ring, overlapped), all_gather (K/V gathered) or a2a (heads split; heads and query groups per TP rank divisible by the CP size). a2a+p2p is not built."""
     overlap_param_gather_with_optimizer_step: bool = False
     """Start the first model chunk's parameter all-gathers while the other chunks' optimizer step runs (needs --overlap-param-gather and interleaved pipeline parallelism)."""
-    overlap_p2p_comm: bool = True
+    overlap_p2p_comm: bool = flag_field(True, Flag(
+        "--no-overlap-p2p-communication", "store_false",
+        "Wait for each pipeline send/receive before computing (by default they overlap the computation)."))
     """Overlap pipeline point-to-point communication with computation: each receive is waited for just before its tensor is used (turned off with --no-overlap-p2p-communication)."""
-    overlap_p2p_comm_warmup_flush: bool = False
+    overlap_p2p_comm_warmup_flush: bool = flag_field(False, Flag("--overlap-p2p-communication-warmup-flush", "store_true"))
     """With the interleaved schedule, also post the warm-up's and cool-down's receives ahead of use."""
-    microbatch_group_size_per_vp_stage: Optional[int] = None
+    microbatch_group_size_per_vp_stage: Optional[int] = flag_field(
+        None, Flag("--microbatch-group-size-per-virtual-pipeline-stage"))
     """Interleaved schedule: micro-batches run on one virtual stage before moving to the next; default --pipeline-model-parallel-size."""
     account_for_embedding_in_pipeline_split: bool = False
     """Count the embedding as one layer when splitting the decoder over pipeline stages (the first stage builds one layer fewer)."""

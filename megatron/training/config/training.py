@@ -2,6 +2,8 @@
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from megatron.core.transformer.config.fields import Flag, flag_field
+
 
 @dataclass
 class TrainingConfig:
@@ -55,7 +57,8 @@ class TrainingConfig:
     """Turn off Python's automatic garbage collector; collect every --manual-gc-interval iterations and around evaluations, so all ranks pause together."""
     manual_gc_interval: int = 0
     """With --manual-gc: collect every this many iterations (0: never between iterations)."""
-    manual_gc_eval: bool = True
+    manual_gc_eval: bool = flag_field(True, Flag(
+        "--no-manual-gc-eval", "store_false", "With --manual-gc: do not collect at the start and end of each evaluation."))
     """With --manual-gc: collect at the start and end of each evaluation (off with --no-manual-gc-eval)."""
     empty_unused_memory_level: Literal[0, 1, 2] = 0
     """Release cached, unused device memory: 1 after each forward-backward (and evaluation step), 2 also after each optimizer step."""
@@ -63,7 +66,9 @@ class TrainingConfig:
     """Check the flags for WORLD_SIZE processes, print the layout and the plan for --dry-run-gpu (memory per GPU term by term with a verdict, predicted step time), and exit without building anything; stops with exit code 2 when the plan does not fit."""
     dry_run_gpu: Literal["h100-80gb", "h200", "a100-80gb", "mi300x"] = "h100-80gb"
     """With --dry-run: the GPU to plan for, with LOCAL_WORLD_SIZE GPUs per node (else 8) (this framework's own flag; tools/plan.py takes more targets)."""
-    check_for_nan_in_loss_and_grad: bool = True
+    check_for_nan_in_loss_and_grad: bool = flag_field(True, Flag(
+        "--no-check-for-nan-in-loss-and-grad", "store_false",
+        "Do not stop (or, with --skip-iter-on-nan, skip the step) when the loss or the gradient norm is NaN or Inf."))
     """Stop every rank when the loss or the gradient norm is NaN or Inf on any rank, naming the iteration, the ranks and which; --no-check-for-nan-in-loss-and-grad turns the check off."""
     skip_iter_on_nan: bool = False
     """With the NaN/Inf check: skip such iterations (no update; counted as skipped and NaN iterations in the log line) instead of stopping (this framework's own flag)."""

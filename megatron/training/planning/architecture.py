@@ -45,7 +45,7 @@ def architecture(model_config) -> Architecture:
     return Architecture(
         num_layers=c.num_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
         num_query_groups=c.num_query_groups, kv_channels=c.kv_channels, ffn_hidden_size=c.ffn_hidden_size,
-        vocab_size=c.vocab_size, gated_linear_unit=c.gated_linear_unit,
+        vocab_size=c.padded_vocab_size, gated_linear_unit=c.swiglu,
         layernorm=c.normalization == "LayerNorm", add_bias_linear=c.add_bias_linear, add_qkv_bias=c.add_qkv_bias,
         qk_layernorm=c.qk_layernorm, learned_positions=c.position_embedding_type == "learned_absolute",
         rope=c.position_embedding_type == "rope", rotary_dim=int(c.kv_channels * c.rotary_percent),

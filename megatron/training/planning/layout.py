@@ -90,8 +90,9 @@ def layout_from_config(config, model_config, world_size: int) -> Layout:
         vpp = max(1, m.num_layers // (pp * p.num_layers_per_virtual_pipeline_stage))
     precision = "bf16" if t.bf16 else ("fp16" if t.fp16 else "fp32")
     fp8_layers = None
-    if m.fp8 and m.first_last_layers_bf16:
-        fp8_layers = max(0, m.num_layers - m.num_layers_at_start_in_bf16 - m.num_layers_at_end_in_bf16)
+    run = config.model  # how the layers run (FP8, loss fusion, attention kernel): the flags, not the architecture
+    if run.fp8 and run.first_last_layers_bf16:
+        fp8_layers = max(0, m.num_layers - run.num_layers_at_start_in_bf16 - run.num_layers_at_end_in_bf16)
     return Layout(
         tp=tp, pp=pp, cp=cp, dp=dp, micro_batch_size=t.micro_batch_size,
         global_batch_size=t.global_batch_size or t.micro_batch_size * dp, seq_length=t.seq_length,
@@ -100,9 +101,9 @@ def layout_from_config(config, model_config, world_size: int) -> Layout:
         grad_reduce_in_bf16=p.grad_reduce_in_bf16, optimizer=config.optimizer.optimizer,
         sgd_momentum=config.optimizer.sgd_momentum, recompute_granularity=t.recompute_granularity,
         recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers,
-        fp8=bool(m.fp8), fp8_layers=fp8_layers, fused_elementwise=not config.model.no_torch_compile,
-        cross_entropy_fusion=m.cross_entropy_loss_fusion, cp_comm_type=p.cp_comm_type,
-        attention_kernel="math" if m.attention_backend in ("unfused", "local", "math") else "flash",
+        fp8=bool(run.fp8), fp8_layers=fp8_layers, fused_elementwise=not config.model.no_torch_compile,
+        cross_entropy_fusion=run.cross_entropy_loss_fusion, cp_comm_type=p.cp_comm_type,
+        attention_kernel="math" if run.attention_backend in ("unfused", "local", "math") else "flash",
         overlap_grad_reduce=p.overlap_grad_reduce, overlap_p2p_comm=p.overlap_p2p_comm,
         overlap_param_gather=p.overlap_param_gather, first_stage_layers=p.decoder_first_pipeline_num_layers,
         last_stage_layers=p.decoder_last_pipeline_num_layers)

@@ -30,17 +30,81 @@ Differences the mapping absorbs:
   (`experts.{e}.w1` ...); GPTModel stacks them, `experts.fc1_weight` [E, 2F, h] (gate; up) and
   `experts.fc2_weight` [E, h, F]; the router is HF's `gate`.
 """
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from megatron.core.models.gpt.model import WORD_EMBEDDINGS
-from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.config import RUN, TransformerConfig, derive, padded_vocab_size
+from megatron.core.transformer.config.fields import IN_WEIGHTS, HFKey, applies, compared_value, role_of, setting
 from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
 
-ARCHITECTURES = ("llama", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "gpt2")
-_LLAMA_LIKE = ("llama", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe")
+POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
+OUTPUT_LAYER = "output_layer.weight"
+FINAL_NORM = "decoder.final_layernorm"
+__all__ = ["padded_vocab_size"]  # re-exported: the vocabulary padding is the config's (config.derive)
+
+
+# ------------------------------------------------------------------------------------------------
+# Config: a loop over TransformerConfig's fields, each naming its key per family in its metadata
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Family:
+    """A Hugging Face model family GPTModel computes exactly (up to the weight transforms above).
+
+    `keys`: whose keys of the fields' `hf` metadata it reads, the first found (Qwen3: its own, then
+    Llama's; Qwen2-MoE: its own, then Qwen3-MoE's, then Llama's).
+    `implies`: the values of fields it has no key for. `selects`: the fields whose implied values
+    pick the family of a model on export (any other field it cannot express is then named in the
+    error); `experts`: whether it is a mixture-of-experts family (--num-experts set). `extra`:
+    config entries it has that GPTModel has no field for, written on export and required on import.
+    `copies`: entries written on export from a field ({key: field}). `layer_pattern`: the family
+    keeps --moe-layer-freq as `mlp_only_layers` and `decoder_sparse_step` (Qwen-MoE)."""
+
+    title: str
+    config_class: str
+    keys: tuple
+    implies: dict
+    selects: tuple = ("normalization", "position_embedding_type", "swiglu")
+    extra: dict = field(default_factory=dict)
+    copies: dict = field(default_factory=dict)
+    context: str = ""  # placed after a setting it cannot express ("with LayerNorm ")
+    experts: bool = False
+    layer_pattern: bool = False
+    note: str = ""  # appended to the error naming a setting it cannot express
+
+
+_LLAMA_SHAPE = dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, add_qkv_bias=False,
+                    position_embedding_type="rope", hidden_dropout=0.0)
+_LLAMA_SELECTS = ("normalization", "position_embedding_type", "swiglu", "qk_layernorm")
+_MOE_SELECTS = _LLAMA_SELECTS + ("add_qkv_bias",)
+_QWEN_MOE_EXTRA = dict(hidden_act="silu", use_sliding_window=False)
+FAMILIES = {
+    "llama": Family("Llama", "LlamaConfig", ("llama",), dict(_LLAMA_SHAPE, qk_layernorm=False), _LLAMA_SELECTS,
+                    extra=dict(hidden_act="silu", attention_bias=False, mlp_bias=False)),
+    "qwen3": Family("Qwen3", "Qwen3Config", ("qwen3", "llama"), dict(_LLAMA_SHAPE, qk_layernorm=True), _LLAMA_SELECTS,
+                    extra=dict(hidden_act="silu", attention_bias=False, use_sliding_window=False)),
+    "mixtral": Family("Mixtral", "MixtralConfig", ("mixtral", "llama"), dict(_LLAMA_SHAPE, qk_layernorm=False),
+                      _MOE_SELECTS, experts=True,
+                      extra=dict(hidden_act="silu", sliding_window=None, router_jitter_noise=0.0),
+                      note=" (Mixtral has every layer a mixture of experts, softmax over the chosen experts, "
+                           "no shared experts)"),
+    "qwen3_moe": Family("Qwen3-MoE", "Qwen3MoeConfig", ("qwen3_moe", "llama"), dict(_LLAMA_SHAPE, qk_layernorm=True),
+                        _MOE_SELECTS, experts=True, layer_pattern=True,
+                        extra=dict(_QWEN_MOE_EXTRA, attention_bias=False)),
+    "qwen2_moe": Family("Qwen2-MoE", "Qwen2MoeConfig", ("qwen2_moe", "qwen3_moe", "llama"),
+                        dict(_LLAMA_SHAPE, qk_layernorm=False, add_qkv_bias=True, moe_shared_expert_gate=True),
+                        _MOE_SELECTS, experts=True, layer_pattern=True, extra=dict(_QWEN_MOE_EXTRA, qkv_bias=True)),
+    "gpt2": Family("GPT-2", "GPT2Config", ("gpt2",),
+                   dict(normalization="LayerNorm", swiglu=False, add_bias_linear=True,
+                        position_embedding_type="learned_absolute"),
+                   extra=dict(scale_attn_by_inverse_layer_idx=False, scale_attn_weights=True),
+                   copies=dict(embd_pdrop="hidden_dropout"), context="with LayerNorm "),
+}
+ARCHITECTURES = tuple(FAMILIES)
+_LLAMA_LIKE = tuple(name for name in FAMILIES if name != "gpt2")
 # Where each family keeps a mixture-of-experts block: the router, and expert e's gate, up and down
 # projections, in the checkpoint files' per-expert names (what save_pretrained writes).
 _MOE_KEYS = {
@@ -49,259 +113,127 @@ _MOE_KEYS = {
     "qwen3_moe": ("mlp.gate", "mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"),
 }
 _MOE_KEYS["qwen2_moe"] = _MOE_KEYS["qwen3_moe"]
-POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
-OUTPUT_LAYER = "output_layer.weight"
-FINAL_NORM = "decoder.final_layernorm"
-
-_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
-
-
-# ------------------------------------------------------------------------------------------------
-# Config
-# ------------------------------------------------------------------------------------------------
-def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128, tp_size: int = 1) -> int:
-    """`vocab_size` rounded up to a multiple of make_vocab_size_divisible_by * tp_size."""
-    multiple = make_vocab_size_divisible_by * tp_size
-    return -(-vocab_size // multiple) * multiple
-
-
-def hf_config_to_transformer_config(hf_config, *, make_vocab_size_divisible_by: int = 128,
-                                    tp_size: int = 1) -> TransformerConfig:
-    """A TransformerConfig equivalent to a `transformers` LlamaConfig, Qwen3Config or GPT2Config.
-
-    Raises ValueError for options GPTModel does not implement, rather than converting them silently.
-    """
-    arch = architecture_of(hf_config)
-    vocab = padded_vocab_size(hf_config.vocab_size, make_vocab_size_divisible_by, tp_size)
-    if arch in _LLAMA_LIKE:
-        config = _llama_config(hf_config, vocab)
-    else:
-        config = _gpt2_config(hf_config, vocab)
-    config.check_tensor_parallel(tp_size)
-    return config
+_FIELDS = dataclasses.fields(TransformerConfig)
 
 
 def architecture_of(hf_config) -> str:
     model_type = getattr(hf_config, "model_type", None)
-    if model_type not in ARCHITECTURES:
+    if model_type not in FAMILIES:
         raise ValueError(f"unsupported Hugging Face model_type {model_type!r}; supported: {ARCHITECTURES}")
     return model_type
 
 
-def _llama_rope(hf_config) -> dict:
-    """Rotary settings from either transformers 5 (`rope_parameters`) or 4.x (`rope_theta`,
-    `rope_scaling`)."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    legacy_scaling = getattr(hf_config, "rope_scaling", None) or {}
-    for key, value in legacy_scaling.items():
-        params.setdefault(key, value)
-    if "rope_theta" not in params:
-        params["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    out = dict(rotary_base=float(params["rope_theta"]))
-    if "partial_rotary_factor" in params:
-        out["rotary_percent"] = float(params["partial_rotary_factor"])
-    if rope_type == "llama3":
-        out.update(rope_scaling=True,
-                   rope_scaling_factor=float(params["factor"]),
-                   rope_low_freq_factor=float(params["low_freq_factor"]),
-                   rope_high_freq_factor=float(params["high_freq_factor"]),
-                   rope_original_max_position_embeddings=int(params["original_max_position_embeddings"]))
-    elif rope_type != "default":
-        raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default' and 'llama3')")
-    return out
+def hf_config_to_transformer_config(hf_config, *, make_vocab_size_divisible_by: int = 128,
+                                    tp_size: int = 1) -> TransformerConfig:
+    """The (derived) TransformerConfig of a `transformers` config of one of `FAMILIES`.
 
-
-def _llama_config(hf_config, vocab_size: int) -> TransformerConfig:
-    """Llama, or Qwen3 (Llama with RMSNorm over each query and key head)."""
-    if hf_config.model_type == "qwen2_moe" and not hf_config.qkv_bias:
-        raise ValueError("Qwen2-MoE without q/k/v biases (qkv_bias false) is not supported")
-    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
-        raise ValueError("Llama attention_bias / mlp_bias are not supported by GPTModel")
-    if getattr(hf_config, "use_sliding_window", False):
-        raise ValueError("sliding-window attention (use_sliding_window) is not supported by GPTModel")
-    if hf_config.hidden_act != "silu":
-        raise ValueError(f"Llama hidden_act {hf_config.hidden_act!r} is not supported (only 'silu')")
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    if getattr(hf_config, "sliding_window", None) is not None and hf_config.model_type == "mixtral":
-        raise ValueError("sliding-window attention (sliding_window) is not supported by GPTModel")
-    return TransformerConfig(
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        num_attention_heads=hf_config.num_attention_heads,
-        vocab_size=vocab_size,
-        ffn_hidden_size=hf_config.intermediate_size,
-        kv_channels=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
-        num_query_groups=num_kv_heads,
-        max_position_embeddings=hf_config.max_position_embeddings,
-        normalization="RMSNorm",
-        norm_epsilon=hf_config.rms_norm_eps,
-        gated_linear_unit=True,
-        activation="silu",
-        add_bias_linear=False,
-        position_embedding_type="rope",
-        untie_embeddings_and_output_weights=not hf_config.tie_word_embeddings,
-        hidden_dropout=0.0,
-        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
-        init_method_std=hf_config.initializer_range,
-        qk_layernorm=hf_config.model_type in ("qwen3", "qwen3_moe"),
-        add_qkv_bias=hf_config.model_type == "qwen2_moe",
-        **_llama_rope(hf_config),
-        **_moe_config(hf_config),
-    )
-
-
-def _moe_config(hf_config) -> dict:
-    """The mixture-of-experts fields of a Mixtral or Qwen3-MoE config ({} for dense models)."""
-    kind = hf_config.model_type
-    if kind == "mixtral":
-        if getattr(hf_config, "router_jitter_noise", 0.0):
-            raise ValueError("Mixtral router_jitter_noise is not supported (--moe-input-jitter-eps is multiplicative)")
-        return dict(num_experts=hf_config.num_local_experts, moe_router_topk=hf_config.num_experts_per_tok,
-                    moe_ffn_hidden_size=hf_config.intermediate_size)
-    if kind not in ("qwen3_moe", "qwen2_moe"):
-        return {}
-    shared = {}
-    if kind == "qwen2_moe" and hf_config.shared_expert_intermediate_size:
-        shared = dict(moe_shared_expert_intermediate_size=hf_config.shared_expert_intermediate_size,
-                      moe_shared_expert_gate=True)
-    layers = hf_config.num_hidden_layers
-    step = hf_config.decoder_sparse_step
-    pattern = [0 if (i in hf_config.mlp_only_layers or (i + 1) % step) else 1 for i in range(layers)]
-    return dict(num_experts=hf_config.num_experts, moe_router_topk=hf_config.num_experts_per_tok,
-                moe_ffn_hidden_size=hf_config.moe_intermediate_size, moe_layer_freq=pattern,
-                moe_router_pre_softmax=not hf_config.norm_topk_prob, **shared)
-
-def _gpt2_config(hf_config, vocab_size: int) -> TransformerConfig:
-    if getattr(hf_config, "scale_attn_by_inverse_layer_idx", False):
-        raise ValueError("GPT-2 scale_attn_by_inverse_layer_idx is not supported by GPTModel")
-    if not getattr(hf_config, "scale_attn_weights", True):
-        raise ValueError("GPT-2 scale_attn_weights=False is not supported by GPTModel")
-    activation = _GPT2_ACTIVATIONS.get(hf_config.activation_function)
-    if activation is None:
-        raise ValueError(f"GPT-2 activation_function {hf_config.activation_function!r} is not supported; "
-                         f"supported: {sorted(_GPT2_ACTIVATIONS)}")
-    return TransformerConfig(
-        num_layers=hf_config.n_layer,
-        hidden_size=hf_config.n_embd,
-        num_attention_heads=hf_config.n_head,
-        vocab_size=vocab_size,
-        ffn_hidden_size=hf_config.n_inner or 4 * hf_config.n_embd,
-        max_position_embeddings=hf_config.n_positions,
-        normalization="LayerNorm",
-        norm_epsilon=hf_config.layer_norm_epsilon,
-        activation=activation,
-        add_bias_linear=True,
-        position_embedding_type="learned_absolute",
-        untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", True),
-        hidden_dropout=float(hf_config.resid_pdrop),
-        attention_dropout=float(hf_config.attn_pdrop),
-        init_method_std=hf_config.initializer_range,
-    )
+    Raises ValueError for options GPTModel does not implement, rather than converting them silently.
+    """
+    family = FAMILIES[architecture_of(hf_config)]
+    for key, expected in family.extra.items():
+        found = getattr(hf_config, key, expected)
+        if found != expected:
+            raise ValueError(f"{family.title} {key}={found!r} is not supported by GPTModel (only {expected!r})")
+    config = _from_entries(lambda key: _read(hf_config, key), family, make_vocab_size_divisible_by,
+                           hf_config.vocab_size, tp_size)
+    config.check_tensor_parallel(tp_size)
+    return config
 
 
 def architecture_for_hf(config: TransformerConfig) -> str:
-    """'llama', 'qwen3' or 'gpt2': the Hugging Face family whose layers are exactly this config's
-    (up to the weight transforms in the module docstring)."""
-    if (config.normalization == "RMSNorm" and config.gated_linear_unit and config.activation == "silu"
-            and config.position_embedding_type == "rope" and not config.add_bias_linear
-            and (not config.add_qkv_bias or config.moe_shared_expert_intermediate_size is not None)):
-        if config.rotary_percent != 1.0:
-            raise ValueError(f"--rotary-percent {config.rotary_percent} has no Hugging Face Llama equivalent "
-                             "(its attention rotates every channel of a head)")
-        if config.num_experts is not None:
-            return _moe_architecture(config)
-        return "qwen3" if config.qk_layernorm else "llama"
-    if (config.normalization == "LayerNorm" and not config.gated_linear_unit and config.add_bias_linear
-            and config.position_embedding_type == "learned_absolute" and config.activation in ("gelu_tanh", "gelu")
-            and config.num_query_groups == config.num_attention_heads
-            and config.kv_channels * config.num_attention_heads == config.hidden_size):
-        if config.qk_layernorm:
-            raise ValueError("--qk-layernorm with LayerNorm has no Hugging Face GPT-2 equivalent")
-        return "gpt2"
-    raise ValueError("this model has no Hugging Face equivalent here: only Llama (RMSNorm, SwiGLU, RoPE, no biases; "
-                     "Qwen3 with --qk-layernorm) and GPT-2 (LayerNorm, GeLU, learned positions, biases, multi-head "
-                     "attention) shapes convert")
-
-
-def _moe_architecture(config: TransformerConfig) -> str:
-    """'mixtral' or 'qwen3_moe' for a mixture of experts with a Hugging Face equivalent."""
-    plain = (config.moe_router_score_function == "softmax" and not config.moe_router_topk_scaling_factor
-             and config.moe_router_num_groups is None and not config.moe_router_enable_expert_bias)
-    qwen2 = (config.moe_shared_expert_intermediate_size is not None and config.moe_shared_expert_gate
-             and config.add_qkv_bias and not config.qk_layernorm)
-    if not plain or (config.moe_shared_expert_intermediate_size is not None and not qwen2):
-        raise ValueError("this mixture of experts has no Hugging Face equivalent here: Mixtral, Qwen3-MoE and "
-                         "Qwen2-MoE route with softmax, without scaling, groups or expert bias; only Qwen2-MoE has "
-                         "shared experts (with the gate and q/k/v biases)")
-    if qwen2:
-        return "qwen2_moe"
-    if config.qk_layernorm:
-        return "qwen3_moe"
-    if config.moe_router_pre_softmax or 0 in moe_layer_pattern(config.moe_layer_freq, config.num_layers):
-        raise ValueError("Mixtral has every layer a mixture of experts with the softmax over the chosen experts: "
-                         "drop --moe-router-pre-softmax and --moe-layer-freq")
-    return "mixtral"
+    """The name in `FAMILIES` of the Hugging Face family that computes exactly this model (up to
+    the weight transforms in the module docstring). Raises ValueError naming the first setting the
+    family cannot express."""
+    config = derive(config)
+    name = next((name for name, family in FAMILIES.items() if _implied(config, family)), None)
+    if name is None:
+        raise ValueError("this model has no Hugging Face equivalent here: only Llama (RMSNorm, SwiGLU, RoPE, no "
+                         "biases; Qwen3 with --qk-layernorm; Mixtral, Qwen3-MoE and Qwen2-MoE with --num-experts) "
+                         "and GPT-2 (LayerNorm, GeLU, learned positions, biases, multi-head attention) shapes convert")
+    family = FAMILIES[name]
+    entries = _to_entries(config, family, vocab_size=config.padded_vocab_size)
+    back = _from_entries(lambda key: _lookup(entries, key), family, config.make_vocab_size_divisible_by,
+                         config.padded_vocab_size, 1)
+    for spec in _FIELDS:
+        value = getattr(config, spec.name)
+        if (role_of(spec, config) != RUN and _key(spec, family) is not IN_WEIGHTS
+                and compared_value(spec, back) != compared_value(spec, config)):
+            raise ValueError(f"{setting(spec, value)} {family.context}has no Hugging Face {family.title} "
+                             f"equivalent{family.note}")
+    return name
 
 
 def hf_config_from_transformer_config(config: TransformerConfig, vocab_size: int):
-    """The `transformers` LlamaConfig, Qwen3Config or GPT2Config of a model (the inverse of
-    `hf_config_to_transformer_config`); `vocab_size` is the unpadded vocabulary."""
+    """The `transformers` config of a model (the inverse of `hf_config_to_transformer_config`);
+    `vocab_size` is the unpadded vocabulary."""
     import transformers
 
-    arch = architecture_for_hf(config)
-    if arch in ("mixtral", "qwen3_moe", "qwen2_moe"):
-        return _hf_moe_config(config, vocab_size, arch)
-    if arch in ("llama", "qwen3"):
-        rope = {"rope_type": "default", "rope_theta": config.rotary_base}
-        if config.rope_scaling:
-            rope.update(rope_type="llama3", factor=config.rope_scaling_factor,
-                        low_freq_factor=config.rope_low_freq_factor, high_freq_factor=config.rope_high_freq_factor,
-                        original_max_position_embeddings=config.rope_original_max_position_embeddings)
-        config_class = transformers.Qwen3Config if arch == "qwen3" else transformers.LlamaConfig
-        extra = {"use_sliding_window": False} if arch == "qwen3" else {"mlp_bias": False}
-        return config_class(
-            vocab_size=vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
-            num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
-            num_key_value_heads=config.num_query_groups, head_dim=config.kv_channels,
-            max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.norm_epsilon,
-            tie_word_embeddings=not config.untie_embeddings_and_output_weights, rope_parameters=rope,
-            hidden_act="silu", attention_bias=False, initializer_range=config.init_method_std,
-            attention_dropout=config.attention_dropout, **extra)
-    return transformers.GPT2Config(
-        vocab_size=vocab_size, n_positions=config.max_position_embeddings, n_embd=config.hidden_size,
-        n_layer=config.num_layers, n_head=config.num_attention_heads, n_inner=config.ffn_hidden_size,
-        activation_function="gelu_new" if config.activation == "gelu_tanh" else "gelu",
-        layer_norm_epsilon=config.norm_epsilon, tie_word_embeddings=not config.untie_embeddings_and_output_weights,
-        resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout, attn_pdrop=config.attention_dropout,
-        initializer_range=config.init_method_std)
+    family = FAMILIES[architecture_for_hf(config)]
+    entries = _to_entries(derive(config), family, vocab_size)
+    return getattr(transformers, family.config_class)(**entries)
 
 
-def _hf_moe_config(config: TransformerConfig, vocab_size: int, arch: str):
-    import transformers
+def _key(spec: dataclasses.Field, family: Family) -> Optional[HFKey]:
+    keys = spec.metadata.get("hf", {})
+    key = next((keys[name] for name in family.keys if name in keys), None)
+    return HFKey(key) if isinstance(key, str) else key
 
-    common = dict(
-        vocab_size=vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_query_groups,
-        head_dim=config.kv_channels, max_position_embeddings=config.max_position_embeddings,
-        rms_norm_eps=config.norm_epsilon, tie_word_embeddings=not config.untie_embeddings_and_output_weights,
-        rope_parameters={"rope_type": "default", "rope_theta": config.rotary_base}, hidden_act="silu",
-        initializer_range=config.init_method_std, attention_dropout=config.attention_dropout,
-        num_experts_per_tok=config.moe_router_topk)
-    if config.rope_scaling:
-        raise ValueError("Llama 3.1 rope scaling (--use-rope-scaling) has no Mixtral / Qwen3-MoE equivalent")
-    if arch == "mixtral":
-        return transformers.MixtralConfig(intermediate_size=config.moe_ffn_hidden_size,
-                                          num_local_experts=config.num_experts, sliding_window=None, **common)
-    pattern = moe_layer_pattern(config.moe_layer_freq, config.num_layers)
-    common.update(intermediate_size=config.ffn_hidden_size, moe_intermediate_size=config.moe_ffn_hidden_size,
-                  num_experts=config.num_experts, decoder_sparse_step=1, use_sliding_window=False,
-                  norm_topk_prob=not config.moe_router_pre_softmax,
-                  mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe])
-    if arch == "qwen2_moe":
-        return transformers.Qwen2MoeConfig(shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
-                                           qkv_bias=True, **common)
-    return transformers.Qwen3MoeConfig(attention_bias=False, **common)
+
+def _implied(config: TransformerConfig, family: Family) -> bool:
+    return ((config.num_experts is not None) == family.experts
+            and all(getattr(config, name) == family.implies[name] for name in family.selects))
+
+
+def _from_entries(read, family: Family, make_vocab_size_divisible_by: int, vocab_size: int,
+                  tp_size: int) -> TransformerConfig:
+    """The derived config of a family's entries, `read(key)` giving each (None when absent)."""
+    values = dict(family.implies, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    for spec in _FIELDS:
+        key = _key(spec, family)
+        raw = read(key.key) if key is not None and key is not IN_WEIGHTS else None
+        if raw is not None:
+            values[spec.name] = key.from_hf(raw)
+    if family.layer_pattern:  # Qwen-MoE: layer i is dense if listed in mlp_only_layers or off the sparse step
+        dense, step = read("mlp_only_layers") or [], read("decoder_sparse_step") or 1
+        pattern = [0 if (i in dense or (i + 1) % step) else 1 for i in range(values["num_layers"])]
+        values["moe_layer_freq"] = pattern if not all(pattern) else "1"  # every layer: the flag's default
+    return derive(TransformerConfig(**values), vocab_size=vocab_size, tp_size=tp_size)
+
+
+def _to_entries(config: TransformerConfig, family: Family, vocab_size: int) -> dict:
+    """The family's config entries of a derived config (`rope_parameters` as one dict)."""
+    entries = dict(family.extra, vocab_size=vocab_size)
+    for spec in _FIELDS:
+        key = _key(spec, family)
+        if key is None or key.to_hf is None or not applies(spec, config):
+            continue
+        container, _, leaf = key.key.rpartition(".")
+        target = entries.setdefault(container, {}) if container else entries
+        target[leaf] = key.to_hf(getattr(config, spec.name))
+    for key, name in family.copies.items():
+        entries[key] = getattr(config, name)
+    if family.layer_pattern:
+        pattern = moe_layer_pattern(config.moe_layer_freq, config.num_layers)
+        entries.update(decoder_sparse_step=1, mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe])
+    return entries
+
+
+def _lookup(entries: dict, key: str):
+    container, _, leaf = key.rpartition(".")
+    return (entries.get(container) or {}).get(leaf) if container else entries.get(key)
+
+
+def _read(hf_config, key: str):
+    """An entry of a `transformers` config; rope entries from either transformers 5
+    (`rope_parameters`) or 4.x (`rope_theta`, `rope_scaling`)."""
+    if key.startswith("rope_parameters."):
+        params = dict(getattr(hf_config, "rope_parameters", None) or {})
+        for name, value in (getattr(hf_config, "rope_scaling", None) or {}).items():
+            params.setdefault(name, value)
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", None))
+        params.setdefault("rope_type", params.get("type"))
+        return params.get(key.partition(".")[2])
+    return getattr(hf_config, key, None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -455,7 +387,7 @@ def hf_to_logical(hf_state_dict: dict, config: TransformerConfig, arch: str) -> 
         if entry.conv1d:
             tensor = tensor.t()
         if entry.vocab:
-            tensor = _pad_rows(tensor, config.vocab_size)
+            tensor = _pad_rows(tensor, config.padded_vocab_size)
         pieces = tensor.split(list(entry.sizes)) if entry.sizes else (tensor,)
         parts = logical.setdefault(entry.name, {})
         for part, piece in zip(entry.parts, pieces, strict=True):
@@ -470,7 +402,7 @@ def logical_to_hf(logical: dict, config: TransformerConfig, arch: str, *,
     """The HF state dict of a logical state (the inverse of `hf_to_logical`).
 
     `vocab_size`: the unpadded vocabulary size (HF's `config.vocab_size`); padded rows past it are
-    dropped. None keeps all `config.vocab_size` rows. A tied output layer is not emitted, as in
+    dropped. None keeps all `config.padded_vocab_size` rows. A tied output layer is not emitted, as in
     the checkpoints `save_pretrained` writes.
     """
     out = {}
@@ -498,7 +430,7 @@ def _rotary_permutation(config: TransformerConfig, heads: int) -> torch.Tensor:
 
 
 def _to_hf(tensor: torch.Tensor, entry: _Entry, config: TransformerConfig) -> torch.Tensor:
-    if entry.norm and config.layernorm_zero_centered_gamma:
+    if entry.norm and config.apply_layernorm_1p:
         tensor = tensor + 1.0
     if entry.rotary_heads and config.rotary_interleaved:
         tensor = tensor[_rotary_permutation(config, entry.rotary_heads)]
@@ -506,7 +438,7 @@ def _to_hf(tensor: torch.Tensor, entry: _Entry, config: TransformerConfig) -> to
 
 
 def _to_ours(tensor: torch.Tensor, entry: _Entry, config: TransformerConfig) -> torch.Tensor:
-    if entry.norm and config.layernorm_zero_centered_gamma:
+    if entry.norm and config.apply_layernorm_1p:
         tensor = tensor - 1.0
     if entry.rotary_heads and config.rotary_interleaved:
         tensor = tensor[torch.argsort(_rotary_permutation(config, entry.rotary_heads))]

@@ -1,4 +1,5 @@
-"""GPTModel: Llama 2, Llama 3/3.1 and GPT-2/3 from one TransformerConfig.
+"""GPTModel: Llama 2, Llama 3/3.1 and GPT-2/3 from one TransformerConfig (what the model is) and
+one ExecutionConfig (how it runs: sequence parallelism, recompute, kernels, FP8, dtype).
 
     tokens [b, s] -> embedding [s, b, h] -> decoder layers -> final norm -> logits [s, b, V/tp]
                   -> per-token loss [b, s] (when labels are given)
@@ -20,6 +21,7 @@ from megatron.core.tensor_parallel.layers import (
     GATHER_INPUT,
     TPLayout,
     VocabParallelEmbedding,
+    initial_values,
     initialize_param,
     linear_with_grad_accumulation,
     replicated_layout,
@@ -30,7 +32,7 @@ from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_
 from megatron.core.tensor_parallel.random import RNGStatesTracker
 from megatron.core.transformer.attention import document_attention_mask
 from megatron.core.transformer.block import TransformerBlock
-from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.config import DEFAULT_EXECUTION, ExecutionConfig, TransformerConfig, derive
 from megatron.core.transformer.fp8 import attach_fp8
 from megatron.core.transformer.moe.experts import initialize_expert_param
 from megatron.core.transformer.moe.router import share_moe_state
@@ -41,37 +43,40 @@ WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 class GPTModel(torch.nn.Module):
     def __init__(self, config: TransformerConfig, groups: ParallelGroups, *,
-                 rng_tracker: Optional[RNGStatesTracker] = None, pre_process: bool = True,
-                 post_process: bool = True, layer_numbers: Optional[list] = None, device=None):
+                 execution: ExecutionConfig = DEFAULT_EXECUTION, rng_tracker: Optional[RNGStatesTracker] = None,
+                 pre_process: bool = True, post_process: bool = True, layer_numbers: Optional[list] = None,
+                 device=None):
         super().__init__()
+        config = derive(config)  # a given description works too (derived ones pass unchanged)
         config.check_tensor_parallel(groups.tp_size)
         self.config = config
+        self.execution = execution
         self.groups = groups
         self.pre_process = pre_process
         self.post_process = post_process
-        self.sequence_parallel = config.sequence_parallel and groups.tp_size > 1
+        self.sequence_parallel = execution.sequence_parallel and groups.tp_size > 1
         self.share_embeddings = not config.untie_embeddings_and_output_weights
         device = device if device is not None else groups.device
         tp = dict(tp_size=groups.tp_size, tp_rank=groups.tp_rank)
         layer_numbers = list(range(config.num_layers)) if layer_numbers is None else list(layer_numbers)
 
         if pre_process:
-            self.embedding = _Embedding(config, groups, rng_tracker, device)
+            self.embedding = _Embedding(config, execution, groups, rng_tracker, device)
         self.rotary = RotaryEmbedding(config, device) if config.position_embedding_type == "rope" else None
-        self.decoder = TransformerBlock(config, layer_numbers=layer_numbers, post_process=post_process,
+        self.decoder = TransformerBlock(config, execution, layer_numbers=layer_numbers, post_process=post_process,
                                         tp_group=groups.tp, rng_tracker=rng_tracker, device=device,
                                         cp_group=groups.cp, groups=groups, **tp)
         self.moe_aux_loss_scale, self.moe_aux_losses = share_moe_state(self.decoder, config)
         # FP8 layers' linears get their FP8 GEMMs; `fp8_scaling` holds the delayed recipe's amax history.
-        self.fp8_scaling = attach_fp8(self.decoder, config, device) if config.fp8 else None
+        self.fp8_scaling = attach_fp8(self.decoder, execution, config.num_layers, device) if execution.fp8 else None
         self.input_tensor = None  # set by the pipeline schedule on stages after the first
         if post_process and (not self.share_embeddings or not pre_process):
             # Untied output layer, or the last stage's copy of the tied embedding (kept equal to the
             # first stage's by an all-reduce of gradients over the embedding group).
-            weight = torch.empty(config.vocab_size // groups.tp_size, config.hidden_size,
-                                 dtype=config.params_dtype, device=device)
+            weight = torch.empty(config.padded_vocab_size // groups.tp_size, config.hidden_size,
+                                 dtype=execution.params_dtype, device=device)
             self.output_layer = torch.nn.Parameter(weight)
-            layout = split_layout(0, config.vocab_size, groups.tp_size, groups.tp_rank, "padded vocabulary size")
+            layout = split_layout(0, config.padded_vocab_size, groups.tp_size, groups.tp_rank, "padded vocabulary size")
             set_layout(self.output_layer, layout, "normal")
             self.output_layer.shared_embedding = self.share_embeddings
         for weight in self.vocabulary_weights():
@@ -95,6 +100,12 @@ class GPTModel(torch.nn.Module):
         for name, param in self.named_parameters():
             init = initialize_expert_param if hasattr(param, "expert_offset") else initialize_param
             init(param, self.global_param_name(name), seed, self.config.init_method_std, self.config.num_layers)
+
+    def initial_values(self, local_name: str, param: torch.nn.Parameter, seed: int, device) -> dict:
+        """{part: full fp32 tensor} that `param`'s initial value is cut from (for wrappers that
+        initialize shards themselves, as FSDP2 does)."""
+        return initial_values(param, self.global_param_name(local_name), seed, self.config.init_method_std,
+                              self.config.num_layers, device)
 
     def set_input_tensor(self, tensor: Optional[torch.Tensor]) -> None:
         """The activation received from the previous pipeline stage, used as `hidden_states`."""
@@ -137,9 +148,9 @@ class GPTModel(torch.nn.Module):
         if labels is None:
             return logits
         vocab_start = self.groups.tp_rank * logits.shape[-1]
-        if self.config.cross_entropy_loss_fusion:
+        if self.execution.cross_entropy_loss_fusion:
             loss = fused_vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_start,
-                                                      compiled=self.config.fuse_elementwise)  # [s, b]
+                                                      compiled=self.execution.fuse_elementwise)  # [s, b]
         else:
             loss = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_start)
         return loss.t()
@@ -151,25 +162,27 @@ class GPTModel(torch.nn.Module):
         return linear_with_grad_accumulation(
             x, self.output_weight(), group=self.groups.tp,
             input_comm=GATHER_INPUT if self.sequence_parallel else ALL_REDUCE_INPUT_GRAD,
-            gradient_accumulation_fusion=self.config.gradient_accumulation_fusion,
+            gradient_accumulation_fusion=self.execution.gradient_accumulation_fusion,
             notify=not tied_here)  # [s, b, V/tp]
 
 
 class _Embedding(torch.nn.Module):
     """Word embeddings (vocab-parallel), optional learned positions, embedding dropout."""
 
-    def __init__(self, config, groups, rng_tracker, device):
+    def __init__(self, config, execution, groups, rng_tracker, device):
         super().__init__()
         self.groups = groups
-        self.sequence_parallel = config.sequence_parallel and groups.tp_size > 1
+        self.sequence_parallel = execution.sequence_parallel and groups.tp_size > 1
         self.word_embeddings = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, tp_group=groups.tp, tp_size=groups.tp_size,
-            tp_rank=groups.tp_rank, sequence_parallel=config.sequence_parallel,
-            params_dtype=config.params_dtype, device=device,
-            gradient_accumulation_fusion=config.gradient_accumulation_fusion)
+            config.padded_vocab_size, config.hidden_size, tp_group=groups.tp, tp_size=groups.tp_size,
+            tp_rank=groups.tp_rank, sequence_parallel=execution.sequence_parallel,
+            params_dtype=execution.params_dtype, device=device,
+            gradient_accumulation_fusion=execution.gradient_accumulation_fusion)
         if config.position_embedding_type == "learned_absolute":
+            if config.max_position_embeddings is None:
+                raise ValueError("learned absolute position embeddings need --max-position-embeddings (or --seq-length)")
             self.position_embeddings = torch.nn.Embedding(config.max_position_embeddings, config.hidden_size,
-                                                          dtype=config.params_dtype, device=device)
+                                                          dtype=execution.params_dtype, device=device)
             layout: TPLayout = replicated_layout(self.position_embeddings.weight.shape, groups.tp_size, groups.tp_rank)
             set_layout(self.position_embeddings.weight, layout, "normal")
         else:

@@ -28,22 +28,23 @@ from megatron.core.tensor_parallel.layers import (
     replicated_layout,
     set_layout,
 )
+from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.mlp import _ACTIVATIONS, MLP
 from megatron.core.utils import divide
 
 
 class GroupedMLP(torch.nn.Module):
-    def __init__(self, config, *, num_local_experts: int, expert_offset: int, etp_size: int, etp_rank: int,
-                 tp_size: int, tp_rank: int, device):
+    def __init__(self, config, *, execution=DEFAULT_EXECUTION, num_local_experts: int, expert_offset: int,
+                 etp_size: int, etp_rank: int, tp_size: int, tp_rank: int, device):
         super().__init__()
-        self.gated = config.gated_linear_unit
+        self.gated = config.swiglu
         self.activation = _ACTIVATIONS[config.activation]
         self.num_local_experts = num_local_experts
         self.expert_offset = expert_offset  # global index of local expert 0
         self.grouped_gemm = config.moe_grouped_gemm
         ffn, hidden = config.moe_ffn_hidden_size, config.hidden_size
         local_ffn = divide(ffn, etp_size, "--moe-ffn-hidden-size by --expert-tensor-parallel-size")
-        dtype = config.params_dtype
+        dtype = execution.params_dtype
         rows = 2 * local_ffn if self.gated else local_ffn
         self.fc1_weight = torch.nn.Parameter(torch.empty(num_local_experts, rows, hidden, dtype=dtype, device=device))
         self.fc2_weight = torch.nn.Parameter(torch.empty(num_local_experts, hidden, local_ffn, dtype=dtype,
@@ -145,15 +146,16 @@ class SharedExpertMLP(torch.nn.Module):
     size): a dense MLP, tensor-parallel like the model's, optionally scaled by a per-token sigmoid
     gate sigmoid(x w_g) (Qwen2-MoE)."""
 
-    def __init__(self, config, *, tp_group, tp_size: int, tp_rank: int, device):
+    def __init__(self, config, *, execution=DEFAULT_EXECUTION, tp_group, tp_size: int, tp_rank: int, device):
         super().__init__()
         shared = dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
-        self.mlp = MLP(shared, tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank, device=device)
+        self.mlp = MLP(shared, execution=execution, tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank,
+                       device=device)
         self.gate_weight = None
         if config.moe_shared_expert_gate:
-            self.gate_weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype,
+            self.gate_weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=execution.params_dtype,
                                                               device=device))
-            partial = config.sequence_parallel and tp_size > 1
+            partial = execution.sequence_parallel and tp_size > 1
             set_layout(self.gate_weight, replicated_layout((1,), tp_size, tp_rank, partial), "normal")
 
     def forward(self, x):

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from megatron.core.distributed import comm
 from megatron.core.tensor_parallel.layers import replicated_layout, set_layout
+from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.moe import moe_utils
 
 _ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
@@ -51,8 +52,8 @@ class AuxLossTracker:
 
 
 class TopKRouter(torch.nn.Module):
-    def __init__(self, config, *, layer_number: int, tp_size: int, tp_rank: int, tp_cp_group=None,
-                 tp_dp_cp_group=None, device=None):
+    def __init__(self, config, *, execution=DEFAULT_EXECUTION, layer_number: int, tp_size: int, tp_rank: int,
+                 tp_cp_group=None, tp_dp_cp_group=None, device=None):
         super().__init__()
         self.config = config
         self.layer_number = layer_number  # global index, for per-layer logging
@@ -61,9 +62,9 @@ class TopKRouter(torch.nn.Module):
         self.coeffs = aux_loss_coeffs(config)
         self.router_dtype = _ROUTER_DTYPES[config.moe_router_dtype]
         self.weight = torch.nn.Parameter(torch.empty(config.num_experts, config.hidden_size,
-                                                     dtype=config.params_dtype, device=device))
+                                                     dtype=execution.params_dtype, device=device))
         # Sequence-parallel ranks route different tokens: their gradients are partial sums.
-        partial = config.sequence_parallel and tp_size > 1
+        partial = execution.sequence_parallel and tp_size > 1
         set_layout(self.weight, replicated_layout(self.weight.shape, tp_size, tp_rank, partial), "normal")
         self.aux_loss_scale = moe_utils.AuxLossScale()  # shared with the model (GPTModel sets it)
         self.tracker: Optional[AuxLossTracker] = None   # shared with the model, when it logs

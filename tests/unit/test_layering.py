@@ -1,0 +1,93 @@
+"""The floors of docs/design.md, checked over every module's imports (with `ast`, function-level
+imports included): a module may import its own floor and the floors below it, never one above.
+An upward import fails the test, naming the file, the line and both floors."""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# Bottom to top. A module's floor is that of the longest prefix of its dotted name listed here.
+FLOORS = [
+    ("megatron.core.utils", "megatron.core.parallel_state", "megatron.core.tokenizers", "megatron.core.datasets"),
+    ("megatron.core.distributed",),
+    ("megatron.core.tensor_parallel", "megatron.core.optimizer", "megatron.core.pipeline_parallel",
+     "megatron.core.context_parallel"),
+    ("megatron.core.transformer",),
+    ("megatron.core.models",),
+    ("megatron.core.checkpointing",),
+    ("megatron.training",),
+    ("pretrain_gpt", "tools", "bench"),
+]
+
+
+def floor_of(module: str):
+    """(floor index, prefix) of a dotted module name, or None for modules outside the floors."""
+    best = None
+    for index, prefixes in enumerate(FLOORS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > len(best[1])):
+                best = (index, prefix)
+    return best
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(tree: ast.AST, package: str):
+    """(line, dotted name) of every import in `tree` (relative imports resolved against `package`)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                yield node.lineno, f"{base}.{alias.name}" if floor_of(f"{base}.{alias.name}") else base
+
+
+def sources():
+    return sorted(p for pattern in ("megatron/**/*.py", "tools/**/*.py", "bench/*.py", "pretrain_gpt.py")
+                  for p in ROOT.glob(pattern))
+
+
+def upward_imports() -> list:
+    found = []
+    for path in sources():
+        name = module_name(path)
+        own = floor_of(name)
+        if own is None:
+            continue
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for line, imported in imported_modules(ast.parse(path.read_text(), str(path)), package):
+            target = floor_of(imported)
+            if target is not None and target[0] > own[0]:
+                found.append(f"{path.relative_to(ROOT)}:{line} imports {imported} ({target[1]}, floor {target[0]}) "
+                             f"from floor {own[0]} ({own[1]})")
+    return found
+
+
+def test_every_module_is_on_a_floor():
+    missing = [str(p.relative_to(ROOT)) for p in sources() if p.name != "__init__.py" and floor_of(module_name(p)) is None
+               and module_name(p).startswith("megatron.")]
+    assert missing == []
+
+
+def test_no_module_imports_a_floor_above_its_own():
+    assert upward_imports() == [], "\n".join(upward_imports())
+
+
+@pytest.mark.parametrize("module, imported, upward", [
+    ("megatron.core.distributed.ddp", "megatron.core.tensor_parallel.layers", True),
+    ("megatron.core.transformer.attention", "megatron.core.tensor_parallel.layers", False),
+    ("megatron.core.checkpointing.state", "megatron.training.checkpointing", True),
+    ("tools.plan", "megatron.training.memory", False),
+])
+def test_the_floors_order_modules(module, imported, upward):
+    assert (floor_of(imported)[0] > floor_of(module)[0]) is upward
