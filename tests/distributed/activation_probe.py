@@ -31,20 +31,20 @@ class SavedStorages:
         return sum(self.storages.values())
 
 
-def saved_bytes(config, groups, *, seq: int, batch: int) -> int:
+def saved_bytes(config, execution, groups, *, seq: int, batch: int) -> int:
     """Bytes that the decoder layers of `config` (no embedding, no output layer) save for backward
     on this rank in one training forward of a micro-batch [batch, seq]: this rank's share of the
     sequence (1/CP, and 1/TP of the layer input with sequence parallelism)."""
     tracker = build_tracker(1234, groups.tp_rank, groups.pp_rank, torch.device("cpu"))
-    model = GPTModel(config, groups, rng_tracker=tracker, pre_process=False, post_process=False,
-                     device=torch.device("cpu"))
+    model = GPTModel(config, groups, execution=execution, rng_tracker=tracker, pre_process=False,
+                     post_process=False, device=torch.device("cpu"))
     model.initialize_parameters(1234)
     model.train()
     local_seq = seq // groups.cp_size
-    rows = local_seq // groups.tp_size if config.sequence_parallel and groups.tp_size > 1 else local_seq
+    rows = local_seq // groups.tp_size if execution.sequence_parallel and groups.tp_size > 1 else local_seq
     positions = slice_batch(dict(position_ids=torch.arange(seq)[None].expand(batch, seq)), groups.cp_size,
                             groups.cp_rank)["position_ids"]
-    x = torch.randn(rows, batch, config.hidden_size, dtype=config.params_dtype, requires_grad=True)
+    x = torch.randn(rows, batch, config.hidden_size, dtype=execution.params_dtype, requires_grad=True)
     counter = SavedStorages(model.parameters())
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
         out = model(None, positions, hidden_states=x)

@@ -19,7 +19,7 @@ from megatron.training.planning.layout import Layout
 from megatron.training.planning.memory import stage_layer_activations
 from tests.distributed.activation_probe import saved_bytes
 from tests.distributed.harness import run_distributed
-from tests.distributed.parity import gpt2_config, llama_config
+from tests.distributed.parity import gpt2_config, llama_config, split_overrides
 
 TOLERANCE = 0.05
 RECOMPUTE = {"none": {}, "selective": dict(recompute_granularity="selective"),
@@ -35,21 +35,25 @@ MODELS = {
 }
 
 
-def model_config(name: str, recompute: str, **overrides):
+def model_config(name: str, recompute: str, **overrides) -> tuple:
+    """(architecture, ExecutionConfig) of a named model and recompute mode."""
     values = dict(MODELS[name], num_layers=3, max_position_embeddings=128, **RECOMPUTE[recompute], **overrides)
     family = values.pop("family")
-    return (llama_config if family == "llama" else gpt2_config)(**values)
+    values, execution = split_overrides(values)
+    return (llama_config if family == "llama" else gpt2_config)(**values), execution
 
 
-def planned(config, *, seq: int, batch: int, tp: int = 1, cp: int = 1) -> float:
+def planned(model, *, seq: int, batch: int, tp: int = 1, cp: int = 1) -> float:
     """The plan's bytes saved by these layers for one micro-batch on one rank (CPU kernels, eager
     elementwise chains: what the measured run executes)."""
-    precision = {torch.float32: "fp32", torch.bfloat16: "bf16"}[config.params_dtype]
+    config, execution = model
+    precision = {torch.float32: "fp32", torch.bfloat16: "bf16"}[execution.params_dtype]
     lay = Layout(tp=tp, pp=1, cp=cp, dp=1, micro_batch_size=batch, global_batch_size=batch, seq_length=seq,
-                 precision=precision, sequence_parallel=config.sequence_parallel, cp_comm_type=config.cp_comm_type,
-                 recompute_granularity=config.recompute_granularity, recompute_method=config.recompute_method,
-                 recompute_num_layers=config.recompute_num_layers, fused_elementwise=False, device="cpu",
-                 attention_kernel="math" if config.attention_backend == "math" else "flash")
+                 precision=precision, sequence_parallel=execution.sequence_parallel,
+                 cp_comm_type=execution.cp_comm_type, recompute_granularity=execution.recompute_granularity,
+                 recompute_method=execution.recompute_method, recompute_num_layers=execution.recompute_num_layers,
+                 fused_elementwise=False, device="cpu",
+                 attention_kernel="math" if execution.attention_backend == "math" else "flash")
     return stage_layer_activations(architecture(config), lay, config.num_layers)[0]
 
 
@@ -58,7 +62,7 @@ def planned(config, *, seq: int, batch: int, tp: int = 1, cp: int = 1) -> float:
 def test_one_process(name, recompute):
     for seq, batch in ((32, 2), (64, 1), (128, 3)):
         config = model_config(name, recompute)
-        measured = saved_bytes(config, single_process(), seq=seq, batch=batch)
+        measured = saved_bytes(*config, single_process(), seq=seq, batch=batch)
         plan = planned(config, seq=seq, batch=batch)
         assert abs(plan - measured) <= TOLERANCE * measured, (seq, batch, plan, measured)
 
@@ -84,7 +88,7 @@ def _measure_all(rank, world_size):
         groups = initialize_model_parallel(tp, 1, cp)
         for seq, batch in ((32, 2), (64, 1)):
             config = model_config(model, recompute, **overrides)
-            results[(name, seq, batch)] = saved_bytes(config, groups, seq=seq, batch=batch)
+            results[(name, seq, batch)] = saved_bytes(*config, groups, seq=seq, batch=batch)
     return results
 
 
