@@ -75,3 +75,23 @@ def test_hidden_from_help_but_help_points_to_the_table(capsys):
         parse_args(["--help"])
     out = capsys.readouterr().out
     assert "docs/megatron-compatibility.md" in out and "--num-experts" not in out
+
+
+@pytest.mark.parametrize("flags, note", [
+    (["--save-interval", "20"], "--save-interval without --save: no checkpoint is saved (as in Megatron-LM)"),
+    (["--async-save"], "--async-save without --save: no checkpoint is saved (as in Megatron-LM)"),
+    (["--eval-iters", "-1"], "--eval-iters -1: no evaluation (as in Megatron-LM"),
+])
+def test_what_megatron_lm_accepts_without_its_companion_runs_with_a_note(flags, note):
+    """The ROCm fork's train_llama3.sh passes --save-interval with its --save line commented out,
+    and --eval-iters -1: Megatron-LM saves nothing and evaluates nothing, and so does this framework."""
+    assert any(n.startswith(note) for n in _validate(flags))
+
+
+def test_negative_eval_iters_asks_for_no_evaluation_samples():
+    from megatron.training.batch_schedule import batch_schedule
+    from megatron.training.training import dataset_sizes
+
+    config = parse_args(MINIMAL + ["--eval-iters", "-1", "--eval-interval", "1"])
+    validate(config, 1)
+    assert dataset_sizes(config, batch_schedule(config.training, 1)) == (6, 0, 0)
