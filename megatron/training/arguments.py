@@ -45,6 +45,9 @@ IRREGULAR_FLAGS = {
                                       "Do not write the loss scale to TensorBoard."),
     "mmap_bin_files": ("--no-mmap-bin-files", "store_false",
                        "Read each .bin file whole into memory instead of memory-mapping it."),
+    "data_sharding": ("--no-data-sharding", "store_false",
+                      "With --dataloader-type cyclic: shuffle the whole dataset once per epoch and deal it out to "
+                      "the data-parallel ranks, instead of each rank shuffling its own bucket."),
     "create_attention_mask_in_dataloader": (
         "--no-create-attention-mask-in-dataloader", "store_false",
         "Build no document attention in the data loader: with --reset-attention-mask, attention is then causal "

@@ -29,7 +29,7 @@ from megatron.training.checkpointing import (
     read_common,
 )
 from megatron.training.config import Config
-from megatron.training.data import build_loader
+from megatron.training.data import build_loader, endless
 from megatron.training.exits import ExitConditions
 from megatron.training.failures import FailureReport, Watch
 from megatron.training.fault_injection import FaultInjector
@@ -350,9 +350,12 @@ def evaluate(run: Run, data_iterator, eval_iters: int) -> dict:
 def _loader(run: Run, dataset, consumed: int):
     """One data iterator for this rank (the schedules hand each micro-batch to every model chunk
     that runs it); None without data."""
-    loader = build_loader(dataset, consumed, run.config.training.micro_batch_size, run.groups,
-                          run.config.data.num_workers)
-    return None if loader is None else iter(loader)
+    d = run.config.data
+    loader = build_loader(dataset, consumed, run.config.training.micro_batch_size, run.groups, d.num_workers,
+                          d.dataloader_type, d.data_sharding)
+    if loader is None:
+        return None
+    return endless(loader) if d.dataloader_type == "cyclic" else iter(loader)
 
 
 class _Window:

@@ -333,6 +333,9 @@ def _read_data_args(config: Config) -> None:
 def _validate_data(config: Config, notes: list) -> None:
     _read_data_args(config)
     d = config.data
+    _require(d.dataloader_type != "external",
+             "--dataloader-type external passes a user's own data loader through (Megatron-LM's hook for custom "
+             "training scripts); pretrain_gpt.py builds its loader: use --dataloader-type single or cyclic")
     if d.reset_attention_mask and not d.create_attention_mask_in_dataloader:
         notes.append("--no-create-attention-mask-in-dataloader: samples carry no document mask, so attention is causal "
                      "across documents despite --reset-attention-mask (as in Megatron-LM)")

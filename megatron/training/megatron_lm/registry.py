@@ -157,7 +157,6 @@ FLAGS = {
     "--dump-param-to-param-group-map": error("parameter-group maps are not built"),
     "--no-pin-cpu-grads": note("optimizer offloading to CPU is not built; no effect"),
     "--no-pin-cpu-params": note("optimizer offloading to CPU is not built; no effect"),
-    "--dataloader-type": only("single", text="only the single-pass pretraining sampler (single) is built"),
     "--no-async-tensor-model-parallel-allreduce": note("deprecated and ignored in Megatron-LM; no effect"),
     "--no-persist-layer-norm": note(_FUSION),
     "--no-gradient-accumulation-fusion": note("weight gradients are accumulated by PyTorch's autograd into the "
