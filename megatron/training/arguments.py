@@ -20,6 +20,7 @@ from typing import Optional
 
 from megatron.training import megatron_lm
 from megatron.training.config import SECTIONS, Config
+from megatron.training.megatron_lm.registry import REFUSED_VALUES
 
 # field name -> (flag, argparse action, --help text): flags that invert or rename a field. An action
 # of None keeps the field's typed handling under the other name; BooleanOptionalAction gives a switch
@@ -82,7 +83,11 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2)
 
     def _suggest(self, message: str) -> str:
-        """The message, with `(did you mean --x?)` after each unknown flag that is close to a known one."""
+        """The message, with `(did you mean --x?)` after each unknown flag that is close to a known
+        one; a value Megatron-LM accepts and this framework refuses says why."""
+        refused = re.fullmatch(r"argument (--[a-z0-9-]+)(?:/[^:]*)?: invalid choice: '([^']*)'.*", message, re.S)
+        if refused and refused[2] in REFUSED_VALUES.get(refused[1], {}):
+            return f"{refused[1]} {refused[2]} is not supported: {REFUSED_VALUES[refused[1]][refused[2]]}"
         if not message.startswith("unrecognized arguments: "):
             return message
         known = [option for action in self._actions for option in action.option_strings if option.startswith("--")]
@@ -184,6 +189,7 @@ def parse_args(argv: Optional[list] = None) -> Config:
                 action.required = False
     namespace = parser.parse_args(argv)
     values = vars(namespace)
+    megatron_lm.apply_aliases(megatron_lm.given(namespace), values)
     sections = {section: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
                 for section, cls in SECTIONS.items()}
     return Config(**sections, megatron_lm_flags=megatron_lm.given(namespace))
