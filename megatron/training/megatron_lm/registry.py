@@ -97,7 +97,7 @@ PREFIXES = {
     "--lion-": error("the Lion optimizer is not built (--optimizer adam or sgd)"),
     "--gtp-": error("weight sharding within tensor parallelism is not built"),
     "--fault-injector-": note("Megatron-LM's fault injector is not built; no faults are injected "
-                              "(tools/dev has this framework's own fault tests)"),
+                              "(bench/chaos.py injects this framework's own test faults)"),
     "--otel-": note("OpenTelemetry tracing is not used"),
     "--flight-recorder-": note("the NCCL flight recorder keeps PyTorch's defaults (TORCH_NCCL_* variables)"),
     "--no-flight-recorder-": note("the NCCL flight recorder keeps PyTorch's defaults (TORCH_NCCL_* variables)"),
