@@ -157,3 +157,17 @@ def test_nvidia_llama3_fp8_script_trains_saves_and_resumes(tmp_path):
     again = _run_upstream_script(tmp_path, "nvidia_train_llama3_8b_h100_fp8.sh", *paths, MASTER_PORT="29624")
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert "loaded weights and optimizer state of iteration 8" in again.stdout and losses(again.stdout) == []
+
+
+def test_a_typo_in_a_launch_script_is_one_line_before_torchrun(tmp_path):
+    """examples/llama/train_llama3.sh checks its flags in one process before torchrun: a misspelt
+    flag is one line naming the closest known flag, with no usage text and no torchrun report."""
+    from tests.functional.test_pretrain_gpt import _launch_script
+
+    result = _launch_script(tmp_path, EXTRA_ARGS="--save-intreval 20")
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if "error" in line]
+    assert lines[0] == ("pretrain_gpt.py: error: unrecognized arguments: --save-intreval "
+                        "(did you mean --save-interval?)")
+    assert "usage:" not in result.stderr and "Traceback" not in result.stderr
+    assert "ChildFailedError" not in result.stderr and "stopped before starting torchrun" in result.stderr
