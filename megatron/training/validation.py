@@ -193,9 +193,12 @@ def _validate_checkpointing(config: Config, notes: list) -> None:
     if c.ckpt_format in ("torch", "torch_dcp"):
         notes.append(f"--ckpt-format {c.ckpt_format}: checkpoints are written in the one format of this framework "
                      "(torch_dist: torch.distributed.checkpoint, layout-independent)")
-    for flag, value in (("--save-interval", c.save_interval), ("--ckpt-keep-latest", c.ckpt_keep_latest),
-                        ("--exit-interval", t.exit_interval), ("--exit-duration-in-mins", t.exit_duration_in_mins)):
+    for flag, value in (("--save-interval", c.save_interval), ("--ckpt-keep-latest", c.ckpt_keep_latest)):
         _require(value is None or value > 0, f"{flag} must be positive, got {value}")
+    for flag, value in (("--exit-interval", t.exit_interval), ("--exit-duration-in-mins", t.exit_duration_in_mins)):
+        _require(value is None or value >= 0, f"{flag} must be >= 0 (0 turns it off), got {value}")
+        if value == 0:
+            notes.append(f"{flag} 0: off (as in Megatron-LM)")
     _require(not c.ckpt_keep_latest or c.save, "--ckpt-keep-latest needs --save DIR")
     for flag, value in (("--save-interval", c.save_interval), ("--async-save", c.async_save)):
         if value and not c.save:  # Megatron-LM accepts these without --save and saves nothing

@@ -200,6 +200,8 @@ def test_hidden_from_help_but_help_points_to_the_table(capsys):
     (["--save-interval", "20"], "--save-interval without --save: no checkpoint is saved (as in Megatron-LM)"),
     (["--async-save"], "--async-save without --save: no checkpoint is saved (as in Megatron-LM)"),
     (["--eval-iters", "-1"], "--eval-iters -1: no evaluation (as in Megatron-LM"),
+    (["--exit-interval", "0"], "--exit-interval 0: off (as in Megatron-LM)"),
+    (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins 0: off (as in Megatron-LM)"),
 ])
 def test_what_megatron_lm_accepts_without_its_companion_runs_with_a_note(flags, note):
     """The ROCm fork's train_llama3.sh passes --save-interval with its --save line commented out,
