@@ -294,9 +294,11 @@ def main(argv=None) -> int:
         "sources": {name: {"commit": commit, "what": what, "file": PARSER_FILE} for name, (commit, what) in SOURCES.items()},
         "flags": [{key: flag.get(key) for key in keys} for flag in flags],
     }
-    with open(OUTPUT, "w") as handle:
-        json.dump(document, handle, indent=1, default=str)
-        handle.write("\n")
+    with open(OUTPUT, "w") as handle:  # one flag per line, so that a regeneration diffs by flag
+        header = {key: value for key, value in document.items() if key != "flags"}
+        handle.write(json.dumps(header, indent=1)[:-2] + ',\n "flags": [\n')
+        handle.write(",\n".join(json.dumps(flag, default=str) for flag in document["flags"]))
+        handle.write("\n ]\n}\n")
     counts = {name: len({f["name"] for f in flags_}) for name, flags_ in per_source.items()}
     print(f"wrote {OUTPUT}: {len(flags)} flags ({', '.join(f'{n} {c}' for n, c in counts.items())})")
     return 0
