@@ -23,7 +23,7 @@ from megatron.training.arguments import format_config
 from megatron.training.batch_schedule import BatchSchedule, batch_schedule
 from megatron.training.checkpointing import Checkpointer, checkpoint_dir
 from megatron.training.config import Config
-from megatron.training.data import build_loader
+from megatron.training.data import build_loader, endless
 from megatron.training.exits import ExitConditions
 from megatron.training.failures import FailureReport, Watch
 from megatron.training.fault_injection import FaultInjector
@@ -272,9 +272,12 @@ def evaluate(run: Run, data_iterator, eval_iters: int) -> dict:
 def _loader(run: Run, dataset, consumed: int):
     """One data iterator for this rank (the schedules hand each micro-batch to every model chunk
     that runs it); None without data."""
-    loader = build_loader(dataset, consumed, run.config.training.micro_batch_size, run.groups,
-                          run.config.data.num_workers)
-    return None if loader is None else iter(loader)
+    d = run.config.data
+    loader = build_loader(dataset, consumed, run.config.training.micro_batch_size, run.groups, d.num_workers,
+                          d.dataloader_type, d.data_sharding)
+    if loader is None:
+        return None
+    return endless(loader) if d.dataloader_type == "cyclic" else iter(loader)
 
 
 class _Window:
@@ -385,7 +388,7 @@ def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = 
 def _valid_iterator(run: Run, valid_dataset, state: TrainState):
     """The validation loader, built once: each evaluation continues where the previous one (or
     the checkpoint's consumed validation samples) stopped, as in Megatron-LM."""
-    if valid_dataset is None or run.config.training.eval_iters == 0:
+    if valid_dataset is None or run.config.training.eval_iters <= 0:
         return None
     if state.consumed_valid_samples >= len(valid_dataset):
         run.printer(f"NOTE: the validation set ({len(valid_dataset)} samples) was used up by earlier evaluations "
@@ -509,7 +512,7 @@ def _ppl(loss: float) -> float:
 def _final_evaluations(run: Run, state: TrainState, valid_iterator, test_dataset) -> None:
     """After training (not after an early exit): the validation set, continued, then the test set,
     as Megatron-LM does."""
-    if state.exit_reason is not None or run.config.training.eval_iters == 0:
+    if state.exit_reason is not None or run.config.training.eval_iters <= 0:
         return
     if valid_iterator is not None:
         _log_evaluation(run, valid_iterator, state, f"iteration {state.iteration} on validation set")
@@ -524,9 +527,10 @@ def dataset_sizes(config: Config, batches: BatchSchedule) -> tuple:
     final one, and one evaluation's worth of test samples."""
     t = config.training
     evaluations = t.train_iters // t.eval_interval + 1
+    eval_iters = max(t.eval_iters, 0)  # 0 or negative: no evaluation, as in Megatron-LM
     train_samples = t.train_samples if t.train_samples is not None else t.train_iters * batches.global_batch_size
-    return (train_samples, evaluations * t.eval_iters * batches.global_batch_size,
-            t.eval_iters * batches.global_batch_size)
+    return (train_samples, evaluations * eval_iters * batches.global_batch_size,
+            eval_iters * batches.global_batch_size)
 
 
 def pretrain(config: Config, *, forward_step_func: Callable, datasets_provider: Callable,
