@@ -1,7 +1,12 @@
 """--dataloader-type cyclic: the order of Megatron-LM's own `MegatronPretrainingRandomSampler` (its
 source compiled in a subprocess by megatron_lm_sampler.py), over dataset sizes, micro-batch and
 data-parallel sizes, both data-sharding modes and several epochs; a resume mid-epoch continues it
-exactly; and the training loader reads it epoch after epoch."""
+exactly; and the training loader reads it epoch after epoch.
+
+The orders Megatron-LM's sampler gives are also kept as data (megatron_lm_cyclic_orders.json, from
+Megatron-LM at the commit named in it), so the comparison runs without a Megatron-LM checkout; with
+one (MEGATRON_LM_REF), the live orders are compared too. Regenerate the file with
+`MEGATRON_LM_REF=DIR python -m tests.unit.data.test_cyclic_sampler COMMIT`."""
 import itertools
 import json
 import os
@@ -17,6 +22,7 @@ from megatron.training.data import CyclicSampler, build_loader, endless
 from tests.optional import require_megatron_lm
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "megatron_lm_sampler.py")
+STORED_ORDERS = os.path.join(os.path.dirname(__file__), "megatron_lm_cyclic_orders.json")
 # (samples, micro-batch, data-parallel size, data sharding): sizes that divide evenly and sizes that
 # leave a partial step at the end of each epoch.
 SHAPES = [(64, 2, 1, True), (64, 2, 4, True), (70, 3, 2, True), (101, 4, 3, True),
@@ -41,24 +47,36 @@ def _ours(case: dict, rank: int) -> list:
                                  case["batches"]))
 
 
-@pytest.fixture(scope="module")
-def megatron_lm_orders(tmp_path_factory):
-    source = require_megatron_lm("megatron/training/datasets/data_samplers.py")
-    cases_file = tmp_path_factory.mktemp("cyclic") / "cases.json"
-    cases_file.write_text(json.dumps(_cases()))
+def _run_megatron_lm(source: str, workdir) -> list:
+    """Megatron-LM's orders for _cases(), from its sampler's source file, in a subprocess."""
+    cases_file = os.path.join(workdir, "cases.json")
+    with open(cases_file, "w") as f:
+        json.dump(_cases(), f)
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    result = subprocess.run([sys.executable, REFERENCE, source, str(cases_file)], capture_output=True, text=True,
-                            env=env, cwd=tmp_path_factory.getbasetemp(), timeout=300)
+    result = subprocess.run([sys.executable, REFERENCE, source, cases_file], capture_output=True, text=True,
+                            env=env, cwd=workdir, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout)
 
 
-def test_order_equals_megatron_lm_over_sizes_ranks_and_epochs(megatron_lm_orders):
+def _assert_orders_equal(megatron_lm_orders: list):
     cases = _cases()
     assert len(megatron_lm_orders) == len(cases)
     for case, reference in zip(cases, megatron_lm_orders):
         for rank in range(case["dp"]):
             assert _ours(case, rank) == reference[rank], f"{case}, data-parallel rank {rank}"
+
+
+def test_order_equals_megatron_lm_stored_orders():
+    with open(STORED_ORDERS) as f:
+        stored = json.load(f)
+    assert stored["cases"] == _cases(), "the stored orders were made for other cases: regenerate them"
+    _assert_orders_equal(stored["orders"])
+
+
+def test_order_equals_megatron_lm_live(tmp_path):
+    source = require_megatron_lm("megatron/training/datasets/data_samplers.py")
+    _assert_orders_equal(_run_megatron_lm(source, str(tmp_path)))
 
 
 @pytest.mark.parametrize("total, micro, dp, sharding", SHAPES)
@@ -96,3 +114,15 @@ def test_a_dataset_smaller_than_one_step_is_an_error_naming_the_sizes():
     with pytest.raises(ValueError, match=r"the dataset has 3 samples, fewer than one step of --micro-batch-size \(2\) "
                                          r"x data-parallel size \(2\) = 4"):
         CyclicSampler(3, 0, 2, 0, 2)
+
+
+if __name__ == "__main__":  # regenerate megatron_lm_cyclic_orders.json from a Megatron-LM checkout
+    import tempfile
+
+    checkout = os.environ["MEGATRON_LM_REF"]
+    with tempfile.TemporaryDirectory() as workdir:
+        orders = _run_megatron_lm(os.path.join(checkout, "megatron/training/datasets/data_samplers.py"), workdir)
+    with open(STORED_ORDERS, "w") as f:
+        json.dump({"source": "NVIDIA Megatron-LM megatron/training/datasets/data_samplers.py",
+                   "commit": sys.argv[1], "cases": _cases(), "orders": orders}, f)
+        f.write("\n")
