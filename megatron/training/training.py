@@ -40,6 +40,7 @@ from megatron.training.memory import check_fits, estimate_report, memory_report,
 from megatron.training.oom import MemoryWatch
 from megatron.training.profiling import StepProfiler
 from megatron.training.progress import ProgressLog
+from megatron.training.save_lock import SaveLock, hold_save_directory
 from megatron.training.straggler import StragglerReport
 from megatron.training.validation import ConfigError, validate
 
@@ -82,6 +83,7 @@ class Run:
     failure_report: Optional[FailureReport] = None     # names dead or hung ranks (torchrun jobs)
     straggler: Optional[StragglerReport] = None        # --log-straggler
     faults: Optional[FaultInjector] = None             # test-only (MEGATRON_TEST_FAULTS)
+    save_lock: Optional[SaveLock] = None               # this job's hold on --save (save_lock.py)
 
 
 def print_rank_0(message: str) -> None:
@@ -101,6 +103,7 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int,
         logging.basicConfig(level=config.logging.logging_level)
         logging.getLogger().setLevel(config.logging.logging_level)
     groups, rng_tracker = initialize_distributed(config)
+    save_lock = hold_save_directory(config.checkpoint.save, groups, print_rank_0)
     print_rank_0(format_config(config))
     model_config = builders.transformer_config(config, vocab_size)
     _check_fits(config, model_config, groups.world_size, groups.device)
@@ -126,7 +129,7 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int,
                     if config.checkpoint.save or to_load is not None else None)
     run = Run(config, groups, model_config, chunks, optimizer, scheduler, forward_step_func, global_batch,
               num_microbatches, print_rank_0, vocab_size, checkpointer, to_load, batches,
-              attention_report=attention_report)
+              attention_report=attention_report, save_lock=save_lock)
     _add_reliability(run)
     return run
 
@@ -638,4 +641,6 @@ def pretrain(config: Config, *, forward_step_func: Callable, datasets_provider: 
             gc.enable()
         if torch.distributed.is_initialized():
             comm.barrier()
+    if run.save_lock is not None:
+        run.save_lock.release()
     return state

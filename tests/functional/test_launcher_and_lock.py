@@ -66,3 +66,31 @@ def test_sigkill_to_torchruns_process_group_ends_every_worker_and_every_write(tm
                 os.kill(pid, signal.SIGKILL)
         if process is not None:
             process.wait()
+
+
+def test_a_second_job_on_the_same_save_directory_is_refused_naming_the_first(tmp_path):
+    checkpoint = tmp_path / "ckpt"
+    lines, workers = [], []
+    process = None
+    try:
+        process, workers = _start(checkpoint, lines)
+        second = subprocess.run(torchrun(2, *c10d()) + BASE + ["--save", str(checkpoint)], capture_output=True,
+                                text=True, timeout=240, env=environment())
+        output = second.stdout + second.stderr
+        refusals = [line for line in output.splitlines() if "is in use by another job" in line]
+        assert second.returncode != 0 and len(refusals) == 1, output[-3000:]
+        assert refusals[0].startswith(f"error: --save {checkpoint} is in use by another job (host ")
+        assert f"pid {workers[0]}, started " in refusals[0]  # the first job's rank 0
+        assert "iteration" not in output  # refused before any training
+    finally:
+        if process is not None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    third = subprocess.run(torchrun(2, *c10d()) + BASE + ["--save", str(checkpoint)], capture_output=True, text=True,
+                           timeout=240, env=environment())
+    assert third.returncode == 0, third.stdout[-2000:] + third.stderr[-2000:]
+    assert f"NOTE: took over {checkpoint / 'save.lock'} from a job that is gone (host " in third.stdout
+    assert f"pid {workers[0]}, started " in third.stdout
