@@ -19,6 +19,8 @@ import signal
 import sys
 import time
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -49,7 +51,7 @@ class Interrupted:
     process started with SIGINT ignored (a background job of a non-interactive shell, `nohup`)
     never sees Ctrl-C at all: both let the tool run to the end. A second signal stops at once.
     A forked worker inherits the handler until its initializer runs: there SIGINT is ignored (the
-    main process stops the pool) and SIGTERM, which `Pool.terminate` sends, ends it.
+    main process stops the pool) and SIGTERM ends it.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -219,7 +221,7 @@ def _worker_init(args: argparse.Namespace) -> None:
     global _WORKER_ENCODER
     # Ctrl-C reaches the whole process group; only the main process handles it (and stops the pool).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # Pool.terminate() ends workers with SIGTERM
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _WORKER_ENCODER = Encoder(args)
     _WORKER_ENCODER.initialize()
 
@@ -228,21 +230,21 @@ def _worker_encode(batch: RawBatch) -> EncodedBatch:
     return _WORKER_ENCODER.encode(batch)
 
 
-def _wait(result, interrupted: Interrupted):
+def _wait(future, interrupted: Interrupted):
     """A worker's result; a Ctrl-C while waiting for it stops the wait within RESULT_POLL_SECONDS."""
-    while not result.ready():
+    while not future.done():
         interrupted.check()
-        result.wait(RESULT_POLL_SECONDS)
-    return result.get()
+        wait_for_futures([future], timeout=RESULT_POLL_SECONDS)
+    return future.result()
 
 
 def ordered_results(pool, batches, max_pending: int, interrupted: Interrupted):
     """Encode batches in the pool, yielding results in input order with at most `max_pending`
-    batches in flight (Pool.imap would read the whole input into memory ahead of the workers)."""
+    batches in flight (a pool's map would read the whole input into memory ahead of the workers)."""
     pending = deque()
     for batch in batches:
         interrupted.check()
-        pending.append(pool.apply_async(_worker_encode, (batch,)))
+        pending.append(pool.submit(_worker_encode, batch))
         if len(pending) >= max_pending:
             yield _wait(pending.popleft(), interrupted)
     while pending:
@@ -325,7 +327,11 @@ def process_spans(args: argparse.Namespace, spans, output_prefix: str, dtype, su
         batches = read_batches(spans, max_records=512, max_bytes=256 << 10)
         if args.workers > 1:
             method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-            pool = multiprocessing.get_context(method).Pool(args.workers, initializer=_worker_init, initargs=(args,))
+            # Not multiprocessing.Pool: its terminate() deadlocks when a worker waits for a task while
+            # holding the task queue's lock (seen on Ctrl-C). The executor stops its workers with
+            # sentinels: each finishes the batch in hand, pending batches are cancelled.
+            pool = ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context(method),
+                                       initializer=_worker_init, initargs=(args,))
             results = ordered_results(pool, batches, max_pending=4 * args.workers, interrupted=interrupted)
         else:
             encoder = Encoder(args)
@@ -350,15 +356,14 @@ def process_spans(args: argparse.Namespace, spans, output_prefix: str, dtype, su
             summary.bytes_read += result.bytes_read
             progress.update(result.documents, result.bytes_read)
         if pool is not None:
-            pool.close()
-            pool.join()
+            pool.shutdown(wait=True)
             pool = None
         interrupted.check()
         for key, prefix in output_prefixes(args, output_prefix).items():
             builders[key].finalize(get_idx_path(prefix))
     except BaseException:
         if pool is not None:
-            pool.terminate()
+            pool.shutdown(wait=False, cancel_futures=True)
         for builder in builders.values():
             builder.abort()
         raise
