@@ -81,3 +81,9 @@ def test_missing_transformers_is_one_line_naming_the_extra(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "error: this conversion needs the `hf` extra, which is not installed (No module named 'transformers'): "
         'pip install -e ".[hf]" (transformers, safetensors, tokenizers, sentencepiece)']
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "verify_correctness.py"), "--hf", str(tmp_path),
+                             "--checkpoint", str(tmp_path), "--text", TEXT], capture_output=True, text=True, env=env)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "error: this comparison needs the `hf` extra, which is not installed (No module named 'transformers'): "
+        'pip install -e ".[hf]" (transformers, safetensors, tokenizers, sentencepiece)']
