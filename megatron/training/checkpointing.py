@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megatron.core.checkpointing import CheckpointFormatError, checksums
 from megatron.core.checkpointing import state as ckpt_state
+from megatron.core.checkpointing.safe_pickle import check_dcp_files, read_dcp_metadata
 from megatron.core.checkpointing.sharded import ShardedState
 from megatron.core.distributed import comm
 from megatron.training.validation import ConfigError
@@ -433,6 +434,7 @@ class Checkpointer:
     def _verify_checksums(self, directory: str, common: dict) -> None:
         """Every rank checks its share of the files against the checksums saved with them; all ranks
         stop with the same message naming the first damaged file (one max-reduction of its index)."""
+        check_dcp_files(directory, read_dcp_metadata(directory))  # a missing or truncated file is named as such
         recorded = common.get("checksums")
         if recorded is None:
             self.print(f"NOTE: {directory} was saved without checksums: its files are not verified")
