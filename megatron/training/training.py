@@ -34,6 +34,7 @@ from megatron.training.memory import memory_report, theoretical_bytes
 from megatron.training.oom import MemoryWatch
 from megatron.training.profiling import StepProfiler
 from megatron.training.progress import ProgressLog
+from megatron.training.save_lock import SaveLock, hold_save_directory
 from megatron.training.startup import check_fits_in_memory, startup_checks
 from megatron.training.straggler import StragglerReport
 
@@ -78,6 +79,7 @@ class Run:
     failure_report: Optional[FailureReport] = None     # names dead or hung ranks (torchrun jobs)
     straggler: Optional[StragglerReport] = None        # --log-straggler
     faults: Optional[FaultInjector] = None             # test-only (MEGATRON_TEST_FAULTS)
+    save_lock: Optional[SaveLock] = None               # this job's hold on --save (save_lock.py)
 
 
 def print_rank_0(message: str) -> None:
@@ -94,6 +96,7 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int,
         logging.basicConfig(level=config.logging.logging_level)
         logging.getLogger().setLevel(config.logging.logging_level)
     groups, rng_tracker = initialize_distributed(config)
+    save_lock = hold_save_directory(config.checkpoint.save, groups, print_rank_0)
     print_rank_0(format_config(config))
     check_fits_in_memory(config, model_config, groups.world_size, groups.device)
     for note in notes:
@@ -119,7 +122,8 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int,
     return Run(config, groups, model_config, execution, chunks, optimizer, scheduler,
                faults.wrap(forward_step_func) if faults is not None else forward_step_func, global_batch,
                num_microbatches, print_rank_0, vocab_size, checkpointer, to_load, batches,
-               attention_report=attention_report, faults=faults, **_reliability(config, groups, checkpointer))
+               attention_report=attention_report, faults=faults, save_lock=save_lock,
+               **_reliability(config, groups, checkpointer))
 
 
 def _reliability(config: Config, groups: ParallelGroups, checkpointer: Optional[Checkpointer]) -> dict:
@@ -566,4 +570,6 @@ def pretrain(config: Config, *, forward_step_func: Callable, datasets_provider: 
             gc.enable()
         if torch.distributed.is_initialized():
             comm.barrier()
+    if run.save_lock is not None:
+        run.save_lock.release()
     return state
