@@ -159,9 +159,17 @@ if __name__ == "__main__":
         sys.exit(1)
     except (ValueError, FileNotFoundError) as error:
         # Configuration and input errors (bad flags, missing or malformed data files) say what and
-        # how to fix in their message: print that line alone unless a traceback is asked for.
+        # how to fix in their message: print that line alone unless a traceback is asked for. A flag
+        # error is the same on every rank: the first rank of each node prints it.
         if os.environ.get("MEGATRON_TRACEBACK") == "1":
             raise
+        from megatron.training.arguments import is_first_rank
+        from megatron.training.validation import ConfigError
+
+        if isinstance(error, ConfigError):
+            if is_first_rank():
+                print(f"error: {error}", file=sys.stderr, flush=True)
+            sys.exit(2)
         frame = traceback.extract_tb(error.__traceback__)[-1]
         print(f"error: {error}\n(raised at {frame.filename}:{frame.lineno}; "
               "set MEGATRON_TRACEBACK=1 for the full traceback)", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Checkpoint save and load: time, bytes, and how long an async save blocks training.
+"""Checkpoint save and load: time, bytes, how long an async save blocks training, and the checksums' share.
 
     python bench/bench_checkpoint.py --size tiny
     python bench/bench_checkpoint.py --size 1b --skip-async      # 0.85B parameters, fp32 + Adam: 10.2 GB on disk
@@ -7,7 +7,9 @@
 One process on the CPU (or the current GPU). The model's weights and Adam moments are filled with
 random values (a checkpoint of a trained model has the same size), then saved synchronously, loaded,
 and saved asynchronously; the async figure is the time training waits (host copy) against the full
-write. Reports the median of --repeats runs of each.
+write. Reports the median of --repeats runs of each. The checksums' share: the time to checksum the
+files just written (what a save adds) and to verify them (what a load adds), against the save and
+the load.
 """
 import argparse
 import os
@@ -22,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from megatron.core.checkpointing import checksums  # noqa: E402
 from megatron.training.arguments import parse_args  # noqa: E402
 from megatron.training.training import TrainState, setup  # noqa: E402
 from pretrain_gpt import forward_step  # noqa: E402
@@ -71,7 +74,7 @@ def main(argv=None):
     run = build(args.size, os.path.join(root, "save"))
     params = sum(p.numel() for c in run.chunks for p in c.module.parameters())
     checkpointer = run.checkpointer
-    save_times, load_times, blocked_times, async_totals = [], [], [], []
+    save_times, load_times, blocked_times, async_totals, record_times, verify_times = [], [], [], [], [], []
     for repeat in range(args.repeats):
         shutil.rmtree(os.path.join(root, "save"), ignore_errors=True)
         state = TrainState(iteration=repeat + 1)
@@ -85,6 +88,12 @@ def main(argv=None):
         start = time.perf_counter()
         checkpointer.load(run, directory, read_common(directory), TrainState)
         load_times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        recorded = checksums.gather(directory, None)
+        record_times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        assert checksums.first_mismatch(directory, recorded) is None
+        verify_times.append(time.perf_counter() - start)
         if not args.skip_async:
             checkpointer.options.async_save = True
             start = time.perf_counter()
@@ -99,6 +108,9 @@ def main(argv=None):
     print(f"checkpoint bytes: {size / 1e9:.3f} GB ({size / params:.2f} bytes/parameter)")
     print(f"sync save: {median(save_times):.2f} s ({size / 1e9 / median(save_times):.2f} GB/s)")
     print(f"load: {median(load_times):.2f} s ({size / 1e9 / median(load_times):.2f} GB/s)")
+    print(f"checksums (crc32): recorded in {median(record_times):.2f} s ({median(record_times) / median(save_times):.0%} "
+          f"of the sync save), verified in {median(verify_times):.2f} s ({median(verify_times) / median(load_times):.0%} "
+          "of the load)")
     if blocked_times:
         print(f"async save: training blocked {median(blocked_times):.2f} s, written in {median(async_totals):.2f} s "
               f"(blocking {median(blocked_times) / median(save_times):.0%} of the sync save)")

@@ -14,10 +14,20 @@ timeout of 15 s, and meets one scenario, drawn at random:
     nan+kill  a NaN iteration, then a SIGKILL a checkpoint later
     sigterm   SIGTERM to a random worker: every rank saves and exits 0; the job is started again
               with the same command and finishes
+    launcher  SIGKILL to torchrun's whole process group after a random iteration's log line: every
+              worker must be gone within 5 s and write nothing more; the job is started again with
+              the same command (a user resuming at once) and finishes
+    two-jobs  both ranks of the job stop in a random iteration (a test-only hang on each: no collective
+              is in flight, so nothing times out and the job holds its directory), a second job with
+              the same --save (and --load) is started and must be refused at start-up, naming the
+              first; the first is then killed (SIGKILL to torchrun's group) and started again, and
+              finishes
 
 It reports jobs that finished with every interruption's cause named in the log, jobs that hung
 (killed after --job-timeout; must be 0), checkpoints that failed to load (every iter_* directory
-is read completely; must be 0), and samples lost or repeated: the consumed-sample count logged at
+is read completely; must be 0), launcher kills that left a worker running or a checkpoint written after the kill (survivors; must be
+0), second jobs that were not refused (double writers; must be 0), checkpoints whose files differ
+from their recorded checksums (corrupt loads; must be 0), and samples lost or repeated: the consumed-sample count logged at
 every iteration of the surviving run must be iteration x global batch, and the final weights and
 optimizer state must equal, bit for bit, those of an uninterrupted run that skipped the same NaN
 iterations (`--iterations-to-skip`); without NaN iterations, the torch RNG states too.
@@ -47,7 +57,8 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--log-interval", "1", "--eval-iters", "0",
          "--num-workers", "0", "--distributed-backend", "gloo", "--use-distributed-optimizer",
          "--distributed-timeout-minutes", str(TIMEOUT_MINUTES)]
-SCENARIOS = ("kill", "hang", "nan", "nan+kill", "sigterm")
+SCENARIOS = ("kill", "hang", "nan", "nan+kill", "sigterm", "launcher", "two-jobs")
+SURVIVOR_SECONDS = 5.0
 
 
 def command(iterations: int, checkpoint: Path, extra: list = ()) -> list:
@@ -72,6 +83,12 @@ def plan(scenario: str, rng: random.Random, iterations: int) -> dict:
             faults.append(f"kill@{killed_at}:{1 - rank}")
             causes.append(r"exitcode\s*: -9")
         return {"faults": ",".join(faults), "causes": causes, "skipped": nans}
+    if scenario == "two-jobs":
+        at = rng.randrange(2, iterations - 1)
+        return {"faults": f"hang@{at}:0,hang@{at}:1", "second_after": at - 1, "group": True, "causes": []}
+    if scenario == "launcher":
+        return {"signal": signal.SIGKILL, "group": True, "rank": None, "after": rng.randrange(1, iterations - 1),
+                "delay": rng.uniform(0.0, 0.3), "causes": []}
     signum = signal.SIGKILL if scenario == "kill" else signal.SIGTERM
     cause = r"exitcode\s*: -9" if scenario == "kill" else r"exiting after iteration \d+: signal"
     return {"signal": signum, "rank": rank, "after": rng.randrange(1, iterations - 1), "delay": rng.uniform(0.0, 0.3),
@@ -88,9 +105,47 @@ def worker_pid(agent: int, rank: int):
     return None
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _iterations_on_disk(checkpoint: Path) -> set:
+    return {d.name for d in checkpoint.glob("iter_*") if not d.name.endswith((".incomplete", ".replaced"))}
+
+
+def kill_launcher(process, checkpoint: Path, signal_plan: dict) -> None:
+    """SIGKILL to torchrun's process group; records the workers that outlive it by
+    SURVIVOR_SECONDS and the checkpoints that appear after the kill."""
+    workers = [pid for pid in (worker_pid(process.pid, rank) for rank in (0, 1)) if pid is not None]
+    os.killpg(process.pid, signal.SIGKILL)
+    written = _iterations_on_disk(checkpoint)
+    time.sleep(SURVIVOR_SECONDS)
+    survivors = [pid for pid in workers if _alive(pid)]
+    signal_plan["survivors"] = len(survivors)
+    signal_plan["late_writes"] = len(_iterations_on_disk(checkpoint) - written)
+    for pid in survivors:  # ended here so that the benchmark goes on; counted above
+        os.kill(pid, signal.SIGKILL)
+
+
+def second_job(cmd: list, env: dict, signal_plan: dict) -> None:
+    """Starts a second job on the same directories while the first runs; records whether it was refused."""
+    env = {key: value for key, value in env.items() if key != "MEGATRON_TEST_FAULTS"}
+    try:
+        second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    except subprocess.TimeoutExpired:  # it ran: a double writer (its processes end with the session's group)
+        signal_plan["refused"] = False
+        return
+    signal_plan["refused"] = second.returncode != 0 and "is in use by another job" in second.stdout + second.stderr
+
+
 def run(cmd: list, env: dict, log, deadline: float, signal_plan: dict = None):
-    """Runs one torchrun, sending the planned signal to a worker once the planned iteration is
-    logged; returns its exit code, or None when it outlived the deadline (then it is killed)."""
+    """Runs one torchrun, acting on the plan once the planned iteration is logged (a signal to a
+    worker or to torchrun's group, or a second job); returns its exit code, or None when it outlived
+    the deadline (then it is killed)."""
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                start_new_session=True)
     expired = threading.Event()
@@ -104,11 +159,19 @@ def run(cmd: list, env: dict, log, deadline: float, signal_plan: dict = None):
     try:
         for line in process.stdout:
             log.write(line)
-            if signal_plan and re.search(rf" iteration +{signal_plan['after']}/", line):
+            if signal_plan and "second_after" in signal_plan and re.search(
+                    rf" iteration +{signal_plan['second_after']}/", line):
+                second_job(cmd, env, signal_plan)
+                kill_launcher(process, Path(cmd[cmd.index("--save") + 1]), signal_plan)
+                signal_plan = None
+            elif signal_plan and "after" in signal_plan and re.search(rf" iteration +{signal_plan['after']}/", line):
                 time.sleep(signal_plan["delay"])
-                pid = worker_pid(process.pid, signal_plan["rank"])
-                if pid is not None:
-                    os.kill(pid, signal_plan["signal"])
+                if signal_plan.get("group"):
+                    kill_launcher(process, Path(cmd[cmd.index("--save") + 1]), signal_plan)
+                else:
+                    pid = worker_pid(process.pid, signal_plan["rank"])
+                    if pid is not None:
+                        os.kill(pid, signal_plan["signal"])
                 signal_plan = None
         code = process.wait()
     finally:
@@ -125,9 +188,11 @@ def surviving_consumed(log_text: str) -> dict:
 
 
 def load_all(checkpoint: Path) -> tuple:
-    """(checkpoints read, failures): every iter_* directory read completely."""
+    """(checkpoints read, failures): every iter_* directory's checksums verified and its tensors read."""
     from megatron.core.checkpointing.storage import read_full_tensors
     from megatron.training.checkpointing import read_common
+
+    from megatron.core.checkpointing import checksums
 
     read = failed = 0
     for directory in sorted(checkpoint.glob("iter_*")):
@@ -135,7 +200,9 @@ def load_all(checkpoint: Path) -> tuple:
             continue
         read += 1
         try:
-            read_common(str(directory))
+            mismatch = checksums.first_mismatch(str(directory), read_common(str(directory))["checksums"])
+            if mismatch is not None:
+                raise ValueError(mismatch[0])
             read_full_tensors(str(directory))
         except Exception as error:  # counted and printed: a checkpoint that does not load
             failed += 1
@@ -173,6 +240,15 @@ def reference(root: Path, iterations: int, skipped: tuple, cache: dict, timeout:
     return cache[skipped]
 
 
+def describe(what: dict) -> str:
+    if "second_after" in what:
+        return f"second job after iteration {what['second_after']}"
+    if "faults" in what:
+        return what["faults"]
+    target = "torchrun's group" if what.get("group") else f"rank {what['rank']}"
+    return f"{signal.Signals(what['signal']).name} to {target} at iteration {what['after']} + {what['delay']:.2f} s"
+
+
 def job(index: int, scenario: str, rng: random.Random, args, root: Path, references: dict) -> dict:
     what = plan(scenario, rng, args.iterations)
     checkpoint = root / f"job{index:02d}"
@@ -183,14 +259,15 @@ def job(index: int, scenario: str, rng: random.Random, args, root: Path, referen
     deadline = time.monotonic() + args.job_timeout
     log_path = root / f"job{index:02d}.log"
     with open(log_path, "w") as log:
-        code = run(command(args.iterations, checkpoint), env, log, deadline, what if "signal" in what else None)
-        if code == 0 and scenario == "sigterm":  # stopped early, on purpose: the same command again finishes it
+        acts = "signal" in what or "second_after" in what
+        code = run(command(args.iterations, checkpoint), env, log, deadline, what if acts else None)
+        if (code == 0 and scenario == "sigterm") or scenario in ("launcher", "two-jobs"):  # the same command again finishes it
             env.pop("MEGATRON_TEST_FAULTS", None)
             code = run(command(args.iterations, checkpoint), env, log, deadline)
     text = log_path.read_text()
-    result = {"scenario": scenario, "plan": what.get("faults") or f"{signal.Signals(what['signal']).name} to rank "
-              f"{what['rank']} at iteration {what['after']} + {what['delay']:.2f} s",
-              "hung": code is None, "exit": code}
+    result = {"scenario": scenario, "plan": describe(what), "hung": code is None, "exit": code,
+              "survivors": what.get("survivors", 0) + what.get("late_writes", 0),
+              "double_writers": int(scenario == "two-jobs" and not what.get("refused"))}
     result["finished"] = code == 0 and f"training finished after {args.iterations} iterations" in text
     result["named"] = all(re.search(cause, text) for cause in what["causes"])
     result["checkpoints"], result["unloadable"] = load_all(checkpoint)
@@ -211,11 +288,13 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--job-timeout", type=float, default=300.0, help="seconds before a job counts as hung")
     parser.add_argument("--dir", default=None, help="where jobs write (default: a temporary directory)")
+    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS),
+                        help="the scenarios to draw from, in turn (default: all)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
     rng = random.Random(args.seed)
-    scenarios = [SCENARIOS[i % len(SCENARIOS)] for i in range(args.jobs)]
+    scenarios = [args.scenarios[i % len(args.scenarios)] for i in range(args.jobs)]
     rng.shuffle(scenarios)
     root = Path(args.dir or tempfile.mkdtemp(prefix="chaos_"))
     root.mkdir(parents=True, exist_ok=True)
@@ -227,13 +306,17 @@ def main() -> None:
         print(f"job {index:2d} {scenario:8s} {result['plan']:36s} exit {result['exit']} finished {result['finished']} "
               f"cause named {result['named']} checkpoints {result['checkpoints']} (unloadable {result['unloadable']}) "
               f"wrong sample counts {result['bad_counts']} equal to reference {result['exact']} "
+              f"survivors {result['survivors']} double writers {result['double_writers']} "
               f"({time.monotonic() - start:.0f} s)", flush=True)
     clean = sum(r["finished"] and r["named"] for r in results)
-    print(f"\n{args.jobs} jobs ({', '.join(f'{s} {scenarios.count(s)}' for s in SCENARIOS)}), logs in {root}")
+    print(f"\n{args.jobs} jobs ({', '.join(f'{s} {scenarios.count(s)}' for s in args.scenarios)}), logs in {root}")
     print(f"finished with every cause named in the log: {clean}/{args.jobs}")
     print(f"hung (killed after {args.job_timeout:.0f} s): {sum(r['hung'] for r in results)}")
-    print(f"checkpoints that failed to load: {sum(r['unloadable'] for r in results)} of "
+    print(f"checkpoints that failed to load or to match their checksums: {sum(r['unloadable'] for r in results)} of "
           f"{sum(r['checkpoints'] for r in results)}")
+    print(f"launcher kills: workers alive {SURVIVOR_SECONDS:.0f} s later or checkpoints written after the kill: "
+          f"{sum(r['survivors'] for r in results)}; second jobs not refused (double writers): "
+          f"{sum(r['double_writers'] for r in results)}")
     print(f"samples lost or repeated on resume: {sum(r['bad_counts'] for r in results)} iterations with a wrong "
           f"consumed-sample count; final state equal to the uninterrupted reference in "
           f"{sum(r['exact'] for r in results)}/{args.jobs} jobs")

@@ -22,6 +22,20 @@ def require_module(name: str, install: str = TEST_EXTRAS):
     return pytest.importorskip(name, reason=f"needs {name}: {install}")
 
 
+# Megatron-LM's training code (megatron/training) is not in Megatron-Core's wheel: tests that compare
+# with it read its source from a checkout of NVIDIA/Megatron-LM, in a subprocess.
+MEGATRON_LM_REF = os.environ.get("MEGATRON_LM_REF", os.path.expanduser("~/.cache/megatron-lm-ref"))
+MEGATRON_LM_INSTALL = f"`git clone https://github.com/NVIDIA/Megatron-LM {MEGATRON_LM_REF}` (or set MEGATRON_LM_REF)"
+
+
+def require_megatron_lm(relative_file: str) -> str:
+    """The path of `relative_file` in the Megatron-LM checkout; skips when it is not there."""
+    path = os.path.join(MEGATRON_LM_REF, relative_file)
+    if not os.path.isfile(path):
+        pytest.skip(f"Megatron-LM source not found at {path}: run {MEGATRON_LM_INSTALL}")
+    return path
+
+
 def require_executable(name: str, install: str = TEST_EXTRAS) -> str:
     """A PATH for a subprocess that runs `name`: this interpreter's bin directory first (where pip
     puts `torchrun`, even when the virtual environment is not activated), then PATH. Skips when

@@ -19,6 +19,8 @@ import signal
 import sys
 import time
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -31,12 +33,59 @@ from megatron.core.datasets.document_reader import (RawBatch, describe_missing_k
                                                     read_batches, split_spans)
 from megatron.core.datasets.indexed_dataset import (IndexedDatasetBuilder, get_bin_path, get_idx_path,  # noqa: E402
                                                     optimal_dtype)
-from megatron.core.datasets.tokenizer_record import tokenizer_record, write_record  # noqa: E402
+from megatron.core.datasets.tokenizer_record import record_path, tokenizer_record, write_record  # noqa: E402
 from megatron.core.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
 # A sentence ends at . ! or ? (optionally followed by closing quotes/brackets) before whitespace.
 SENTENCE_BOUNDARY = re.compile(r"(?<=[.!?])\s+|(?<=[.!?][\"')\]])\s+")
 MAX_LISTED_PROBLEMS = 50
+RESULT_POLL_SECONDS = 0.2  # how often the main process, waiting for a worker, looks for a Ctrl-C
+
+
+class Interrupted:
+    """Ctrl-C (SIGINT) and SIGTERM, handled at fixed points of the main process.
+
+    The handler only records the signal; `check()` raises KeyboardInterrupt where the tool can stop
+    cleanly (between batches, between partitions, around finalizing). A KeyboardInterrupt raised
+    by Python's default handler can land in a finalizer, where Python prints and drops it, and a
+    process started with SIGINT ignored (a background job of a non-interactive shell, `nohup`)
+    never sees Ctrl-C at all: both let the tool run to the end. A second signal stops at once.
+    A forked worker inherits the handler until its initializer runs: there SIGINT is ignored (the
+    main process stops the pool) and SIGTERM ends it.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received: Optional[str] = None
+        self.previous = {}
+        self.owner = os.getpid()
+
+    def __enter__(self) -> "Interrupted":
+        for signum in self.SIGNALS:
+            self.previous[signum] = signal.signal(signum, self._record)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def _record(self, signum, _frame) -> None:
+        if os.getpid() != self.owner:  # a forked worker
+            if signum == signal.SIGTERM:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+
+    def check(self) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+
+
+_NO_INTERRUPTS = Interrupted()  # never entered: check() never raises (library use of run())
 
 
 def split_sentences(text: str) -> List[str]:
@@ -172,6 +221,7 @@ def _worker_init(args: argparse.Namespace) -> None:
     global _WORKER_ENCODER
     # Ctrl-C reaches the whole process group; only the main process handles it (and stops the pool).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _WORKER_ENCODER = Encoder(args)
     _WORKER_ENCODER.initialize()
 
@@ -180,16 +230,25 @@ def _worker_encode(batch: RawBatch) -> EncodedBatch:
     return _WORKER_ENCODER.encode(batch)
 
 
-def ordered_results(pool, batches, max_pending: int):
+def _wait(future, interrupted: Interrupted):
+    """A worker's result; a Ctrl-C while waiting for it stops the wait within RESULT_POLL_SECONDS."""
+    while not future.done():
+        interrupted.check()
+        wait_for_futures([future], timeout=RESULT_POLL_SECONDS)
+    return future.result()
+
+
+def ordered_results(pool, batches, max_pending: int, interrupted: Interrupted):
     """Encode batches in the pool, yielding results in input order with at most `max_pending`
-    batches in flight (Pool.imap would read the whole input into memory ahead of the workers)."""
+    batches in flight (a pool's map would read the whole input into memory ahead of the workers)."""
     pending = deque()
     for batch in batches:
-        pending.append(pool.apply_async(_worker_encode, (batch,)))
+        interrupted.check()
+        pending.append(pool.submit(_worker_encode, batch))
         if len(pending) >= max_pending:
-            yield pending.popleft().get()
+            yield _wait(pending.popleft(), interrupted)
     while pending:
-        yield pending.popleft().get()
+        yield _wait(pending.popleft(), interrupted)
 
 
 def build_tokenizer_from_args(args: argparse.Namespace):
@@ -259,7 +318,7 @@ def output_prefixes(args: argparse.Namespace, output_prefix: str) -> Dict[str, s
 
 
 def process_spans(args: argparse.Namespace, spans, output_prefix: str, dtype, summary: RunSummary,
-                  progress: Progress) -> None:
+                  progress: Progress, interrupted: Interrupted = _NO_INTERRUPTS) -> None:
     """Tokenize `spans` into `{output_prefix}_{key}_{level}.bin/.idx`, atomically."""
     builders = {key: IndexedDatasetBuilder(get_bin_path(prefix), dtype=dtype)
                 for key, prefix in output_prefixes(args, output_prefix).items()}
@@ -268,12 +327,17 @@ def process_spans(args: argparse.Namespace, spans, output_prefix: str, dtype, su
         batches = read_batches(spans, max_records=512, max_bytes=256 << 10)
         if args.workers > 1:
             method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-            pool = multiprocessing.get_context(method).Pool(args.workers, initializer=_worker_init, initargs=(args,))
-            results = ordered_results(pool, batches, max_pending=4 * args.workers)
+            # Not multiprocessing.Pool: its terminate() deadlocks when a worker waits for a task while
+            # holding the task queue's lock (seen on Ctrl-C). The executor stops its workers with
+            # sentinels: each finishes the batch in hand, pending batches are cancelled.
+            pool = ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context(method),
+                                       initializer=_worker_init, initargs=(args,))
+            results = ordered_results(pool, batches, max_pending=4 * args.workers, interrupted=interrupted)
         else:
             encoder = Encoder(args)
             results = (encoder.encode(batch) for batch in batches)
         for result in results:
+            interrupted.check()
             for key, count in result.keys_found.items():
                 summary.keys_found[key] = summary.keys_found.get(key, 0) + count
             for line, reason in result.problems:
@@ -292,24 +356,26 @@ def process_spans(args: argparse.Namespace, spans, output_prefix: str, dtype, su
             summary.bytes_read += result.bytes_read
             progress.update(result.documents, result.bytes_read)
         if pool is not None:
-            pool.close()
-            pool.join()
+            pool.shutdown(wait=True)
             pool = None
+        interrupted.check()
         for key, prefix in output_prefixes(args, output_prefix).items():
             builders[key].finalize(get_idx_path(prefix))
     except BaseException:
         if pool is not None:
-            pool.terminate()
+            pool.shutdown(wait=False, cancel_futures=True)
         for builder in builders.values():
             builder.abort()
         raise
 
 
-def merge_partitions(args: argparse.Namespace, partition_prefixes: Sequence[str], dtype) -> None:
+def merge_partitions(args: argparse.Namespace, partition_prefixes: Sequence[str], dtype,
+                     interrupted: Interrupted = _NO_INTERRUPTS) -> None:
     for key, final_prefix in output_prefixes(args, args.output_prefix).items():
         builder = IndexedDatasetBuilder(get_bin_path(final_prefix), dtype=dtype)
         try:
             for partition in partition_prefixes:
+                interrupted.check()
                 builder.add_index(output_prefixes(args, partition)[key])
             builder.finalize(get_idx_path(final_prefix))
         except BaseException:
@@ -346,7 +412,7 @@ def report(args: argparse.Namespace, summary: RunSummary, elapsed: float, stream
         stream.write(f"Wrote {prefix}.bin and {prefix}.idx\n")
 
 
-def run(args: argparse.Namespace) -> RunSummary:
+def run(args: argparse.Namespace, interrupted: Interrupted = _NO_INTERRUPTS) -> RunSummary:
     tokenizer = build_tokenizer_from_args(args)
     if args.split_sentences and not tokenizer.supports_sentence_splitting():
         raise ValueError(f"--split-sentences is not supported with --tokenizer-type {args.tokenizer_type}")
@@ -361,13 +427,13 @@ def run(args: argparse.Namespace) -> RunSummary:
     progress = Progress(sum(os.path.getsize(path) for path in files), args.log_interval)
     groups = split_spans(files, args.partitions)
     if len(groups) == 1:
-        process_spans(args, groups[0], args.output_prefix, dtype, summary, progress)
+        process_spans(args, groups[0], args.output_prefix, dtype, summary, progress, interrupted)
     else:
         partition_prefixes = [f"{args.output_prefix}_partition{index}" for index in range(len(groups))]
         try:
             for spans, prefix in zip(groups, partition_prefixes):
-                process_spans(args, spans, prefix, dtype, summary, progress)
-            merge_partitions(args, partition_prefixes, dtype)
+                process_spans(args, spans, prefix, dtype, summary, progress, interrupted)
+            merge_partitions(args, partition_prefixes, dtype, interrupted)
         finally:
             for prefix in partition_prefixes:
                 for partial in output_prefixes(args, prefix).values():
@@ -379,8 +445,17 @@ def run(args: argparse.Namespace) -> RunSummary:
         raise summary.no_documents_error(args)
     record = tokenizer_record(tokenizer, args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
                               tokenizer_model=args.tokenizer_model)
-    for prefix in output_prefixes(args, args.output_prefix).values():
-        write_record(prefix, record)  # which tokenizer wrote it: training checks it against its own
+    try:
+        interrupted.check()  # a Ctrl-C during the finalizing above: the dataset goes too
+        for prefix in output_prefixes(args, args.output_prefix).values():
+            write_record(prefix, record)  # which tokenizer wrote it: training checks it against its own
+        interrupted.check()
+    except KeyboardInterrupt:
+        for prefix in output_prefixes(args, args.output_prefix).values():
+            remove_dataset(prefix)
+            if os.path.exists(record_path(prefix)):
+                os.remove(record_path(prefix))
+        raise
     report(args, summary, elapsed)
     return summary
 
@@ -417,7 +492,8 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = get_args(argv)
     try:
-        run(args)
+        with Interrupted() as interrupted:
+            run(args, interrupted)
     except (ValueError, FileNotFoundError, ImportError) as error:
         sys.stderr.write(f"error: {error}\n")
         return 1

@@ -94,7 +94,11 @@ def compare(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    outcome = compare()
+    try:
+        outcome = compare()
+    except ImportError as error:
+        raise SystemExit(f"error: this comparison needs the `hf` extra, which is not installed ({error}): "
+                         'pip install -e ".[hf]" (transformers, safetensors, tokenizers, sentencepiece)') from None
     tolerance = parse().tolerance
     if tolerance is not None and outcome["max_logit_difference"] > tolerance:
         print(f"FAIL: the logits differ by more than --tolerance {tolerance}")

@@ -11,7 +11,10 @@ start-up note or an error naming it. Unknown flags are errors.
 import argparse
 import ast
 import dataclasses
+import difflib
 import inspect
+import os
+import re
 import sys
 import textwrap
 import typing
@@ -20,6 +23,7 @@ from typing import Optional
 from megatron.core.transformer.config.fields import Flag, flag_of
 from megatron.training import megatron_lm
 from megatron.training.config import SECTIONS, Config
+from megatron.training.megatron_lm.registry import REFUSED_VALUES
 
 # Switches kept for older Megatron-LM scripts: flag -> (field, help). They set a field to True that
 # is already True by default.
@@ -29,6 +33,42 @@ ACCEPTED_SWITCHES = {
 }
 
 _MISSING = dataclasses.MISSING
+
+
+def is_first_rank() -> bool:
+    """Whether this process prints the errors that every rank hits alike: local rank 0 under torchrun
+    (so each node's log has the line once), or a single process."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with errors of one line: `prog: error: ...` (an unknown flag names the closest known
+    one) and a pointer to --help, instead of the full usage; printed by the first rank of each node
+    only, since every rank parses the same command line."""
+
+    def error(self, message: str):
+        if is_first_rank():
+            self._print_message(f"{self.prog}: error: {self._suggest(message)}\n"
+                                f"{self.prog}: see {self.prog} --help for the flags\n", sys.stderr)
+        self.exit(2)
+
+    def _suggest(self, message: str) -> str:
+        """The message, with `(did you mean --x?)` after each unknown flag that is close to a known
+        one; a value Megatron-LM accepts and this framework refuses says why."""
+        refused = re.fullmatch(r"argument (--[a-z0-9-]+)(?:/[^:]*)?: invalid choice: '([^']*)'.*", message, re.S)
+        if refused and refused[2] in REFUSED_VALUES.get(refused[1], {}):
+            return f"{refused[1]} {refused[2]} is not supported: {REFUSED_VALUES[refused[1]][refused[2]]}"
+        if not message.startswith("unrecognized arguments: "):
+            return message
+        known = [option for action in self._actions for option in action.option_strings if option.startswith("--")]
+        hints = []
+        for word in message[len("unrecognized arguments: "):].split():
+            flag = word.split("=", 1)[0]
+            if not re.fullmatch(r"--[A-Za-z0-9_-]+", flag):
+                continue
+            close = difflib.get_close_matches(flag.replace("_", "-"), known, n=1, cutoff=0.75)
+            hints.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
+        return f"unrecognized arguments: {' '.join(hints)}" if hints else message
 
 
 def field_docs(cls) -> dict:
@@ -97,7 +137,7 @@ def _add_field(group, field: dataclasses.Field, annotation, help_text: str) -> N
 def build_parser(extra_sections: Optional[dict] = None, megatron_lm_flags: bool = True) -> argparse.ArgumentParser:
     """The flags of the config dataclasses; with `megatron_lm_flags`, also every other flag of
     Megatron-LM's pretrain_gpt.py (not listed in --help)."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description="Megatron-style GPT/Llama pretraining. Flags follow Megatron-LM's names; the other flags of "
                     "Megatron-LM's pretrain_gpt.py are accepted with a note or refused with the reason "
                     "(docs/megatron-compatibility.md).",
@@ -129,6 +169,7 @@ def parse_args(argv: Optional[list] = None) -> Config:
                 action.required = False
     namespace = parser.parse_args(argv)
     values = vars(namespace)
+    megatron_lm.apply_aliases(megatron_lm.given(namespace), values)
     sections = {section: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
                 for section, cls in SECTIONS.items()}
     return Config(**sections, megatron_lm_flags=megatron_lm.given(namespace))

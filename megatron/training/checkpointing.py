@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from megatron.core.checkpointing import CheckpointFormatError
+from megatron.core.checkpointing import CheckpointFormatError, checksums
 from megatron.core.checkpointing import architecture as ckpt_architecture
 from megatron.core.checkpointing.directory import (  # noqa: F401 (the format's names, used by callers of this module)
     COMMON_FILE,
@@ -42,6 +42,7 @@ from megatron.core.checkpointing.directory import (  # noqa: F401 (the format's 
     write_text_atomically,
 )
 from megatron.core.checkpointing import state as ckpt_state
+from megatron.core.checkpointing.safe_pickle import check_dcp_files, read_dcp_metadata
 from megatron.core.checkpointing.sharded import ShardedState
 from megatron.core.distributed import comm
 from megatron.training.validation import ConfigError
@@ -224,7 +225,13 @@ class Checkpointer:
             if isinstance(error, (KeyboardInterrupt, SystemExit)):
                 raise
             failed_rank, failure = _root_cause(error, failed_rank)
-        if failure is None and self.groups.global_rank == 0:
+        written = not self._any_rank_failed(failure is not None)
+        if written:
+            try:  # every rank checksums what it wrote (collective); recorded in common.json
+                common["checksums"] = checksums.gather(incomplete, self.group)
+            except OSError as error:
+                failure = error
+        if written and failure is None and self.groups.global_rank == 0:
             try:
                 self._commit(common, incomplete, final, start)
             except OSError as error:
@@ -320,6 +327,7 @@ class Checkpointer:
         for key, bias in ckpt_state.router_biases(run.chunks).items():
             if key in saved:  # absent from checkpoints of runs without --moe-router-enable-expert-bias
                 state.add_whole(key, bias)
+        self._verify_checksums(directory, common)
         _storage().load_state(state, directory, process_group=self.group)
         if fp8 is not None:
             ckpt_state.restore_fp8(run.chunks, fp8)
@@ -340,6 +348,24 @@ class Checkpointer:
         self.print(f"> loaded {what} of iteration {common['iteration']} from {directory} in "
                    f"{time.perf_counter() - start:.2f} s" + ("; --finetune: starting at iteration 0" if options.finetune else ""))
         return train_state
+
+    def _verify_checksums(self, directory: str, common: dict) -> None:
+        """Every rank checks its share of the files against the checksums saved with them; all ranks
+        stop with the same message naming the first damaged file (one max-reduction of its index)."""
+        check_dcp_files(directory, read_dcp_metadata(directory))  # a missing or truncated file is named as such
+        recorded = common.get("checksums")
+        if recorded is None:
+            self.print(f"NOTE: {directory} was saved without checksums: its files are not verified")
+            return
+        names = sorted(recorded["files"])
+        mismatch = checksums.first_mismatch(directory, recorded, self.groups.global_rank, self.groups.world_size)
+        bad = torch.tensor([float(names.index(mismatch[1]) + 1 if mismatch else 0)])
+        if self.group is not None:
+            comm.all_reduce_max(bad, self.group)
+        if bad.item() > 0:
+            name = names[int(bad.item()) - 1]
+            description = mismatch[0] if mismatch and mismatch[1] == name else f"{os.path.join(directory, name)} is damaged"
+            raise checksums.corruption_error(directory, common["iteration"], description)
 
     def restore_rng(self) -> None:
         """Puts the loaded generator states in place. Called when the training loop resumes (after

@@ -1,10 +1,19 @@
 """Micro-batch loading: which samples each data-parallel rank reads, in which order.
 
-Samples are consumed in index order (the dataset itself is shuffled). Each step of
-`micro_batch_size x dp` consecutive samples is split so that data-parallel rank r takes the r-th
-slice, as Megatron's pretraining sampler does. Resuming at `consumed_samples` continues the exact
-sequence, independent of the number of ranks.
+`--dataloader-type single` (the default): samples are consumed in index order (the dataset itself is
+shuffled). Each step of `micro_batch_size x dp` consecutive samples is split so that data-parallel
+rank r takes the r-th slice, as Megatron's pretraining sampler does. Resuming at `consumed_samples`
+continues the exact sequence, independent of the number of ranks.
+
+`--dataloader-type cyclic`: Megatron-LM's random sampler. The dataset is read in epochs, each a fresh
+permutation drawn from a torch generator seeded with the epoch number (Megatron-LM seeds it with the
+epoch alone, not --seed); with data sharding (the default, `--no-data-sharding` turns it off) each
+data-parallel rank permutes its own contiguous bucket of the dataset, otherwise one permutation of
+the whole dataset is dealt out rank by rank. The loader restarts for the next epoch when one ends,
+and `consumed_samples` resumes mid-epoch at the same place, for the same data-parallel size.
 """
+import itertools
+
 import numpy as np
 import torch
 
@@ -29,20 +38,75 @@ class PretrainingSampler:
             yield list(range(first + start, first + start + self.micro_batch_size))
 
 
+class CyclicSampler:
+    """Megatron-LM's `MegatronPretrainingRandomSampler`: micro-batches of a random order, epoch after
+    epoch. One pass over it is the rest of the current epoch; the next pass is the next epoch."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                 data_sharding: bool = True):
+        step = micro_batch_size * dp_size
+        if total_samples < step:
+            raise ValueError(f"--dataloader-type cyclic: the dataset has {total_samples} samples, fewer than one step "
+                             f"of --micro-batch-size ({micro_batch_size}) x data-parallel size ({dp_size}) = {step}")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.data_sharding = data_sharding
+
+    def __len__(self) -> int:
+        """Micro-batches per epoch for this rank."""
+        return self.total_samples // (self.micro_batch_size * self.dp_size)
+
+    def _epoch_order(self, epoch: int, offset: int) -> list:
+        """This rank's sample indices for the rest of `epoch`, `offset` samples (all ranks) into it."""
+        generator = torch.Generator()
+        generator.manual_seed(epoch)
+        if self.data_sharding:  # each rank shuffles its own contiguous bucket
+            bucket_size = self.__len__() * self.micro_batch_size
+            start = self.dp_rank * bucket_size
+            order = torch.randperm(bucket_size, generator=generator).tolist()
+            return [start + index for index in order[offset // self.dp_size:]]
+        whole = (self.total_samples // self.micro_batch_size) * self.micro_batch_size
+        order = torch.randperm(whole, generator=generator).tolist()
+        return order[offset:][self.dp_rank::self.dp_size]
+
+    def __iter__(self):
+        step = self.micro_batch_size * self.dp_size
+        epoch_samples = self.total_samples - self.total_samples % step
+        epoch, offset = divmod(self.consumed_samples, epoch_samples)
+        if offset % step:
+            raise ValueError(f"consumed samples ({self.consumed_samples}) is not a whole number of steps of {step} "
+                             "samples: resume --dataloader-type cyclic with the micro-batch and data-parallel sizes "
+                             "of the saved run")
+        order = self._epoch_order(epoch, offset)
+        for first in range(0, len(order) - self.micro_batch_size + 1, self.micro_batch_size):
+            self.consumed_samples += step
+            yield order[first:first + self.micro_batch_size]
+
+
 def collate(samples: list) -> dict:
     return {key: torch.from_numpy(np.stack([s[key] for s in samples])) for key in samples[0]}
 
 
-def build_loader(dataset, consumed_samples: int, micro_batch_size: int, groups, num_workers: int):
+def build_loader(dataset, consumed_samples: int, micro_batch_size: int, groups, num_workers: int,
+                 dataloader_type: str = "single", data_sharding: bool = True):
+    """The data loader of one split for this rank, or None without data. A cyclic loader is to be
+    iterated with `endless`."""
     if dataset is None or len(dataset) == 0:
         return None
-    sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, groups.dp_rank, groups.dp_size)
+    if dataloader_type == "cyclic":
+        sampler = CyclicSampler(len(dataset), consumed_samples, micro_batch_size, groups.dp_rank, groups.dp_size,
+                                data_sharding)
+    else:
+        sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, groups.dp_rank, groups.dp_size)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                        collate_fn=collate, pin_memory=groups.device.type == "cuda",
                                        persistent_workers=num_workers > 0)
 
 
-def cyclic(loader):
-    """Iterates a loader forever (evaluation passes restart from its beginning)."""
-    while True:
-        yield from loader
+def endless(loader):
+    """The micro-batches of a cyclic loader, epoch after epoch: each pass over the loader asks its
+    sampler for the next epoch (Megatron-LM's `cyclic_iter`)."""
+    return itertools.chain.from_iterable(iter(loader) for _ in itertools.count())

@@ -19,7 +19,7 @@ class ExitConditions:
     def __init__(self, training_config, groups, job_start_time: float):
         self.interval = training_config.exit_interval
         self.duration_seconds = (training_config.exit_duration_in_mins * 60.0
-                                 if training_config.exit_duration_in_mins is not None else None)
+                                 if training_config.exit_duration_in_mins else None)  # 0: off, as in Megatron-LM
         self.handle_signals = training_config.exit_signal_handler
         self.groups = groups
         self.job_start_time = job_start_time

@@ -24,7 +24,7 @@ from megatron.training.arguments import format_config
 from megatron.training.batch_schedule import BatchSchedule, batch_schedule
 from megatron.training.checkpointing import Checkpointer, checkpoint_dir
 from megatron.training.config import Config
-from megatron.training.data import build_loader
+from megatron.training.data import build_loader, endless
 from megatron.training.exits import ExitConditions
 from megatron.training.failures import FailureReport, Watch
 from megatron.training.fast_paths import fast_paths_line
@@ -36,6 +36,7 @@ from megatron.training.memory import memory_report, theoretical_bytes
 from megatron.training.oom import MemoryWatch
 from megatron.training.profiling import StepProfiler
 from megatron.training.progress import ProgressLog
+from megatron.training.save_lock import SaveLock, hold_save_directory
 from megatron.training.startup import check_fits_in_memory, startup_checks
 from megatron.training.straggler import StragglerReport
 
@@ -81,6 +82,7 @@ class Run:
     failure_report: Optional[FailureReport] = None     # names dead or hung ranks (torchrun jobs)
     straggler: Optional[StragglerReport] = None        # --log-straggler
     faults: Optional[FaultInjector] = None             # test-only (MEGATRON_TEST_FAULTS)
+    save_lock: Optional[SaveLock] = None               # this job's hold on --save (save_lock.py)
 
 
 def print_rank_0(message: str) -> None:
@@ -97,6 +99,7 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int,
         logging.basicConfig(level=config.logging.logging_level)
         logging.getLogger().setLevel(config.logging.logging_level)
     groups, rng_tracker = initialize_distributed(config)
+    save_lock = hold_save_directory(config.checkpoint.save, groups, print_rank_0)
     print_rank_0(format_config(config))
     check_fits_in_memory(config, model_config, groups.world_size, groups.device)
     for note in notes:
@@ -125,7 +128,7 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int,
     return Run(config, groups, model_config, execution, chunks, optimizer, scheduler,
                faults.wrap(forward_step_func) if faults is not None else forward_step_func, global_batch,
                num_microbatches, print_rank_0, vocab_size, checkpointer, to_load, batches,
-               attention_report=attention_report, fast_paths=fast_paths, faults=faults,
+               attention_report=attention_report, fast_paths=fast_paths, faults=faults, save_lock=save_lock,
                **_reliability(config, groups, checkpointer))
 
 
@@ -284,9 +287,12 @@ def evaluate(run: Run, data_iterator, eval_iters: int) -> dict:
 def _loader(run: Run, dataset, consumed: int):
     """One data iterator for this rank (the schedules hand each micro-batch to every model chunk
     that runs it); None without data."""
-    loader = build_loader(dataset, consumed, run.config.training.micro_batch_size, run.groups,
-                          run.config.data.num_workers)
-    return None if loader is None else iter(loader)
+    d = run.config.data
+    loader = build_loader(dataset, consumed, run.config.training.micro_batch_size, run.groups, d.num_workers,
+                          d.dataloader_type, d.data_sharding)
+    if loader is None:
+        return None
+    return endless(loader) if d.dataloader_type == "cyclic" else iter(loader)
 
 
 class _Window:
@@ -397,7 +403,7 @@ def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = 
 def _valid_iterator(run: Run, valid_dataset, state: TrainState):
     """The validation loader, built once: each evaluation continues where the previous one (or
     the checkpoint's consumed validation samples) stopped, as in Megatron-LM."""
-    if valid_dataset is None or run.config.training.eval_iters == 0:
+    if valid_dataset is None or run.config.training.eval_iters <= 0:
         return None
     if state.consumed_valid_samples >= len(valid_dataset):
         run.printer(f"NOTE: the validation set ({len(valid_dataset)} samples) was used up by earlier evaluations "
@@ -521,7 +527,7 @@ def _ppl(loss: float) -> float:
 def _final_evaluations(run: Run, state: TrainState, valid_iterator, test_dataset) -> None:
     """After training (not after an early exit): the validation set, continued, then the test set,
     as Megatron-LM does."""
-    if state.exit_reason is not None or run.config.training.eval_iters == 0:
+    if state.exit_reason is not None or run.config.training.eval_iters <= 0:
         return
     if valid_iterator is not None:
         _log_evaluation(run, valid_iterator, state, f"iteration {state.iteration} on validation set")
@@ -536,9 +542,10 @@ def dataset_sizes(config: Config, batches: BatchSchedule) -> tuple:
     final one, and one evaluation's worth of test samples."""
     t = config.training
     evaluations = t.train_iters // t.eval_interval + 1
+    eval_iters = max(t.eval_iters, 0)  # 0 or negative: no evaluation, as in Megatron-LM
     train_samples = t.train_samples if t.train_samples is not None else t.train_iters * batches.global_batch_size
-    return (train_samples, evaluations * t.eval_iters * batches.global_batch_size,
-            t.eval_iters * batches.global_batch_size)
+    return (train_samples, evaluations * eval_iters * batches.global_batch_size,
+            eval_iters * batches.global_batch_size)
 
 
 def pretrain(config: Config, *, forward_step_func: Callable, datasets_provider: Callable,
@@ -574,4 +581,6 @@ def pretrain(config: Config, *, forward_step_func: Callable, datasets_provider: 
             gc.enable()
         if torch.distributed.is_initialized():
             comm.barrier()
+    if run.save_lock is not None:
+        run.save_lock.release()
     return state

@@ -104,7 +104,7 @@ def _checked(config: Config, world_size: int) -> list:
     _validate_profiling(config, notes)
     _validate_logging(config)
     _validate_data(config, notes)
-    _validate_schedule(config)
+    _validate_schedule(config, notes)
     _validate_checkpointing(config, notes)
     _validate_reliability(config)
     return notes
@@ -219,12 +219,16 @@ def _validate_checkpointing(config: Config, notes: list) -> None:
     if c.ckpt_format in ("torch", "torch_dcp"):
         notes.append(f"--ckpt-format {c.ckpt_format}: checkpoints are written in the one format of this framework "
                      "(torch_dist: torch.distributed.checkpoint, layout-independent)")
-    for flag, value in (("--save-interval", c.save_interval), ("--ckpt-keep-latest", c.ckpt_keep_latest),
-                        ("--exit-interval", t.exit_interval), ("--exit-duration-in-mins", t.exit_duration_in_mins)):
+    for flag, value in (("--save-interval", c.save_interval), ("--ckpt-keep-latest", c.ckpt_keep_latest)):
         _require(value is None or value > 0, f"{flag} must be positive, got {value}")
-    for flag, value in (("--async-save", c.async_save), ("--save-interval", c.save_interval),
-                        ("--ckpt-keep-latest", c.ckpt_keep_latest)):
-        _require(not value or c.save, f"{flag} needs --save DIR")
+    for flag, value in (("--exit-interval", t.exit_interval), ("--exit-duration-in-mins", t.exit_duration_in_mins)):
+        _require(value is None or value >= 0, f"{flag} must be >= 0 (0 turns it off), got {value}")
+        if value == 0:
+            notes.append(f"{flag} 0: off (as in Megatron-LM)")
+    _require(not c.ckpt_keep_latest or c.save, "--ckpt-keep-latest needs --save DIR")
+    for flag, value in (("--save-interval", c.save_interval), ("--async-save", c.async_save)):
+        if value and not c.save:  # Megatron-LM accepts these without --save and saves nothing
+            notes.append(f"{flag} without --save: no checkpoint is saved (as in Megatron-LM); pass --save DIR to save")
     for flag, value in (("--ckpt-step", c.ckpt_step is not None), ("--use-checkpoint-args", c.use_checkpoint_args),
                         ("--finetune", c.finetune)):
         _require(not value or c.load, f"{flag} needs --load DIR")
@@ -366,6 +370,9 @@ def _read_data_args(config: Config) -> None:
 def _validate_data(config: Config, notes: list) -> None:
     _read_data_args(config)
     d = config.data
+    _require(d.dataloader_type != "external",
+             "--dataloader-type external passes a user's own data loader through (Megatron-LM's hook for custom "
+             "training scripts); pretrain_gpt.py builds its loader: use --dataloader-type single or cyclic")
     if d.reset_attention_mask and not d.create_attention_mask_in_dataloader:
         notes.append("--no-create-attention-mask-in-dataloader: samples carry no document mask, so attention is causal "
                      "across documents despite --reset-attention-mask (as in Megatron-LM)")
@@ -421,10 +428,12 @@ def _cuda_available() -> bool:
     return accelerator_available()
 
 
-def _validate_schedule(config: Config) -> None:
+def _validate_schedule(config: Config, notes: list) -> None:
     t, o = config.training, config.optimizer
     _require(t.eval_interval > 0, f"--eval-interval must be positive, got {t.eval_interval}")
-    _require(t.eval_iters >= 0, f"--eval-iters must be >= 0, got {t.eval_iters}")
+    if t.eval_iters < 0:
+        notes.append(f"--eval-iters {t.eval_iters}: no evaluation (as in Megatron-LM, where 0 or a negative number "
+                     "turns it off)")
     _require(config.logging.log_interval > 0, f"--log-interval must be positive, got {config.logging.log_interval}")
     unit = "iters" if t.train_samples is None else "samples"
     decay = (o.lr_decay_iters or t.train_iters) if unit == "iters" else (o.lr_decay_samples or t.train_samples)

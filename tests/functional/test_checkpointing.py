@@ -285,7 +285,8 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
             f"{checkpoint / 'latest_checkpointed_iteration.txt'} still names iteration 2, which is complete; free space "
             f"(or keep fewer checkpoints with --ckpt-keep-latest) and resume with --load {checkpoint}") in result.stderr
     assert "Traceback" not in result.stderr
-    assert sorted(p.name for p in checkpoint.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt",
+                                                              "save.lock"]
     assert _check_tracker_loads(checkpoint) == 2
 
 
@@ -297,7 +298,7 @@ def test_retention_async_save_and_finetune(tmp_path, uninterrupted):
                               "--ckpt-keep-latest", "2", "--exit-interval", "8"], base=SINGLE))
     assert "async checkpoint of iteration 2" in output
     assert sorted(p.name for p in checkpoint.iterdir()) == ["iter_0000006", "iter_0000008",
-                                                              "latest_checkpointed_iteration.txt"]
+                                                              "latest_checkpointed_iteration.txt", "save.lock"]
     ok(run_pretrain(["--load", str(checkpoint), "--ckpt-step", "6", "--tensorboard-dir", str(tmp_path / "tb")],
                     base=SINGLE))
     assert curves(tmp_path / "tb")["lm loss"] == {i: uninterrupted["lm loss"][i] for i in range(7, 13)}

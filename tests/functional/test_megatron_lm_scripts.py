@@ -11,10 +11,12 @@ import json
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from tests.functional.test_pretrain_gpt import losses, pretrain_command, pretrain_env
+from tests.optional import require_executable
 
 # examples/gpt3/train_gpt3_175b_distributed.sh: GPT_MODEL_ARGS, TRAINING_ARGS, MODEL_PARALLEL_ARGS,
 # DATA_ARGS, EVAL_AND_LOGGING_ARGS (96 layers, h 12288, 96 heads, seq 2048, TP 8 x PP 16 shrunk).
@@ -113,3 +115,59 @@ def test_llama3_8b_flag_set(tmp_path, bpe_dir, gpt2_dataset):
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert "loaded weights and optimizer state of iteration 8" in again.stdout
     assert len(losses(again.stdout)) == 4
+
+
+def _run_upstream_script(tmp_path, script: str, *args, **env) -> subprocess.CompletedProcess:
+    """One of tests/functional/upstream_scripts under the real torchrun (2 CPU processes)."""
+    scripts = Path(__file__).with_name("upstream_scripts")
+    env = dict(pretrain_env(), MEGATRON_ROOT=str(scripts.parents[2]), PATH=require_executable("torchrun"), **env)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return subprocess.run(["bash", str(scripts / script), *args], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=420)
+
+
+def test_rocm_llama3_script_trains_saves_and_resumes(tmp_path, bpe_dir):
+    """The ROCm fork's train_llama3.sh as its users run it (its defaults: --dataloader-type cyclic,
+    --eval-iters -1, the fork's own flags, --ckpt-format torch), with a checkpoint directory; then
+    again with LOAD_CKPT_PATH, which resumes from it with --use-checkpoint-args."""
+    sizes = dict(TP="1", MODEL_SIZE="8", BS="8", MBS="1", SEQ_LENGTH="32", TOKENIZER_MODEL=bpe_dir,
+                 SAVE_CKPT_PATH=str(tmp_path / "ckpt"), SAVE_INTERVAL="2", EVAL_INTERVAL="2")
+    first = _run_upstream_script(tmp_path, "rocm_train_llama3.sh", TOTAL_ITERS="4", MASTER_PORT="29621", **sizes)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    assert len(losses(first.stdout)) == 4
+    assert {"--fused-single-qkv-rope", "--use-te-activation-func", "--rerun-mode"} <= set(notes(first.stdout))
+    assert "--eval-iters -1: no evaluation" in first.stdout and "validation loss" not in first.stdout
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    again = _run_upstream_script(tmp_path, "rocm_train_llama3.sh", TOTAL_ITERS="6", MASTER_PORT="29622",
+                                 LOAD_CKPT_PATH=str(tmp_path / "ckpt"), **sizes)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert "loaded weights of iteration 4" in again.stdout and len(losses(again.stdout)) == 2
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+
+
+def test_nvidia_llama3_fp8_script_trains_saves_and_resumes(tmp_path):
+    """NVIDIA's train_llama3_8b_h100_fp8.sh as written (FP8 hybrid with --fp8-param-gather, mock
+    data, --profile): it trains, evaluates, saves; run again, it loads its checkpoint and has nothing
+    left to train."""
+    paths = (str(tmp_path / "ckpt"), str(tmp_path / "tb"))
+    first = _run_upstream_script(tmp_path, "nvidia_train_llama3_8b_h100_fp8.sh", *paths, MASTER_PORT="29623")
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    assert len(losses(first.stdout)) == 8 and "validation loss at iteration 8" in first.stdout
+    assert "--fp8-param-gather" in notes(first.stdout)
+    again = _run_upstream_script(tmp_path, "nvidia_train_llama3_8b_h100_fp8.sh", *paths, MASTER_PORT="29624")
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert "loaded weights and optimizer state of iteration 8" in again.stdout and losses(again.stdout) == []
+
+
+def test_a_typo_in_a_launch_script_is_one_line_before_torchrun(tmp_path):
+    """examples/llama/train_llama3.sh checks its flags in one process before torchrun: a misspelt
+    flag is one line naming the closest known flag, with no usage text and no torchrun report."""
+    from tests.functional.test_pretrain_gpt import _launch_script
+
+    result = _launch_script(tmp_path, EXTRA_ARGS="--save-intreval 20")
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if "error" in line]
+    assert lines[0] == ("pretrain_gpt.py: error: unrecognized arguments: --save-intreval "
+                        "(did you mean --save-interval?)")
+    assert "usage:" not in result.stderr and "Traceback" not in result.stderr
+    assert "ChildFailedError" not in result.stderr and "stopped before starting torchrun" in result.stderr

@@ -31,3 +31,8 @@ def test_signals_are_recorded_then_handlers_restored():
         exits.restore()
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_zero_turns_an_exit_off_as_in_megatron_lm():
+    exits = conditions(interval=0, minutes=0, started=time.time() - 3600)
+    assert exits.check(6) is None

@@ -1,5 +1,6 @@
 """Megatron-LM's pretrain_gpt.py flags: every one has a status, the generated table is the committed
 one, and each kind of treatment does what the table says."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +9,7 @@ import pytest
 
 from megatron.training import megatron_lm
 from megatron.training.arguments import build_parser, parse_args
-from megatron.training.megatron_lm.registry import FLAGS, GROUPS
+from megatron.training.megatron_lm.registry import FLAGS, GROUPS, PREFIXES, REFUSED_VALUES
 from megatron.training.validation import ConfigError, validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,12 +24,130 @@ def test_committed_table_is_the_generated_one():
     assert result.returncode == 0, result.stderr + " (regenerate: python tools/megatron_compatibility.py)"
 
 
+def _ours() -> set:
+    return {o for a in build_parser(megatron_lm_flags=False)._actions for o in a.option_strings}
+
+
+def test_the_upstream_flag_file_is_pinned_and_complete():
+    """Both parsers, each at a full commit; every flag says which parser defines it."""
+    sources = megatron_lm.upstream_sources()
+    assert set(sources) == {"NVIDIA", "ROCm"}
+    assert all(re.fullmatch(r"[0-9a-f]{40}", info["commit"]) for info in sources.values())
+    flags = {f.name: f for f in megatron_lm.megatron_flags()}
+    upstream = [f for f in flags.values() if f.sources]
+    assert len(upstream) > 800 and all(set(f.sources) <= set(sources) for f in upstream)
+    assert flags["--disable-te-fused-rope"].sources == ("ROCm",)  # the fork's own
+    assert flags["--dataloader-type"].choices == ("single", "cyclic", "external")
+    assert flags["--eval-iters"].default == 100 and flags["--eval-iters"].type == "int"
+
+
 def test_every_megatron_flag_is_implemented_or_treated():
-    ours = {o for a in build_parser(megatron_lm_flags=False)._actions for o in a.option_strings}
+    ours = _ours()
     flags = megatron_lm.megatron_flags()
-    assert len(flags) == len({f.name for f in flags}) > 500
-    untreated = [f.name for f in flags if f.name not in ours and megatron_lm.treatment(f) is None]
+    assert len(flags) == len({f.name for f in flags}) > 800
+    untreated = [f.name for f in flags if f.name not in ours and megatron_lm.twin(f.name) not in ours
+                 and megatron_lm.treatment(f) is None]
     assert untreated == []
+
+
+def _choice_cases() -> list:
+    """(flag, value) for every choice an upstream parser offers, except on flags that are errors here
+    and values outside an `only` treatment (both refused with their reason by design)."""
+    ours, cases = _ours(), []
+    for flag in megatron_lm.megatron_flags():
+        rule = None if flag.name in ours else megatron_lm.treatment(flag)
+        if not flag.choices or (rule is not None and rule.kind == "error"):
+            continue
+        cases += [(flag.name, str(value)) for value in flag.choices
+                  if rule is None or rule.kind != "only" or str(value) in rule.values]
+    return cases
+
+
+@pytest.mark.parametrize("flag, value", _choice_cases())
+def test_every_value_upstream_accepts_is_accepted_or_refused_with_its_reason(flag, value, capsys):
+    """Either the run goes on, or the value is in REFUSED_VALUES and the one-line error gives that
+    reason, or validation asks for the value's companion flag (as Megatron-LM does)."""
+    reason = REFUSED_VALUES.get(flag, {}).get(value)
+    try:
+        _validate([flag, value])
+    except SystemExit:
+        assert reason is not None, f"{flag} {value}: refused by the parser without a reason in REFUSED_VALUES"
+        assert f"{flag} {value} is not supported: {reason}" in capsys.readouterr().err
+        return
+    except ConfigError as error:
+        assert reason is not None or " needs " in str(error), f"{flag} {value}: refused without a reason: {error}"
+        return
+    assert reason is None, f"{flag} {value} is listed as refused but runs"
+
+
+# Features a note or error text may call absent, and the flag that builds each here: a text claiming
+# one of them is "not built" or "not supported" while its flag exists is false.
+FEATURE_FLAGS = {"FP8": "--fp8-format", "mixture-of-experts": "--num-experts", "sliding-window": "--window-size",
+                 "context parallelism": "--context-parallel-size", "Megatron-FSDP": "--use-megatron-fsdp",
+                 "distributed optimizer": "--use-distributed-optimizer", "Llama 3.1 scaling": "--use-rope-scaling",
+                 "muP": "--use-mup", "multi-token prediction": "--mtp-num-layers",
+                 "multi-latent attention": "--multi-latent-attention", "Muon": "--optimizer muon",
+                 "cyclic": "--dataloader-type cyclic"}
+
+
+def _texts() -> list:
+    texts = [(name, rule.text) for name, rule in {**FLAGS, **PREFIXES, **GROUPS}.items()]
+    return texts + [(f"{flag} {value}", reason) for flag, values in REFUSED_VALUES.items()
+                    for value, reason in values.items()]
+
+
+def _exists(spec: str) -> bool:
+    """Whether the flag (and value, if given) is implemented here."""
+    flag, _, value = spec.partition(" ")
+    actions = {o: a for a in build_parser(megatron_lm_flags=False)._actions for o in a.option_strings}
+    if flag not in actions:
+        return False
+    return not value or actions[flag].choices is None or value in actions[flag].choices
+
+
+def test_no_note_or_error_calls_absent_what_is_built():
+    """A claim is a clause that starts with the feature's name and says it 'is/are not built' (or
+    supported, implemented)."""
+    false_claims = []
+    for name, text in _texts():
+        for feature, spec in FEATURE_FLAGS.items():
+            claim = (rf"(?:^|[;:(]\s*)(?:the\s+)?{re.escape(feature)}\b[\w\s/-]{{0,20}}"
+                     r"\b(is|are) not (built|supported|implemented)")
+            if re.search(claim, text, re.IGNORECASE) and _exists(spec):
+                false_claims.append(f"{name}: '{text}' but {spec} exists")
+    assert false_claims == []
+
+
+def test_older_spellings_set_what_megatron_lm_sets():
+    config = parse_args(MINIMAL + ["--recompute-activations", "--use-rotary-position-embeddings"])
+    assert config.training.recompute_granularity == "selective"
+    assert config.model.position_embedding_type == "rope"
+    assert not [n for n in validate(config, 1) if n.startswith("--recompute-activations")]
+
+
+def test_the_disable_spelling_is_the_same_switch():
+    assert parse_args(MINIMAL + ["--disable-manual-gc-eval"]).training.manual_gc_eval is False
+    assert parse_args(MINIMAL).training.manual_gc_eval is True
+
+
+def test_the_rocm_forks_own_flags_run_with_notes():
+    notes = _validate(["--fused-single-qkv-rope", "--disable-te-fused-rope", "--keep-fp8-weight-transpose-cache-te",
+                       "--use-contiguous-parameters-in-local-ddp"])
+    assert [n.split(":")[0] for n in notes if n.startswith("--")] == [
+        "--fused-single-qkv-rope", "--disable-te-fused-rope", "--keep-fp8-weight-transpose-cache-te",
+        "--use-contiguous-parameters-in-local-ddp"]
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--fp8-interval", "1"], "note"), (["--fp8-param-gather"], "note"),
+    (["--no-fp8-wgrad"], "error"), (["--fp4-format", "e2m1"], "error"),
+])
+def test_the_transformer_engine_group_follows_what_is_built(flags, expected):
+    if expected == "note":
+        assert any(n.startswith(flags[0] + ":") for n in _validate(flags))
+    else:
+        with pytest.raises(ConfigError, match=flags[0]):
+            _validate(flags)
 
 
 def test_registry_names_only_megatron_flags_and_groups():
@@ -75,3 +194,25 @@ def test_hidden_from_help_but_help_points_to_the_table(capsys):
         parse_args(["--help"])
     out = capsys.readouterr().out
     assert "docs/megatron-compatibility.md" in out and "--moe-use-upcycling" not in out
+
+
+@pytest.mark.parametrize("flags, note", [
+    (["--save-interval", "20"], "--save-interval without --save: no checkpoint is saved (as in Megatron-LM)"),
+    (["--async-save"], "--async-save without --save: no checkpoint is saved (as in Megatron-LM)"),
+    (["--eval-iters", "-1"], "--eval-iters -1: no evaluation (as in Megatron-LM"),
+    (["--exit-interval", "0"], "--exit-interval 0: off (as in Megatron-LM)"),
+    (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins 0: off (as in Megatron-LM)"),
+])
+def test_what_megatron_lm_accepts_without_its_companion_runs_with_a_note(flags, note):
+    """The ROCm fork's train_llama3.sh passes --save-interval with its --save line commented out,
+    and --eval-iters -1: Megatron-LM saves nothing and evaluates nothing, and so does this framework."""
+    assert any(n.startswith(note) for n in _validate(flags))
+
+
+def test_negative_eval_iters_asks_for_no_evaluation_samples():
+    from megatron.training.batch_schedule import batch_schedule
+    from megatron.training.training import dataset_sizes
+
+    config = parse_args(MINIMAL + ["--eval-iters", "-1", "--eval-interval", "1"])
+    validate(config, 1)
+    assert dataset_sizes(config, batch_schedule(config.training, 1)) == (6, 0, 0)

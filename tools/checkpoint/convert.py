@@ -10,8 +10,11 @@
 The format of this framework is layout-independent, so there is no target parallel size: the
 converted checkpoint loads at any --tensor-model-parallel-size / --pipeline-model-parallel-size /
 data-parallel layout. Train from it with `--load DIR --finetune --use-checkpoint-args`.
-Hugging Face Llama 2/3/3.1, Qwen3, Mixtral, Qwen3-MoE, Qwen2-MoE and GPT-2 models convert; nothing is downloaded
-and no remote code runs.
+Hugging Face Llama 2/3/3.1, Qwen3, Mixtral, Qwen3-MoE, Qwen2-MoE and GPT-2 models convert; nothing is
+downloaded and no remote code runs. Hugging Face formats need the `hf` extra: pip install -e ".[hf]".
+An export to Hugging Face also writes the run's tokenizer (GPT2BPETokenizer, Llama2Tokenizer,
+HuggingFaceTokenizer; from the files the run was given) and puts its bos/eos/pad ids in config.json
+and generation_config.json.
 """
 import argparse
 import os
@@ -23,6 +26,7 @@ import torch  # noqa: E402
 
 from megatron.core.models.gpt import hf_mapping  # noqa: E402
 from megatron.core.checkpointing import conversion  # noqa: E402
+from megatron.core.tokenizers import hf_export  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -46,20 +50,21 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def read(args) -> tuple:
-    """(logical state, TransformerConfig, unpadded vocabulary size) of the source."""
+    """(logical state, TransformerConfig, unpadded vocabulary size, the run's data arguments or
+    None) of the source."""
     if args.source_format == "hf":
         hf_config, state = conversion.read_hf(args.source)
         config = hf_mapping.hf_config_to_transformer_config(
             hf_config, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
         arch = hf_mapping.architecture_of(hf_config)
-        return hf_mapping.hf_to_logical(state, config, arch), config, hf_config.vocab_size
+        return hf_mapping.hf_to_logical(state, config, arch), config, hf_config.vocab_size, None
     if args.source_format == "torch_dist":
-        logical, config, vocab_size, _ = conversion.read_weights(args.source, args.iteration)
-        return logical, config, vocab_size
+        logical, config, vocab_size, common = conversion.read_weights(args.source, args.iteration)
+        return logical, config, vocab_size, common["args"].get("data")
     from megatron.core.checkpointing.megatron_lm import read_megatron_checkpoint
 
     checkpoint = read_megatron_checkpoint(args.source, args.iteration)
-    return checkpoint.logical, checkpoint.config, megatron_vocab_size(checkpoint.args)
+    return checkpoint.logical, checkpoint.config, megatron_vocab_size(checkpoint.args), None
 
 
 def megatron_vocab_size(megatron_args: dict):
@@ -77,7 +82,7 @@ def convert(argv=None) -> str:
     args = parse(argv)
     if os.path.exists(args.target) and os.listdir(args.target):
         raise SystemExit(f"error: --target {args.target} is not empty; choose a new directory")
-    logical, config, vocab_size = read(args)
+    logical, config, vocab_size, data_args = read(args)
     if args.dtype is not None:
         logical = {name: {part: t.to(DTYPES[args.dtype]) for part, t in parts.items()} for name, parts in logical.items()}
     if args.target_format == "torch_dist":
@@ -88,9 +93,21 @@ def convert(argv=None) -> str:
     arch = hf_mapping.architecture_for_hf(config)
     vocab_size = vocab_size or config.padded_vocab_size  # unknown: keep the padded rows
     state = hf_mapping.logical_to_hf(logical, config, arch, vocab_size=vocab_size)
-    conversion.write_hf(args.target, hf_mapping.hf_config_from_transformer_config(config, vocab_size), state)
-    print(f"wrote {args.target} ({arch}, {len(state)} tensors)")
+    hf_config = hf_mapping.hf_config_from_transformer_config(config, vocab_size)
+    ids, note = (hf_export.export_tokenizer(data_args, args.target) if data_args
+                 else (None, "no tokenizer written: the source records no tokenizer"))
+    if ids is not None:
+        hf_export.set_special_ids(hf_config, ids)
+    conversion.write_hf(args.target, hf_config, state)
+    if ids is not None:
+        hf_export.write_generation_config(args.target, ids)
+    print(f"wrote {args.target} ({arch}, {len(state)} tensors); {note}")
     return args.target
+
+
+def missing_package(error: ImportError) -> str:
+    return (f"error: this conversion needs the `hf` extra, which is not installed ({error}): "
+            'pip install -e ".[hf]" (transformers, safetensors, tokenizers, sentencepiece)')
 
 
 if __name__ == "__main__":
@@ -98,3 +115,5 @@ if __name__ == "__main__":
         convert()
     except (ValueError, KeyError) as error:
         raise SystemExit(f"error: {error}") from None
+    except ImportError as error:
+        raise SystemExit(missing_package(error)) from None

@@ -37,6 +37,7 @@ def write_weights(root: str, logical: dict, config: TransformerConfig, vocab_siz
                   make_vocab_size_divisible_by: int = 128, iteration: int = 0) -> str:
     """Writes `logical` as the checkpoint of `iteration` in `root` (atomically, tracker last);
     returns the checkpoint directory. `vocab_size` is the unpadded vocabulary."""
+    from megatron.core.checkpointing import checksums
     from megatron.core.checkpointing.storage import save_state
 
     check_trainable(config)
@@ -53,7 +54,8 @@ def write_weights(root: str, logical: dict, config: TransformerConfig, vocab_siz
     config = dataclasses.replace(config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     common = {"format": FORMAT, "version": FORMAT_VERSION, "iteration": iteration,
               "train_state": {"iteration": iteration}, "optimizer": None, "rng_layout": None,
-              "model": record(config, vocab_size), "args": {"model": saved_args(config)}}
+              "model": record(config, vocab_size), "args": {"model": saved_args(config)},
+              "checksums": checksums.of_directory(incomplete)}
     write_json_atomically(os.path.join(incomplete, COMMON_FILE), common)
     if os.path.exists(final):
         raise FileExistsError(f"{final} already exists; choose an empty --target")

@@ -23,6 +23,13 @@ class DataConfig:
     """Directory for the cached sample/shuffle indices; default beside the data."""
     num_workers: int = 2
     """Data-loader worker processes."""
+    dataloader_type: Literal["single", "cyclic", "external"] = "single"
+    """Sample order: single (one pass in the dataset's order, which is already shuffled) or cyclic (Megatron-LM's random sampler: a fresh permutation each epoch, seeded with the epoch number). external (Megatron-LM's pass-through of a user's own loader) is an error in pretrain_gpt.py."""
+    data_sharding: bool = flag_field(True, Flag(
+        "--no-data-sharding", "store_false",
+        "With --dataloader-type cyclic: shuffle the whole dataset once per epoch and deal it out to the "
+        "data-parallel ranks, instead of each rank shuffling its own bucket."))
+    """With --dataloader-type cyclic: each data-parallel rank shuffles its own contiguous bucket of the dataset."""
     reset_position_ids: bool = False
     """Restart position ids after each end-of-document token."""
     reset_attention_mask: bool = False

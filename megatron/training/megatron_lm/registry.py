@@ -7,18 +7,26 @@ a flag gains that status as soon as a config field defines it. The others are:
   settings of features that do not change the trained model, deprecated no-ops of Megatron-LM);
 - only: accepted with the listed values, which are Megatron-LM's defaults and what runs here; any
   other value is an error naming the flag;
-- error: the flag would change the result and is not implemented; an error names it and the way out.
+- error: the flag would change the result and is not implemented; an error names it and the way out;
+- alias: an older spelling that Megatron-LM turns into another setting; it sets that setting here
+  too, so it counts as implemented.
 
-A flag without its own entry takes its argument group's treatment.
+A flag without its own entry takes its name prefix's treatment (PREFIXES), else its argument
+group's (GROUPS).
 """
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class Treatment:
-    kind: str           # "note", "only" or "error"
+    kind: str           # "note", "only", "error", or "alias" (implemented under another name)
     text: str
-    values: tuple = ()  # "only": the accepted values
+    values: tuple = ()  # "only": the accepted values; "alias": the (field, value) pairs it sets
+
+
+def alias(text: str, **fields) -> Treatment:
+    """An older spelling that Megatron-LM still turns into another setting: implemented, as that."""
+    return Treatment("alias", text, tuple(fields.items()))
 
 
 def note(text: str) -> Treatment:
@@ -36,7 +44,9 @@ def only(*values: str, text: str) -> Treatment:
 _FUSION = "a kernel choice: the unfused PyTorch ops run (torch.compile fuses RMSNorm, RoPE and SwiGLU on GPU)"
 _TP_OVERLAP = ("tensor-parallel communication is not overlapped with the GEMMs (Transformer Engine userbuffers); "
                "the collectives run between them")
-_FP8 = "FP8/FP4 training is not built in this version; train in bf16 (--bf16)"
+_FP4 = "FP4 training is not built; FP8 is (--fp8-format, --fp8-recipe delayed|tensorwise|rowwise)"
+_TE_FP8 = ("a Transformer Engine setting with no counterpart in the native FP8 path (torch._scaled_mm, "
+           "--fp8-format)")
 _CKPT_IO = ("every rank writes only its own pieces of the layout-independent checkpoint, and a load reads what "
             "its layout needs; there is nothing to choose")
 _NOT_GPT = "used by Megatron-LM's BERT/T5/retriever models only; no effect on GPT pretraining"
@@ -64,13 +74,46 @@ GROUPS = {
     "msc": note("the Multi-Storage Client is not used; paths are local files"),
     "straggler": note("per-rank throughput is not reported"),
     "workload inspector": note("the on-demand profiling server is not built; use --profile"),
-    "Transformer-Engine": error(_FP8),
+    "Transformer-Engine": error(_TE_FP8),
     "rerun engine": note("the re-run state machine is not built: a step whose gradients are not finite is "
                          "skipped and counted in the log line"),
 }
 
 _MOE_KERNEL = "a kernel choice: the experts run unfused PyTorch ops (the same result)"
 _MOE_OVERLAP = "expert-parallel communication is not overlapped with computation; the collectives run between the GEMMs"
+
+PREFIXES = {
+    "--moe-": GROUPS["moe"],
+    "--dsa-": error("DeepSeek sparse attention is not built"),
+    "--no-dsa-": error("DeepSeek sparse attention is not built"),
+    "--disable-dsa-": error("DeepSeek sparse attention is not built"),
+    "--mhc-": error("manifold-constrained hyper-connections are not built"),
+    "--linear-": error("linear-attention layers are not built"),
+    "--gdp-": error("linear-attention layers are not built"),
+    "--mup-": error("the muP parametrization is not built; weights are normal with --init-method-std"),
+    "--yarn-": error("YaRN RoPE scaling is not built (Llama 3.1 scaling is: --use-rope-scaling)"),
+    "--no-yarn-": error("YaRN RoPE scaling is not built (Llama 3.1 scaling is: --use-rope-scaling)"),
+    "--fim-": error("fill-in-the-middle samples are not built"),
+    "--logits-": error("logits distillation is not built"),
+    "--mtp-": error("multi-token prediction is not built"),
+    "--muon-": error("the Muon optimizer is not built (--optimizer adam or sgd)"),
+    "--lion-": error("the Lion optimizer is not built (--optimizer adam or sgd)"),
+    "--gtp-": error("weight sharding within tensor parallelism is not built"),
+    "--fault-injector-": note("Megatron-LM's fault injector is not built; no faults are injected "
+                              "(bench/chaos.py injects this framework's own test faults)"),
+    "--otel-": note("OpenTelemetry tracing is not used"),
+    "--flight-recorder-": note("the NCCL flight recorder keeps PyTorch's defaults (TORCH_NCCL_* variables)"),
+    "--no-flight-recorder-": note("the NCCL flight recorder keeps PyTorch's defaults (TORCH_NCCL_* variables)"),
+    "--disable-flight-recorder-": note("the NCCL flight recorder keeps PyTorch's defaults (TORCH_NCCL_* variables)"),
+    "--inference-": note("an inference setting: no effect on pretraining"),
+    "--megatron-fsdp-": note("Megatron-FSDP is not built; no effect"),
+    "--async-ckpt-": note("an --async-save writes from a background thread of each rank"),
+    "--qk-clip": error("QK-clip is not built"),
+    "--fine-grained-": error("activation offloading to CPU is not built"),
+    "--ckpt-fully-parallel-": note(_CKPT_IO),
+    "--ckpt-pg-tensors-cache-": note(_CKPT_IO),
+    "--pytorch-profiler-collect-": note("--profile --use-pytorch-profiler records PyTorch's default events"),
+}
 
 FLAGS = {
     # mixture of experts (the flags not listed here are built, or refused by the "moe" group entry)
@@ -100,7 +143,8 @@ FLAGS = {
     "--window-attn-skip-freq": error("sliding-window attention is not built"),
     "--relative-attention-num-buckets": note("relative position embeddings are not built; no effect"),
     "--relative-attention-max-distance": note("relative position embeddings are not built; no effect"),
-    "--use-rotary-position-embeddings": error("deprecated in Megatron-LM: use --position-embedding-type rope"),
+    "--use-rotary-position-embeddings": alias("Megatron-LM's older spelling of --position-embedding-type rope",
+                                              position_embedding_type="rope"),
     "--rotary-seq-len-interpolation-factor": error("RoPE sequence-length interpolation is not built"),
     "--no-rope-freq": error("skipping RoPE on some layers is not built"),
     "--no-position-embedding": note("rotary embeddings have no learned position table; Megatron-LM accepts this "
@@ -127,7 +171,8 @@ FLAGS = {
     # training
     "--batch-size": error("Megatron-LM's old flag: use --micro-batch-size"),
     "--decrease-batch-size-if-needed": error("shrinking the batch size to fit fewer ranks is not built"),
-    "--recompute-activations": error("use --recompute-granularity selective (its meaning in Megatron-LM)"),
+    "--recompute-activations": alias("Megatron-LM's older spelling of --recompute-granularity selective",
+                                     recompute_granularity="selective"),
     "--no-check-for-nan-in-loss-and-grad": note("a step whose gradients are not finite is skipped and counted in "
                                                 "the log line, never raised"),
     "--check-for-spiky-loss": error("loss-spike checks are not built"),
@@ -177,7 +222,6 @@ FLAGS = {
     "--dump-param-to-param-group-map": error("parameter-group maps are not built"),
     "--no-pin-cpu-grads": note("optimizer offloading to CPU is not built; no effect"),
     "--no-pin-cpu-params": note("optimizer offloading to CPU is not built; no effect"),
-    "--dataloader-type": only("single", text="only the single-pass pretraining sampler (single) is built"),
     "--no-async-tensor-model-parallel-allreduce": note("deprecated and ignored in Megatron-LM; no effect"),
     "--no-persist-layer-norm": note(_FUSION),
     "--no-gradient-accumulation-fusion": note("weight gradients are accumulated by PyTorch's autograd into the "
@@ -245,7 +289,8 @@ FLAGS = {
                                                  "--grad-reduce-in-bf16"),
     "--fp16-lm-cross-entropy": error("the cross entropy runs in fp32; fp16 cross entropy is not built"),
     "--disable-bf16-reduced-precision-matmul": error("changing PyTorch's bf16 matmul reduction is not built"),
-    "--reuse-grad-buf-for-mxfp8-param-ag": error(_FP8),
+    "--reuse-grad-buf-for-mxfp8-param-ag": note("the mxfp8 recipe is not built (--fp8-recipe mxfp8 is an error); "
+                                                "no effect"),
     # distributed
     "--pipeline-model-parallel-layout": error("custom pipeline layouts are not built; use "
                                               "--decoder-first/last-pipeline-num-layers"),
@@ -339,6 +384,130 @@ FLAGS = {
     "--cuda-graph-impl": note("CUDA graphs are not captured; kernels launch one by one"),
     "--cuda-graph-scope": note("CUDA graphs are not captured; kernels launch one by one"),
     "--cuda-graph-warmup-steps": note("CUDA graphs are not captured; kernels launch one by one"),
+    # current Megatron-LM's other flags
+    "--tensor-parallel-num-weight-shards": only("1", text="weight sharding within tensor parallelism is not built"),
+    "--expert-tensor-parallel-num-weight-shards": only("1", text="weight sharding within tensor parallelism is not "
+                                                                 "built"),
+    "--max-seqlen-per-dp-cp-rank": error("dynamic context parallelism is not built"),
+    "--hybrid-context-parallel": error("hybrid (dynamic) context parallelism is not built; use "
+                                       "--context-parallel-size"),
+    "--overlap-dispatch-backward-with-experts-wgrad": GROUPS["moe"],
+    "--ep-overlap-early-attn-memory-release": GROUPS["moe"],
+    "--use-grouped-gemm-for-shared-expert": GROUPS["moe"],
+    "--high-priority-a2a-comm-stream": GROUPS["moe"],
+    "--cpu-offloading-retain-pinned-cpu-buffers": note("activation offloading to CPU is not built; no effect"),
+    "--flash-attention-version": note("the flash-attn package's own version runs with --use-flash-attn (FA3 on "
+                                      "Hopper when installed)"),
+    "--attention-output-gate": error("gated attention output is not built"),
+    "--experimental-attention-variant": error("experimental attention variants are not built"),
+    "--use-mup": error("the muP parametrization is not built; weights are normal with --init-method-std"),
+    "--fused-residual-rmsnorm": note(_FUSION),
+    "--use-kitchen-attention": error("Kitchen quantization is not built here"),
+    "--kitchen-attention-backend": note("Kitchen quantization is not built here; no effect"),
+    "--use-grouped-gemm-for-dense-mlp": note(_FUSION),
+    "--enable-mhc-connections": error("manifold-constrained hyper-connections are not built"),
+    "--batch-invariant-mode": error("batch-invariant kernels are not built"),
+    "--batch-invariant-backend": note("batch-invariant kernels are not built; no effect"),
+    "--mlp-chunks-for-training": only("1", text="the MLP runs on the whole micro-batch (chunking is not built)"),
+    "--offload-modules": error("activation offloading to CPU is not built"),
+    "--min-offloaded-tensor-size": note("activation offloading to CPU is not built; no effect"),
+    "--delay-offload-until-cuda-graph": note("activation offloading to CPU is not built; no effect"),
+    "--delta-offload-bytes-across-pp-ranks": note("activation offloading to CPU is not built; no effect"),
+    "--activation-offload-fraction": note("activation offloading to CPU is not built; no effect"),
+    "--apply-wd-to-qk-layernorm": error("weight decay on the query/key norm weights is not built: norm weights and "
+                                        "biases have no weight decay"),
+    "--no-weight-decay-cond-type": error("weight-decay conditions are not built: norm weights and biases have no "
+                                         "weight decay"),
+    "--record-shapes": note("--profile --use-pytorch-profiler records PyTorch's default events"),
+    "--nvtx-ranges": note("NVTX ranges are not emitted"),
+    "--step-batch-size-schedule": error("batch-size schedules by step are not built; use --rampup-batch-size"),
+    "--gpu-sniff-test-interval": note("periodic GPU tests are not built"),
+    "--exit-signal": only("SIGTERM", "signal.SIGTERM", text="--exit-signal-handler saves and exits on SIGTERM "
+                                                            "(and SIGUSR1, which torchrun forwards)"),
+    "--exit-signal-handler-for-dataloader": note("--exit-signal-handler applies to the training processes"),
+    "--exit-signal-handler-for-training": note("--exit-signal-handler applies to the training processes"),
+    "--optimizer-cuda-graph": note("CUDA graphs are not captured; kernels launch one by one"),
+    "--freeze-all-layers": error("freezing layers is not built"),
+    **{name: note("tensor dumps for debugging are not written") for name in (
+        "--save-params-interval", "--save-activations-interval", "--save-tokens-per-expert-interval",
+        "--save-wgrads-interval", "--save-dgrads-interval")},
+    "--async-strategy": note("an --async-save writes from a background thread of each rank"),
+    "--no-ckpt-load-validate-sharding-integrity": note(_CKPT_IO),
+    "--no-save-tokenizer-assets": note("tokenizer files are not copied into checkpoints; the HF export "
+                                       "(tools/checkpoint/convert.py) writes them"),
+    "--verify-integrity": note("checkpoints are checked as they load"),
+    "--override-ckpt-iteration": error("the iteration always comes from the checkpoint; --ckpt-step N chooses one"),
+    "--dist-ckpt-workers": note(_CKPT_IO),
+    "--ckpt-drop-redundant-extra-state": note(_CKPT_IO),
+    "--output-logit-dtype": error("the logits are computed in the model dtype and the loss in fp32; another logit "
+                                  "dtype is not built"),
+    "--mamba-training-ssm-states-dtype": error("hybrid/Mamba models, --spec and the precision-aware optimizer are "
+                                               "not built here"),
+    "--disable-jit-fuser": note("no TorchScript fuser is used; --no-torch-compile turns torch.compile off"),
+    "--ddp-param-name-patterns-for-fp32-local-accumulation": note("gradients are accumulated in fp32 unless "
+                                                                  "--grad-reduce-in-bf16"),
+    "--no-use-layer-wise-param-layout": note("Megatron-FSDP is not built; no effect"),
+    "--fsdp-manual-registration": note("Megatron-FSDP is not built; no effect"),
+    "--create-all-gather-group": note("parameter all-gathers use the data-parallel group"),
+    "--outer-dp-sharding-strategy": only("no_shard", text="hybrid sharding is not built"),
+    "--fake-process-group": error("fake process groups are not built; run on CPU with --distributed-backend gloo"),
+    "--start-eval-at-iter": error("a first evaluation later than --eval-interval is not built"),
+    "--eval-global-batch-size": error("evaluation uses the training batch sizes; separate ones are not built"),
+    "--eval-micro-batch-size": error("evaluation uses the training batch sizes; separate ones are not built"),
+    "--validation-set-names": error("separate losses per validation dataset are not built"),
+    "--phase-transition-iterations": error("data phases are not built"),
+    "--per-dataset-sequences-path": error("per-dataset sequence files are not read"),
+    "--dataloader-fast-cache-load": note("the cached indices are memory-mapped .npy files"),
+    "--dataloader-defer-npy-index-mmap": note("the cached indices are memory-mapped .npy files"),
+    "--dataloader-inter-document-masking": error("use --reset-attention-mask (attention stops at each "
+                                                 "end-of-document token)"),
+    "--no-pad-vocab-size": error("the vocabulary is always padded by --make-vocab-size-divisible-by"),
+    "--tokenizer-special-tokens": error("extra special tokens are not added; the tokenizer files define them"),
+    "--tokenizer-sentencepiece-legacy": note("one SentencePiece implementation"),
+    "--no-tokenizer-sentencepiece-ignore-extra-whitespaces": note("SentencePiece normalizes as its model says"),
+    "--tokenizer-hf-no-use-fast": note("Hugging Face tokenizers load with the fast (tokenizers) library"),
+    "--tokenizer-hf-no-include-special-tokens": error("Hugging Face tokenizers encode with their special-token "
+                                                      "settings; turning them off is not built"),
+    "--null-tokenizer-eod-id": error("NullTokenizer's end-of-document id is --vocab-size (Megatron-LM's default)"),
+    "--null-tokenizer-pad-id": only("-1", text="NullTokenizer has no padding id (Megatron-LM's default -1)"),
+    "--chat-template": note("chat templates are for fine-tuning; no effect on pretraining"),
+    "--use-gigatoken": error("this tokenizer is not built"),
+    "--log-memory-interval": note("memory is in every log line"),
+    "--log-device-memory-used": note("the peak memory is in every log line"),
+    "--log-max-attention-logit": note("attention logits are not logged"),
+    # Transformer Engine: FP8 is built natively (megatron/core/transformer/fp8.py)
+    "--fp8-interval": note("deprecated in Megatron-LM and ignored by Transformer Engine; the FP8 scales are "
+                           "updated every micro-batch"),
+    "--fp8-param-gather": note("the distributed optimizer all-gathers the bf16 weights, and each rank casts them "
+                               "to FP8 once per step (Megatron-Core gathers FP8 copies instead: half the gather "
+                               "volume, the same FP8 weights up to the bf16 rounding before the cast)"),
+    "--no-fp8-wgrad": error("the weight-gradient GEMM always runs in FP8 here; a bf16 weight gradient under "
+                            "--fp8-format is not built"),
+    "--disable-fp8-wgrad": error("the weight-gradient GEMM always runs in FP8 here; a bf16 weight gradient under "
+                                 "--fp8-format is not built"),
+    "--fp8-quantizer-factory": error("custom quantizers (--fp8-recipe custom) are Transformer Engine's; use "
+                                     "--fp8-recipe delayed, tensorwise or rowwise"),
+    "--fp8-output-proj": error("FP8 for the output layer is not built; the transformer layers' linears run FP8"),
+    "--te-precision-config-file": error("per-module precision files are Transformer Engine's; "
+                                        "--first-last-layers-bf16 keeps the first and last layers in bf16"),
+    "--fp4-format": error(_FP4),
+    "--fp4-recipe": error(_FP4),
+    "--fp4-quantizer-factory": error(_FP4),
+    "--fp4-param-gather": error(_FP4),
+    "--keep-fp8-weight-transpose-cache-te": note("the FP8 weight and its transpose are cached once per optimizer "
+                                                 "step, always"),
+    "--use-transformer-engine-op-fuser": note(_FUSION),
+    # ROCm fork's own flags
+    "--disable-te-fused-rope": note(_FUSION),
+    "--fused-single-qkv-rope": note(_FUSION),
+    "--use-contiguous-parameters-in-local-ddp": note("gradients and parameters always live in contiguous buckets"),
+    "--encoder-tensor-model-parallel-size": error("encoder-decoder models are not built"),
+    "--encoder-pipeline-model-parallel-size": error("encoder-decoder models are not built"),
+    "--pipeline-model-parallel-split-rank": error("encoder-decoder models are not built"),
+    "--standalone-embedding-stage": error("a pipeline stage holding only the embedding is not built; use "
+                                          "--decoder-first-pipeline-num-layers"),
+    "--renormalize-blend-weights": note("blend weights are normalized to sum to 1, as Megatron-Core does"),
+    "--s3-cache-path": error("object-storage data is not built; data paths are local files"),
     # Transformer Engine
     "--te-rng-tracker": note("the framework's own tensor-parallel RNG tracker runs"),
     "--inference-rng-tracker": note("the framework's own tensor-parallel RNG tracker runs"),
@@ -347,4 +516,35 @@ FLAGS = {
     # vision group: query/key normalization is implemented; its L2 variant is not
     "--qk-l2-norm": error("L2 query/key normalization (Llama 4) is not built; --qk-layernorm normalizes with "
                           "--normalization"),
+}
+
+# Values of flags this framework implements that upstream's parser accepts and this framework refuses,
+# each with the reason (the error message and docs/megatron-compatibility.md show it).
+REFUSED_VALUES = {
+    "--moe-router-score-function": {
+        "sqrtsoftplus": "the sqrt-softplus router score is not built (softmax and sigmoid are)",
+    },
+    "--position-embedding-type": {
+        "yarn": "YaRN RoPE scaling is not built (Llama 3.1 scaling is: --position-embedding-type rope "
+                "--use-rope-scaling)",
+        "mrope": "multimodal RoPE is not built",
+        "relative": "relative position embeddings (T5) are not built",
+    },
+    "--optimizer": {name: "the optimizers built are adam and sgd" for name in (
+        "muon", "dist_muon", "lion", "soap", "adaptive_muon")},
+    "--tokenizer-type": {
+        **{name: "BERT WordPiece tokenizers are for BERT models, which are not built"
+           for name in ("BertWordPieceLowerCase", "BertWordPieceCase")},
+        "GPTSentencePieceTokenizer": "use SentencePieceTokenizer or Llama2Tokenizer with the same --tokenizer-model",
+        "TikTokenizer": "tiktoken tokenizers are not built; use HuggingFaceTokenizer with the model's "
+                        "tokenizer.json",
+        **{name: "multimodal and fine-tuning tokenizers are not built" for name in (
+            "MultimodalTokenizer", "NullMultimodalTokenizer", "SFTTokenizer")},
+    },
+    "--transformer-impl": {"inference_optimized": "an inference implementation; pretraining runs local or "
+                                                  "transformer_engine"},
+    "--dataloader-type": {"external": "Megatron-LM's pass-through of a user's own data loader; pretrain_gpt.py "
+                                      "builds its loader (single or cyclic)"},
+    "--ckpt-format": {name: "this framework writes one layout-independent format (torch_dist)"
+                      for name in ("zarr", "fsdp_dtensor")},
 }

@@ -152,22 +152,32 @@ def test_merge_datasets(tmp_path, documents, jsonl_writer, gpt2_args, tool):
     assert missing.returncode != 0 and "missing" in missing.stderr
 
 
-def test_ctrl_c_leaves_no_dataset(tmp_path, documents, jsonl_writer, gpt2_args):
-    """SIGINT to the whole process group (what Ctrl-C does) mid-run: no dataset, no temporary files."""
+@pytest.mark.parametrize("step", ["worker-start", "worker-encode", "main-write", "merge", "finalize"])
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_ctrl_c_leaves_no_dataset(tmp_path, documents, jsonl_writer, gpt2_args, step, sigint):
+    """SIGINT to the whole process group (what Ctrl-C does) while the tool is held in `step`: exit 130,
+    no dataset, no temporary files. `ignored`: the tool was started with SIGINT ignored, as a
+    background job of a non-interactive shell is (a test suite started with `&`); Ctrl-C still stops it."""
     import signal
     import subprocess
     import sys
 
-    source = jsonl_writer(tmp_path / "big.jsonl", documents * 200)
-    script = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir, "tools", "preprocess_data.py")
-    process = subprocess.Popen([sys.executable, script, "--input", source, "--output-prefix", str(tmp_path / "out"),
-                                "--workers", "2", "--log-interval", "100", *gpt2_args],
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    source = jsonl_writer(tmp_path / "corpus.jsonl", documents * 5)
+    release = tmp_path / "release"
+    command = [sys.executable, os.path.join(os.path.dirname(__file__), "held_preprocess.py"), step, str(release),
+               "--input", source, "--output-prefix", str(tmp_path / "out"), "--workers", "2",
+               "--partitions", "2" if step == "merge" else "1", *gpt2_args]
+    if sigint == "ignored":
+        command = ["/bin/sh", "-c", "trap '' INT; exec \"$@\"", "sh", *command]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        first_line = process.stderr.readline()  # the first progress line: tokens are being written
-        assert "Processed" in first_line, first_line
+        seen = [process.stderr.readline()]
+        while seen[-1] not in ("", f"held {step}\n"):  # progress lines come first; "" is the end of stderr
+            seen.append(process.stderr.readline())
+        assert seen[-1] == f"held {step}\n", "".join(seen)
         os.killpg(process.pid, signal.SIGINT)
-        remaining = process.communicate(timeout=60)[1]
+        release.touch()
+        remaining = process.communicate(timeout=120)[1]
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)

@@ -153,7 +153,10 @@ class GPTModel(torch.nn.Module):
                                                       compiled=self.execution.fuse_elementwise)  # [s, b]
         else:
             loss = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_start)
-        return loss.t()
+        # [b, s] as a tensor of its own, not a transposed view of the [s, b] loss: a module wrapped by
+        # FSDP2 must not return a view (its pre-backward hook, which re-gathers the parameters, would
+        # be lost to an in-place op on it), and PyTorch warns about one.
+        return loss.t().clone(memory_format=torch.contiguous_format)
 
     def _logits(self, x):
         # With tied embeddings on this stage the embedding's backward, which runs later, signals

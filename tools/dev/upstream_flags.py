@@ -1,0 +1,308 @@
+"""Writes megatron/training/megatron_lm/upstream_flags.json: every flag that the argument parsers of
+NVIDIA Megatron-LM and of Megatron-LM for ROCm define, with its argument group, type, choices,
+nargs, default and action, and the repositories and commits that define it.
+
+    python tools/dev/upstream_flags.py NVIDIA=PATH_TO_NVIDIA_GIT ROCm=PATH_TO_ROCM_GIT
+
+Each PATH is a git directory (a clone, or `git clone --bare`) holding the commit pinned in SOURCES
+below; nothing is imported or run from it. The parser source (megatron/training/arguments.py) is
+read with `ast`: every `add_argument` call of every `_add_*_args` function that
+`add_megatron_arguments` (or, in older versions, `parse_args`) calls, and every argument group that
+Megatron-LM's `ArgumentGroupFactory` generates from a config dataclass (its rules reproduced here:
+a field `x_y` is `--x-y`; a bool is `store_true`, or `--no-x-y`/`--disable-x-y` with `store_false`
+when it defaults to True; `Optional[T]` is T; `list[T]` takes `nargs='+'`; a Literal or an Enum
+gives the choices; the field's `argparse_meta` overrides). A value that is not a literal in the
+source (a default computed by a function) is stored as its source text.
+
+To follow upstream: change a commit in SOURCES, rerun, and commit the JSON with the registry entries
+(megatron/training/megatron_lm/registry.py) for the flags that the coverage test names.
+"""
+import argparse
+import ast
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OUTPUT = os.path.join(ROOT, "megatron", "training", "megatron_lm", "upstream_flags.json")
+PARSER_FILE = "megatron/training/arguments.py"
+# repository -> (commit, what it is)
+SOURCES = {
+    "NVIDIA": ("d98e8a64ddf34856e74b24714e3bedb2f5a39553", "NVIDIA/Megatron-LM main, 2026-08-22"),
+    "ROCm": ("2b855bafe238ab0949d49609131d2da87fb09000", "ROCm/Megatron-LM rocm_dev (its default branch), 2024-10-22"),
+}
+ENTRY_POINTS = ("add_megatron_arguments", "parse_args")
+
+
+class Tree:
+    """The Python files of one commit of a git directory, parsed on demand."""
+
+    def __init__(self, git_dir: str, commit: str):
+        self.git_dir, self.commit = git_dir, commit
+        listing = self._git("ls-tree", "-r", "--name-only", commit, "megatron")
+        self.files = [path for path in listing.splitlines() if path.endswith(".py")]
+        self._parsed, self._classes = {}, {}
+        self._text = {}
+
+    def _git(self, *args) -> str:
+        return subprocess.run(["git", "--git-dir", self.git_dir, *args], check=True, capture_output=True,
+                              text=True).stdout
+
+    def parse(self, path: str) -> ast.Module:
+        if path not in self._parsed:
+            self._parsed[path] = ast.parse(self._text.get(path) or self._git("show", f"{self.commit}:{path}"))
+        return self._parsed[path]
+
+    def find_class(self, name: str):
+        """(module, ClassDef) of the first top-level class `name` under megatron/."""
+        if name not in self._classes:
+            self._classes[name] = self._find_class(name)
+        return self._classes[name]
+
+    def _find_class(self, name: str):
+        for path in sorted(self.files, key=lambda p: ("/core/" not in p and "/training/config" not in p, p)):
+            if path not in self._text:
+                self._text[path] = self._git("show", f"{self.commit}:{path}")
+            if f"class {name}" not in self._text[path]:
+                continue
+            for node in self.parse(path).body:
+                if isinstance(node, ast.ClassDef) and node.name == name:
+                    return self.parse(path), node
+        return None, None
+
+
+def _value(node):
+    """A literal's value, or its source text."""
+    if node is None:
+        return None
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, SyntaxError, TypeError):
+        return ast.unparse(node)
+
+
+def _keywords(call: ast.Call) -> dict:
+    return {k.arg: k.value for k in call.keywords if k.arg}
+
+
+def _type_name(node) -> str:
+    return ast.unparse(node) if node is not None else None
+
+
+def _explicit(call: ast.Call, group: str) -> list:
+    """The flag(s) of one `add_argument` call."""
+    names = [a.value for a in call.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+    kwargs = _keywords(call)
+    entry = {"group": group, "action": _value(kwargs.get("action")), "type": _type_name(kwargs.get("type")),
+             "choices": _value(kwargs.get("choices")), "nargs": _value(kwargs.get("nargs")),
+             "default": _value(kwargs.get("default")), "dest": _value(kwargs.get("dest"))}
+    if entry["action"] is None and kwargs.get("action") is not None:
+        entry["action"] = ast.unparse(kwargs["action"])
+    return [dict(entry, name=name) for name in names if name.startswith("--")]
+
+
+class Factory:
+    """Megatron-LM's ArgumentGroupFactory, read from the dataclass source instead of run."""
+
+    def __init__(self, tree: Tree):
+        self.tree = tree
+
+    def fields(self, class_name: str) -> list:
+        """(name, annotation, default node, field metadata node, init) of a dataclass and its bases, bases first."""
+        module, node = self.tree.find_class(class_name)
+        if node is None:
+            raise SystemExit(f"class {class_name} not found in {self.tree.commit}")
+        found = []
+        for base in node.bases:
+            if isinstance(base, ast.Name) and self.tree.find_class(base.id)[1] is not None:
+                found += self.fields(base.id)
+        for item in node.body:
+            if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)):
+                continue
+            if "ClassVar" in ast.unparse(item.annotation):
+                continue
+            default, metadata, init = item.value, None, True
+            if isinstance(default, ast.Call) and ast.unparse(default.func) in ("field", "dataclasses.field"):
+                kwargs = _keywords(default)
+                init = _value(kwargs.get("init")) is not False
+                metadata = kwargs.get("metadata")
+                default = kwargs.get("default", kwargs.get("default_factory"))
+                if "default_factory" in kwargs:
+                    default = ast.Call(func=kwargs["default_factory"], args=[], keywords=[])
+            found = [f for f in found if f[0] != item.target.id] + [(item.target.id, item.annotation, default,
+                                                                     metadata, init)]
+        return found
+
+    def _enum_choices(self, name: str):
+        _, node = self.tree.find_class(name)
+        if node is None or not any("Enum" in ast.unparse(b) for b in node.bases):
+            return None
+        return [t.id for item in node.body if isinstance(item, ast.Assign) for t in item.targets
+                if isinstance(t, ast.Name)]
+
+    def _kind(self, annotation) -> dict:
+        text = ast.unparse(annotation)
+        if isinstance(annotation, ast.BinOp) and isinstance(annotation.op, ast.BitOr):
+            left, right = annotation.left, annotation.right
+            return self._kind(left if ast.unparse(right) == "None" else right)
+        if isinstance(annotation, ast.Subscript):
+            outer = ast.unparse(annotation.value).split(".")[-1]
+            inner = annotation.slice
+            if outer == "Optional":
+                return self._kind(inner)
+            if outer == "Union":
+                items = [e for e in inner.elts if ast.unparse(e) != "None"]
+                return self._kind(items[0]) if len(items) == 1 else {"type": text}
+            if outer in ("list", "List"):
+                return dict(self._kind(inner), nargs="+")
+            if outer == "Literal":
+                choices = [_value(e) for e in (inner.elts if isinstance(inner, ast.Tuple) else [inner])]
+                return {"type": type(choices[0]).__name__, "choices": choices}
+            return {"type": text}
+        if isinstance(annotation, ast.Name) and annotation.id not in ("bool", "int", "float", "str"):
+            choices = self._enum_choices(annotation.id)
+            if choices is not None:
+                return {"type": annotation.id, "choices": choices}
+        return {"type": text}
+
+    def group(self, class_name: str, title: str, exclude: list) -> list:
+        flags = []
+        for name, annotation, default_node, metadata, init in self.fields(class_name):
+            if name in exclude or not init:
+                continue
+            kind = self._kind(annotation)
+            default = _value(default_node)
+            entry = {"group": title, "action": None, "type": kind.get("type"), "choices": kind.get("choices"),
+                     "nargs": kind.get("nargs"), "default": default, "dest": name}
+            names = ["--" + name.replace("_", "-")]
+            if entry["type"] == "bool":
+                entry.update(type=None, action="store_true" if default is False else "store_false")
+                if entry["action"] == "store_false":
+                    names = ["--no-" + name.replace("_", "-"), "--disable-" + name.replace("_", "-")]
+            meta = _value(metadata) if metadata is not None else None
+            if isinstance(meta, dict) and isinstance(meta.get("argparse_meta"), dict):
+                overrides = dict(meta["argparse_meta"])
+                names = overrides.pop("arg_names", names)
+                entry.update({k: v for k, v in overrides.items() if k in entry})
+            elif metadata is not None and "argparse_meta" in ast.unparse(metadata):
+                for key, value in zip(metadata.keys, metadata.values):
+                    if _value(key) == "argparse_meta" and isinstance(value, ast.Dict):
+                        for k, v in zip(value.keys, value.values):
+                            k = _value(k)
+                            if k == "arg_names":
+                                names = _value(v)
+                            elif k in entry:
+                                entry[k] = ast.unparse(v) if k == "type" else _value(v)
+            flags += [dict(entry, name=flag) for flag in names if flag.startswith("--")]
+        return flags
+
+
+def _functions(module: ast.Module) -> dict:
+    return {node.name: node for node in module.body if isinstance(node, ast.FunctionDef)}
+
+
+def _called(function: ast.FunctionDef) -> list:
+    """The `_add_*` functions a function calls, in order."""
+    return [node.func.id for node in ast.walk(function) if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name) and node.func.id.startswith("_add_")]
+
+
+def _group_flags(function: ast.FunctionDef, factory: Factory) -> list:
+    """The flags one `_add_*_args(parser)` function defines, in source order. A name bound to an
+    argument group (by `add_argument_group` or a factory's `build_group`) has that group's title
+    from its binding on."""
+    titles, exclusions, factories, flags = {}, {}, {}, []
+    nodes = sorted((n for n in ast.walk(function) if isinstance(n, (ast.Assign, ast.Call))),
+                   key=lambda n: (n.lineno, n.col_offset, isinstance(n, ast.Call)))
+    for node in nodes:
+        if isinstance(node, ast.Assign):
+            if len(node.targets) != 1 or not isinstance(node.targets[0], ast.Name):
+                continue
+            target, value = node.targets[0].id, node.value
+            func = ast.unparse(value.func) if isinstance(value, ast.Call) else ""
+            if isinstance(value, ast.List):
+                exclusions[target] = _value(value)
+            elif func.endswith("add_argument_group"):
+                titles[target] = _value(_keywords(value).get("title", value.args[0] if value.args else None))
+            elif func.endswith("build_group"):
+                titles[target] = _value(_keywords(value).get("title", value.args[1] if len(value.args) > 1 else None))
+            elif func.split(".")[-1] == "ArgumentGroupFactory":
+                factories[target] = value
+            continue
+        func = ast.unparse(node.func)
+        if func.endswith(".add_argument"):
+            owner = func.rsplit(".", 1)[0]
+            flags += _explicit(node, titles.get(owner, owner))
+        elif func.endswith(".build_group"):
+            owner = node.func.value
+            constructor = owner if isinstance(owner, ast.Call) else factories.get(getattr(owner, "id", None))
+            if constructor is not None:
+                flags += _factory_group(constructor, node, factory, exclusions)
+    return flags
+
+
+def _factory_group(constructor: ast.Call, build: ast.Call, factory: Factory, exclusions: dict) -> list:
+    class_name = ast.unparse(constructor.args[0]).split(".")[-1]
+    exclude = _keywords(constructor).get("exclude")
+    exclude = exclusions.get(exclude.id, []) if isinstance(exclude, ast.Name) else (_value(exclude) or [])
+    title = _keywords(build).get("title", build.args[1] if len(build.args) > 1 else None)
+    return factory.group(class_name, _value(title), exclude)
+
+
+def read_parser(git_dir: str, commit: str) -> list:
+    tree = Tree(git_dir, commit)
+    module = tree.parse(PARSER_FILE)
+    functions = _functions(module)
+    entry = next((functions[name] for name in ENTRY_POINTS if name in functions and _called(functions[name])), None)
+    if entry is None:
+        raise SystemExit(f"{commit}: none of {ENTRY_POINTS} in {PARSER_FILE} calls the _add_*_args functions")
+    factory = Factory(tree)
+    flags = []
+    for name in _called(entry):
+        if name in functions:
+            flags += _group_flags(functions[name], factory)
+    return flags
+
+
+def merge(per_source: dict) -> list:
+    """One entry per flag: the first source's description, and every source that defines it."""
+    merged = {}
+    for source, flags in per_source.items():
+        for flag in flags:
+            entry = merged.setdefault(flag["name"], dict(flag, sources=[]))
+            if source not in entry["sources"]:
+                entry["sources"].append(source)
+            if source != next(iter(per_source)) and entry["sources"] == [source]:
+                entry.update(flag)
+    return list(merged.values())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("git_dirs", nargs="+", metavar="NAME=GIT_DIR", help=f"one per source: {', '.join(SOURCES)}")
+    args = parser.parse_args(argv)
+    dirs = dict(item.split("=", 1) for item in args.git_dirs)
+    missing = sorted(set(SOURCES) - set(dirs))
+    if missing:
+        parser.error(f"give the git directory of {', '.join(missing)} (e.g. {missing[0]}=/path/to/clone/.git)")
+    per_source = {name: read_parser(dirs[name], commit) for name, (commit, _) in SOURCES.items()}
+    flags = merge(per_source)
+    keys = ("name", "group", "action", "type", "choices", "nargs", "default", "dest", "sources")
+    document = {
+        "generated_by": "python tools/dev/upstream_flags.py " + " ".join(f"{n}=GIT_DIR" for n in SOURCES),
+        "sources": {name: {"commit": commit, "what": what, "file": PARSER_FILE} for name, (commit, what) in SOURCES.items()},
+        "flags": [{key: flag.get(key) for key in keys} for flag in flags],
+    }
+    with open(OUTPUT, "w") as handle:  # one flag per line, so that a regeneration diffs by flag
+        header = {key: value for key, value in document.items() if key != "flags"}
+        handle.write(json.dumps(header, indent=1)[:-2] + ',\n "flags": [\n')
+        handle.write(",\n".join(json.dumps(flag, default=str) for flag in document["flags"]))
+        handle.write("\n ]\n}\n")
+    counts = {name: len({f["name"] for f in flags_}) for name, flags_ in per_source.items()}
+    print(f"wrote {OUTPUT}: {len(flags)} flags ({', '.join(f'{n} {c}' for n, c in counts.items())})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
