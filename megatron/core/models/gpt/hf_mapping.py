@@ -1,4 +1,4 @@
-"""Mapping between Hugging Face `transformers` checkpoints (Llama, GPT-2) and GPTModel.
+"""Mapping between Hugging Face `transformers` checkpoints (Llama, Qwen3, GPT-2 and the MoE families) and GPTModel.
 
 The meeting point is the *logical* state: {global parameter name: {part name: full tensor}}, the
 unsharded tensors a `TPLayout` cuts each rank's parameter from (see tensor_parallel.layers). So:
