@@ -85,6 +85,17 @@ def chunk_softmax_grad_(chunk: torch.Tensor, lse: torch.Tensor, local_target: to
     chunk.copy_(torch.where(is_target, probs - 1.0, probs) * grad_loss.unsqueeze(-1))
 
 
+def eager_chunk_softmax_grad_(chunk: torch.Tensor, lse: torch.Tensor, local_target: torch.Tensor,
+                              outside: torch.Tensor, grad_loss: torch.Tensor) -> None:
+    """chunk_softmax_grad_ for eager execution: every step in place on one fp32 copy of the chunk
+    (uncompiled, the `where` above would allocate three more chunk-sized buffers), and the one-hot
+    subtracted at the target entries only."""
+    probs = chunk.float().sub_(lse.unsqueeze(-1)).exp_().mul_(grad_loss.unsqueeze(-1))
+    rows = torch.arange(chunk.shape[0], device=chunk.device)
+    probs[rows, local_target] -= grad_loss.masked_fill(outside, 0.0)
+    chunk.copy_(probs)
+
+
 class _FusedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_start, chunk_elements, compiled):
@@ -116,7 +127,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
         flat, lse, local_target, outside = ctx.saved_tensors
         grad_loss = grad_loss.reshape(-1).float()
         rows = ctx.rows
-        grad_of = pick(chunk_softmax_grad_, ctx.compiled)
+        grad_of = pick(chunk_softmax_grad_, True) if ctx.compiled else eager_chunk_softmax_grad_
         for i in range(0, flat.shape[0], rows):
             grad_of(flat[i:i + rows], lse[i:i + rows], local_target[i:i + rows], outside[i:i + rows],
                     grad_loss[i:i + rows])

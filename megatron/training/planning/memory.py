@@ -190,28 +190,7 @@ def stage_memory(arch: Architecture, lay: Layout, stage: int, layers: int) -> St
         terms["recompute working set"] = regroup
     if last:
         terms["logits and loss"] = logits_and_loss_bytes(arch, lay)
-    if lay.device == "cpu":  # the step runs after backward has freed the activations: the larger counts
-        during_backward = sum(v for k, v in terms.items() if k in _BACKWARD_TERMS)
-        terms["optimizer step beyond activations"] = max(
-            0.0, optimizer_temporaries(arch, lay, layers, first=first, last=last) - during_backward)
     return StageMemory(stage=stage, layers=layers, terms={k: v for k, v in terms.items() if v})
-
-
-_BACKWARD_TERMS = ("activations", "pipeline inputs", "recompute working set", "logits and loss")
-
-
-def optimizer_temporaries(arch: Architecture, lay: Layout, layers: int, *, first: bool, last: bool) -> float:
-    """On CPU, PyTorch's Adam steps one tensor at a time and holds two fp32 temporaries of it
-    (sqrt of the second moment, then its bias correction): twice the largest parameter stepped here.
-    On GPU the fused Adam keeps none."""
-    h, tp = arch.hidden_size, lay.tp
-    largest = arch.hidden_size * max(arch.ffn_hidden_size * (2 if arch.gated_linear_unit else 1) // tp,
-                                     (arch.query_size + 2 * arch.kv_size) // tp) if layers else 0
-    if first or (last and (not arch.tied_embeddings or lay.pp > 1)):
-        largest = max(largest, arch.vocab_size // tp * h)
-    if lay.fsdp2:
-        largest /= lay.dp * lay.cp
-    return 2 * FP32 * largest if lay.optimizer == "adam" else 0.0
 
 
 def memory_per_stage(arch: Architecture, lay: Layout) -> list:
