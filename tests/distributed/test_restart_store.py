@@ -22,6 +22,7 @@ join_process_group("gloo", 2, datetime.timedelta(seconds=30))
 total = torch.ones(1)
 dist.all_reduce(total)
 print("joined", total.item(), flush=True)
+dist.destroy_process_group()  # an exit with gloo's threads still up may abort ("terminate called ...")
 """
 
 
