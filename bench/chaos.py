@@ -34,6 +34,7 @@ iterations (`--iterations-to-skip`); without NaN iterations, the torch RNG state
 """
 import argparse
 import os
+import pathlib
 import random
 import re
 import signal
@@ -97,8 +98,8 @@ def plan(scenario: str, rng: random.Random, iterations: int) -> dict:
 
 def worker_pid(agent: int, rank: int):
     try:
-        for pid in open(f"/proc/{agent}/task/{agent}/children").read().split():
-            if f"RANK={rank}".encode() in open(f"/proc/{pid}/environ", "rb").read().split(b"\0"):
+        for pid in pathlib.Path(f"/proc/{agent}/task/{agent}/children").read_text().split():
+            if f"RANK={rank}".encode() in pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
                 return int(pid)
     except OSError:
         pass

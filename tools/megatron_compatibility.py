@@ -8,6 +8,7 @@ cannot drift from the code).
 import argparse
 import collections
 import os
+import pathlib
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     text = render()
     if args.check:
-        current = open(OUTPUT).read() if os.path.exists(OUTPUT) else ""
+        current = pathlib.Path(OUTPUT).read_text() if os.path.exists(OUTPUT) else ""
         if current != text:
             print(f"{OUTPUT} is stale: run python tools/megatron_compatibility.py", file=sys.stderr)
             return 1

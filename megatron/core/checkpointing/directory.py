@@ -23,7 +23,8 @@ def tracked_iteration(root: str) -> Optional[int]:
     path = os.path.join(root, TRACKER_FILE)
     if not os.path.isfile(path):
         return None
-    text = open(path).read().strip()
+    with open(path) as handle:
+        text = handle.read().strip()
     if text == "release":
         raise CheckpointFormatError(f"{path} says 'release': that is a Megatron-LM checkpoint; import it with "
                                     "tools/checkpoint/convert.py --source-format megatron")
