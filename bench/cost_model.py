@@ -97,8 +97,20 @@ def fp8_cast_bytes(p: dict, after: bool) -> float:
             total += (2 * x + 2 * x + 2 * x) + (2 * g + 2 * g + 2 * g)
         else:       # x cast in forward and again in backward, plus its FP8 transpose; g cast twice + transpose
             total += 2 * (2 * x + 2 * x + x) + 2 * x + 2 * (2 * g + 2 * g + g) + 2 * g
-        total += 12 * fan_in * fan_out  # bf16 weight gradient written, read and added into fp32 main_grad
+        total += fp8_weight_gradient_bytes(fan_in * fan_out, after) / MICRO_BATCHES
     return total
+
+
+def fp8_weight_gradient_bytes(weights: int, after: bool) -> float:
+    """Per step, the traffic of one FP8 linear's weight gradients into the fp32 main_grad beyond the
+    GEMM's reads: per micro-batch a bf16 product written (2 bytes per weight), read (2) and added
+    into main_grad (4 read, 4 written); after, the step's first micro-batch has the GEMM write its
+    fp32 output into main_grad instead (4), as tests/unit/test_fp8_wgrad.py counts (one direct
+    write, M - 1 products and adds per step of M micro-batches)."""
+    product_then_add = 2 + 2 + 4 + 4
+    if not after:
+        return MICRO_BATCHES * product_then_add * weights
+    return (4 + (MICRO_BATCHES - 1) * product_then_add) * weights
 
 
 def parameters(p: dict) -> int:
