@@ -61,8 +61,11 @@ def test_tp2_batch_first_attention_output():
                           ffn_hidden_size=32)
     attention = SelfAttention(config, tp_group=None, tp_size=1, tp_rank=0, rng_tracker=None, device="cpu")
     assert attention._batch_first(SEQ, MICRO_BATCH)
-    cases = [("llama-batch-first", config, False), ("llama-batch-first-sp", config, True)]
+    gpt2 = gpt2_config(hidden_size=16, num_attention_heads=4, kv_channels=8, ffn_hidden_size=32)
+    cases = [("llama-batch-first", config, False), ("llama-batch-first-sp", config, True),
+             ("gpt2-batch-first", gpt2, False)]
     assert all(run_distributed(2, _compare, 2, 1, cases))
+    assert all(run_distributed(2, _compare, 1, 2, cases[:1]))  # DP2: main_grad per sample, then averaged
 
 
 def test_dp2_equals_gradient_accumulation():
