@@ -295,10 +295,11 @@ class _LinearFunction(torch.autograd.Function):
 
 
 def _transposed_rows(grad: torch.Tensor) -> bool:
-    """Whether `grad` [b, s, out] (b > 1) is a transposed view of [s, b, out] memory: the gradient of
-    a batch-first output handed on sequence-first (attention's output projection). Its rows are
-    then not one [b*s, out] matrix without a copy, so the weight gradient is formed per sample."""
-    return (grad.dim() == 3 and grad.shape[0] > 1 and grad.shape[1] > 1 and not grad.is_contiguous()
+    """Whether `grad` [b, s, out] (1 < b <= s) is a transposed view of [s, b, out] memory: the
+    gradient of a batch-first output handed on sequence-first (attention's output projection). Its
+    rows are then not one [b*s, out] matrix without a copy, so both gradient GEMMs run per sample
+    (b of them; a longer first dim is copied into one matrix instead)."""
+    return (grad.dim() == 3 and 1 < grad.shape[0] <= grad.shape[1] and not grad.is_contiguous()
             and grad.transpose(0, 1).is_contiguous())
 
 
