@@ -6,7 +6,8 @@
 
 Each part says what runs, not what was asked for: the weight-gradient GEMM's fp32-output kernel is
 probed on the device (the CPU has none), so is FP8's (`_scaled_mm` writing into the fp32 main_grad),
-and the attention part is the kernel the start-up probe chose. bench/bench_pretrain.py prints the line and bench/gpu_report.py records it per run.
+and the attention part is the kernel the start-up probe chose. bench/bench_pretrain.py prints the
+line and bench/gpu_report.py records it per run.
 """
 import importlib.util
 

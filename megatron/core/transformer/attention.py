@@ -197,7 +197,8 @@ def probe_inputs(batch, heads, groups, seq, head_dim, dtype, device, batch_first
     output projection's backward returns."""
     qkv = torch.randn(seq, batch, (heads + 2 * groups) * head_dim, device=device, dtype=dtype, requires_grad=True)
     q, k, v = qkv.split((heads * head_dim, groups * head_dim, groups * head_dim), dim=-1)
-    q, k, v = q.view(seq, batch, heads, head_dim), k.view(seq, batch, groups, head_dim), v.view(seq, batch, groups, head_dim)
+    q = q.view(seq, batch, heads, head_dim)
+    k, v = k.view(seq, batch, groups, head_dim), v.view(seq, batch, groups, head_dim)
     if batch_first:
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
     q, k = q.contiguous(), k.contiguous()  # the rotation's output
