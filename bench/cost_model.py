@@ -72,18 +72,35 @@ def attention_flops(p: dict) -> int:
     return 3 * forward // 2
 
 
-def glue_bytes(p: dict, after: bool) -> float:
+def glue_bytes(p: dict, after: bool, fp8: bool = False) -> float:
     """Elementwise traffic of one layer, one micro-batch, forward and backward (bf16, compiled
     fusions): A = one [tokens, h] activation, F = one [tokens, f], R = the rotated q and k. After:
     the first residual add inside the next norm (forward 4A instead of 3A + 2A; backward, the
-    norm's gradient and the residual's summed in one 4A pass instead of 3A + 3A)."""
+    norm's gradient and the residual's summed in one 4A pass instead of 3A + 3A), and the attention
+    output batch-first (`attention_output_bytes`)."""
     tokens = p["micro"] * SEQ
     d = p["h"] // p["heads"]
     a, f, r = 2 * tokens * p["h"], 2 * tokens * p["f"], 2 * tokens * (p["h"] + d * p["groups"])
-    copy = 2 * a if p["micro"] > 1 else 0  # the attention output's reshape copy at micro-batch > 1
-    forward = 2 * a + 2 * r + copy + 3 * a + 2 * a + 3 * f + 3 * a        # norm, rope, add, norm, swiglu, add
-    backward = 3 * a + 2 * r + 3 * a + 5 * f + 2 * 3 * a                  # norms, rope, swiglu, residual sums
-    return forward + backward - (3 * a if after else 0)
+    forward = 2 * a + 2 * r + 3 * a + 2 * a + 3 * f + 3 * a        # norm, rope, add, norm, swiglu, add
+    backward = 3 * a + 2 * r + 3 * a + 5 * f + 2 * 3 * a           # norms, rope, swiglu, residual sums
+    return forward + backward - (3 * a if after else 0) + attention_output_bytes(p, after, fp8)
+
+
+def attention_output_bytes(p: dict, after: bool, fp8: bool = False) -> float:
+    """Per layer and micro-batch, what the attention output's layout costs at micro-batch b > 1.
+    Sequence-first (before): PyTorch's flash backward copies the output and its gradient, each a
+    bf16 [tokens, nq*d] read and written. Batch-first (after, where b*s > (b - 1)*h, as
+    `SelfAttention._batch_first` decides): no copy (tests/unit/test_attention_output_layout.py
+    counts none, forward and backward), but the projection's weight gradient is accumulated into
+    the fp32 main_grad once per sample, b - 1 more passes of 8 bytes per weight. An FP8 projection
+    stays sequence-first."""
+    b, h = p["micro"], p["h"]
+    q = h  # nq * d for these presets
+    if b == 1:
+        return 0.0
+    if after and not fp8 and b * SEQ > (b - 1) * h:
+        return 8.0 * (b - 1) * h * q
+    return 2 * (2 + 2) * b * SEQ * q
 
 
 def fp8_cast_bytes(p: dict, after: bool) -> float:
@@ -97,8 +114,20 @@ def fp8_cast_bytes(p: dict, after: bool) -> float:
             total += (2 * x + 2 * x + 2 * x) + (2 * g + 2 * g + 2 * g)
         else:       # x cast in forward and again in backward, plus its FP8 transpose; g cast twice + transpose
             total += 2 * (2 * x + 2 * x + x) + 2 * x + 2 * (2 * g + 2 * g + g) + 2 * g
-        total += 12 * fan_in * fan_out  # bf16 weight gradient written, read and added into fp32 main_grad
+        total += fp8_weight_gradient_bytes(fan_in * fan_out, after) / MICRO_BATCHES
     return total
+
+
+def fp8_weight_gradient_bytes(weights: int, after: bool) -> float:
+    """Per step, the traffic of one FP8 linear's weight gradients into the fp32 main_grad beyond the
+    GEMM's reads: per micro-batch a bf16 product written (2 bytes per weight), read (2) and added
+    into main_grad (4 read, 4 written); after, the step's first micro-batch has the GEMM write its
+    fp32 output into main_grad instead (4), as tests/unit/test_fp8_wgrad.py counts (one direct
+    write, M - 1 products and adds per step of M micro-batches)."""
+    product_then_add = 2 + 2 + 4 + 4
+    if not after:
+        return MICRO_BATCHES * product_then_add * weights
+    return (4 + (MICRO_BATCHES - 1) * product_then_add) * weights
 
 
 def parameters(p: dict) -> int:
@@ -116,7 +145,7 @@ def step_parts(name: str, precision: str, after: bool) -> dict:
     layer_rate = GEMM_FP8 if precision == "fp8" else GEMM_BF16
     gemm_seconds = m * (layers * layer_gemm / layer_rate + output_gemm / GEMM_BF16)
     attention = m * layers * attention_flops(p)
-    glue = m * layers * glue_bytes(p, after)
+    glue = m * layers * glue_bytes(p, after, precision == "fp8")
     loss = m * tokens * p["vocab"] * (2 + (4 if after else 12))  # forward read; backward one pass or three
     # Bytes per parameter: norm 4, clipping 8 (before only), AdamW 28 (+4 after), copy 6, zeroing 4.
     optimizer = parameters(p) * (46 if after else 50)

@@ -21,7 +21,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import LRScheduleConfig, OptimizerConfig, OptimizerParamScheduler, get_megatron_optimizer
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.pipeline_parallel import layout
-from megatron.core.transformer.attention import resolve_attention_backend
+from megatron.core.transformer.attention import resolve_attention_backend, runs_batch_first
 from megatron.core.transformer.config import ExecutionConfig, TransformerConfig, derive
 from megatron.training.batch_schedule import global_batch_size
 from megatron.training.config import Config
@@ -78,7 +78,11 @@ def resolve_attention(model_config: TransformerConfig, execution: ExecutionConfi
         execution.attention_backend, batch=config.training.micro_batch_size,
         heads=model_config.num_attention_heads // groups.tp_size,
         groups=max(1, model_config.num_query_groups // groups.tp_size), seq=config.training.seq_length,
-        head_dim=model_config.kv_channels, dtype=execution.params_dtype, device=groups.device)
+        head_dim=model_config.kv_channels, dtype=execution.params_dtype, device=groups.device,
+        batch_first=runs_batch_first(config.training.micro_batch_size, config.training.seq_length,
+                                     model_config.hidden_size,
+                                     sequence_parallel=execution.sequence_parallel and groups.tp_size > 1,
+                                     context_parallel=groups.cp_size > 1, fp8=bool(execution.fp8)))
     return dataclasses.replace(execution, attention_backend=backend), report
 
 

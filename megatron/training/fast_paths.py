@@ -5,13 +5,17 @@
       clipping in its kernel
 
 Each part says what runs, not what was asked for: the weight-gradient GEMM's fp32-output kernel is
-probed on the device (the CPU has none), and the attention part is the kernel the start-up probe
-chose. bench/bench_pretrain.py prints the line and bench/gpu_report.py records it per run.
+probed on the device (the CPU has none), so is FP8's (`_scaled_mm` writing into the fp32 main_grad),
+and the attention part is the kernel the start-up probe chose. bench/bench_pretrain.py prints the
+line and bench/gpu_report.py records it per run.
 """
 import importlib.util
 
+import torch
+
 from megatron.core.tensor_parallel.layers import _mixed_dtype_addmm_works
 from megatron.core.transformer.config import ExecutionConfig
+from megatron.core.transformer.fp8 import writes_into
 
 
 def _compile(execution: ExecutionConfig, no_torch_compile: bool, device) -> str:
@@ -41,11 +45,17 @@ def _cross_entropy(execution: ExecutionConfig) -> str:
     return "fused, chunked, one-pass backward" + (", compiled" if execution.fuse_elementwise else ", eager")
 
 
-def _fp8(execution: ExecutionConfig) -> str:
+def _fp8(execution: ExecutionConfig, device) -> str:
     if not execution.fp8:
         return "off"
     once = "each tensor cast once" if execution.fp8_recipe != "rowwise" else "cast per GEMM axis"
-    return f"{execution.fp8} {execution.fp8_recipe}, {once}"
+    if not execution.gradient_accumulation_fusion:
+        wgrad = "weight gradient added to main_grad by the gradient hook"
+    elif writes_into(torch.empty(0, device=device), execution.fp8_recipe == "rowwise"):
+        wgrad = "weight-gradient GEMM writes into fp32 main_grad on a step's first micro-batch"
+    else:
+        wgrad = f"weight-gradient GEMM product added to main_grad (no fp32-output FP8 GEMM on {device.type})"
+    return f"{execution.fp8} {execution.fp8_recipe}, {once}, {wgrad}"
 
 
 def _optimizer(optimizer) -> str:
@@ -62,7 +72,7 @@ def fast_paths_line(execution: ExecutionConfig, *, no_torch_compile: bool, devic
         "weight-gradient GEMM": _weight_gradient(execution, device),
         "cross entropy": _cross_entropy(execution),
         "attention": attention_report.removeprefix("attention: "),
-        "FP8": _fp8(execution),
+        "FP8": _fp8(execution, device),
         "optimizer": _optimizer(optimizer),
     }
     return "fast paths: " + " | ".join(f"{name}: {value}" for name, value in parts.items())

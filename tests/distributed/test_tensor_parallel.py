@@ -51,6 +51,23 @@ def test_tp4_replicated_kv_heads_with_and_without_sequence_parallel():
     assert all(run_distributed(4, _compare, 4, 1, cases))
 
 
+def test_tp2_batch_first_attention_output():
+    """Hidden 16 < 2 x 16 tokens: attention runs batch-first at micro-batch 2 (the output projection
+    on [b*s, nq*d], its weight gradient per sample, into main_grad); sequence parallelism keeps the
+    sequence-first layout its reduce-scatter needs."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    config = llama_config(hidden_size=16, num_attention_heads=4, num_query_groups=2, kv_channels=8,
+                          ffn_hidden_size=32)
+    attention = SelfAttention(config, tp_group=None, tp_size=1, tp_rank=0, rng_tracker=None, device="cpu")
+    assert attention._batch_first(SEQ, MICRO_BATCH)
+    gpt2 = gpt2_config(hidden_size=16, num_attention_heads=4, kv_channels=8, ffn_hidden_size=32)
+    cases = [("llama-batch-first", config, False), ("llama-batch-first-sp", config, True),
+             ("gpt2-batch-first", gpt2, False)]
+    assert all(run_distributed(2, _compare, 2, 1, cases))
+    assert all(run_distributed(2, _compare, 1, 2, cases[:1]))  # DP2: main_grad per sample, then averaged
+
+
 def test_dp2_equals_gradient_accumulation():
     cases = [("llama-gqa", llama_config(), False), ("gpt2", gpt2_config(), False)]
     assert all(run_distributed(2, _compare, 1, 2, cases))

@@ -13,11 +13,13 @@ from megatron.core.parallel_state import single_process
 from megatron.core.transformer.attention import CoreAttention, _time_backend, no_kernel_for, probe_inputs
 
 
-def test_probe_inputs_have_the_strides_the_model_passes():
+@pytest.mark.parametrize("hidden", [64, 16], ids=["sequence-first", "batch-first"])
+def test_probe_inputs_have_the_strides_the_model_passes(hidden):
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.attention import runs_batch_first
     from tests.distributed.parity import llama_config
 
-    config = llama_config()  # RoPE, grouped key/value heads
+    config = llama_config(hidden_size=hidden, kv_channels=8)  # RoPE, grouped key/value heads
     model = GPTModel(config, single_process())
     model.initialize_parameters(1)
     seen = {}
@@ -27,7 +29,9 @@ def test_probe_inputs_have_the_strides_the_model_passes():
     model(tokens, torch.arange(16).expand_as(tokens))
     q, k, v = seen["qkv"]
     heads, groups, head_dim = q.shape[1], k.shape[1], q.shape[-1]
-    probe = probe_inputs(3, heads, groups, 16, head_dim, torch.float32, torch.device("cpu"))
+    batch_first = runs_batch_first(3, 16, hidden)
+    assert batch_first == (hidden == 16)
+    probe = probe_inputs(3, heads, groups, 16, head_dim, torch.float32, torch.device("cpu"), batch_first)
     for name, got, want in zip("qkv", probe[:3], (q, k, v)):
         assert got.shape == want.shape and got.stride() == want.stride(), (name, got.stride(), want.stride())
     grad = probe[3]

@@ -28,7 +28,7 @@ class CountFP8Work(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._scaled_mm.default:
+        if func in (torch.ops.aten._scaled_mm.default, torch.ops.aten._scaled_mm.out):  # .out: into main_grad
             self.gemms += 1
         elif (isinstance(out, torch.Tensor) and out.dtype in FP8_DTYPES and isinstance(args[0], torch.Tensor)
               and args[0].dtype not in FP8_DTYPES):

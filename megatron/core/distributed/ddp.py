@@ -237,6 +237,7 @@ class DistributedDataParallel(ModelChunk):
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         if param.grad is not None:  # None when the layer accumulated into main_grad itself
             param.main_grad.add_(param.grad)
+            param.main_grad_empty = False
             param.grad = None
         if self.ddp_config.overlap_grad_reduce and self._sync_enabled:
             self._param_to_buffer[param].mark_ready(param)

@@ -131,6 +131,7 @@ class ParamAndGradBuffer:
             for param, (start, end) in bucket.param_ranges.items():
                 self.param_to_bucket[param] = bucket
                 param.main_grad = self.grad_data[start:end].view(param.shape)
+                param.main_grad_empty = True  # until the first accumulation (layers.main_grad_empty)
                 if self.param_data is not None:
                     view = self.param_data[start:end].view(param.shape)
                     view.copy_(param.data)
@@ -139,6 +140,8 @@ class ParamAndGradBuffer:
     # -- gradients ---------------------------------------------------------------------------
     def reset(self) -> None:
         self.grad_data.zero_()
+        for param in self.params:
+            param.main_grad_empty = True
         for bucket in self.buckets:
             bucket.ready.clear()
             bucket.grad_handle = None

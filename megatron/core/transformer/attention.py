@@ -155,12 +155,13 @@ def document_block_mask(document_ids: torch.Tensor):
 
 # -- choosing the kernel once at start-up ---------------------------------------------------------
 def resolve_attention_backend(requested: str, *, batch: int, heads: int, groups: int, seq: int, head_dim: int,
-                              dtype: torch.dtype, device: torch.device) -> tuple[str, str]:
+                              dtype: torch.dtype, device: torch.device, batch_first: bool = False) -> tuple[str, str]:
     """(backend to build the model with, one line saying which kernel runs).
 
     `auto` on an accelerator times each SDPA kernel (and the flash-attn package when installed) on
     one micro-batch's attention shape, forward and backward, and takes the fastest that runs; on the
-    CPU it leaves the choice to PyTorch. Explicit choices run as asked."""
+    CPU it leaves the choice to PyTorch. Explicit choices run as asked. `batch_first`: the layout
+    the model runs (`runs_batch_first`), which the probe's tensors take."""
     if requested == "flash_attn":
         module = flash_attn_module()
         if module is None:
@@ -179,7 +180,7 @@ def resolve_attention_backend(requested: str, *, batch: int, heads: int, groups:
     candidates = (("flash_attn",) if flash_attn_available() else ()) + PROBED
     timings = {}
     for name in candidates:
-        seconds = _time_backend(name, batch, heads, groups, seq, head_dim, dtype, device)
+        seconds = _time_backend(name, batch, heads, groups, seq, head_dim, dtype, device, batch_first=batch_first)
         if seconds is not None:
             timings[name] = seconds
     if not timings:
@@ -189,27 +190,30 @@ def resolve_attention_backend(requested: str, *, batch: int, heads: int, groups:
     return best, f"attention: auto -> {best} (fwd+bwd probed on [{batch}, {heads}, {seq}, {head_dim}]: {probed})"
 
 
-def probe_inputs(batch, heads, groups, seq, head_dim, dtype, device):
+def probe_inputs(batch, heads, groups, seq, head_dim, dtype, device, batch_first: bool = False):
     """q, k, v [b, n, s, d] laid out as `SelfAttention` passes them (permuted views of [s, b, n, d]
-    tensors: q and k as the rotation writes them, v a view of the fused QKV output), and a dense
-    output gradient [b, nq, s, d] in the layout the output projection's backward returns."""
+    tensors, or of [b, s, n, d] ones when it runs batch-first: q and k as the rotation writes them,
+    v a view of the fused QKV output), and a dense output gradient [b, nq, s, d] in the layout the
+    output projection's backward returns."""
     qkv = torch.randn(seq, batch, (heads + 2 * groups) * head_dim, device=device, dtype=dtype, requires_grad=True)
     q, k, v = qkv.split((heads * head_dim, groups * head_dim, groups * head_dim), dim=-1)
-    q = q.reshape(seq, batch, heads, head_dim).contiguous()   # the rotation's output
-    k = k.reshape(seq, batch, groups, head_dim).contiguous()
-    v = v.view(seq, batch, groups, head_dim)
-    grad = torch.randn(seq, batch, heads, head_dim, device=device, dtype=dtype).permute(1, 2, 0, 3)
-    return (*(t.permute(1, 2, 0, 3) for t in (q, k, v)), grad)
+    q = q.view(seq, batch, heads, head_dim)
+    k, v = k.view(seq, batch, groups, head_dim), v.view(seq, batch, groups, head_dim)
+    if batch_first:
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+    q, k = q.contiguous(), k.contiguous()  # the rotation's output
+    grad = torch.randn(*q.shape, device=device, dtype=dtype)
+    return (*(t.transpose(1, 2) if batch_first else t.permute(1, 2, 0, 3) for t in (q, k, v, grad)),)
 
 
-def _time_backend(name, batch, heads, groups, seq, head_dim, dtype, device, repeats: int = 3):
+def _time_backend(name, batch, heads, groups, seq, head_dim, dtype, device, repeats: int = 3, batch_first=False):
     """Seconds per forward+backward of `name` on that shape and layout, or None (logged, with the
     reason) if no kernel of `name` takes it."""
     from types import SimpleNamespace
 
     attention = CoreAttention(SimpleNamespace(attention_dropout=0.0), None,
                               execution=SimpleNamespace(attention_backend=name))
-    q, k, v, grad = probe_inputs(batch, heads, groups, seq, head_dim, dtype, device)
+    q, k, v, grad = probe_inputs(batch, heads, groups, seq, head_dim, dtype, device, batch_first)
     try:
         attention(q, k, v).backward(grad)  # warm-up (and the check that it runs)
         utils.synchronize(device)
@@ -227,6 +231,25 @@ def _time_backend(name, batch, heads, groups, seq, head_dim, dtype, device, repe
         logger.info("attention probe: %s runs [%d, %d, %d, %d] only with key/value heads expanded", name,
                     batch, heads, seq, head_dim)
     return (time.perf_counter() - start) / repeats
+
+
+def runs_batch_first(batch: int, seq: int, hidden: int, *, sequence_parallel: bool = False,
+                     context_parallel: bool = False, fp8: bool = False) -> bool:
+    """Whether this micro-batch's attention runs batch-first: q and k written [b, s, n, d], so
+    the kernels that follow q's layout (SDPA flash and cuDNN) write their output so, and the
+    output projection takes it as [b*s, nq*d] without a copy. Sequence-first at micro-batch > 1,
+    the attention output and its gradient are [b, s, n, d] views of [s, b, n, d] memory, which
+    PyTorch's flash backward copies (both, 2 bytes read and written per element each: 8 per
+    element of the [b*s, nq*d] output). Batch-first, the projection's weight gradient takes one
+    GEMM per sample whose rows are strided in the sequence-first output gradient, and each
+    accumulates into main_grad (8 bytes per weight, b - 1 more times): cheaper while
+    b*s > (b - 1) * hidden. Not under sequence parallelism (its reduce-scatter needs the
+    [s, b, h] output contiguous: a copy of h per token instead of nq*d/tp), context parallelism
+    (its kernels return [b, n, s, d]) or an FP8 projection (its gradient cast reads rows in
+    order)."""
+    if batch == 1 or sequence_parallel or context_parallel or fp8:
+        return False
+    return batch * seq > (batch - 1) * hidden
 
 
 class SelfAttention(torch.nn.Module):
@@ -249,6 +272,7 @@ class SelfAttention(torch.nn.Module):
                       device=device, gradient_accumulation_fusion=execution.gradient_accumulation_fusion)
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, None, parts=parts,
                                                bias=config.add_bias_linear or config.add_qkv_bias, **common)
+        self.context_parallel = cp_group is not None
         if cp_group is None:
             self.core_attention = CoreAttention(config, rng_tracker, execution=execution)
         else:  # context parallelism: this rank holds part of the sequence (None is a group of one)
@@ -276,13 +300,25 @@ class SelfAttention(torch.nn.Module):
         q = q.view(s, b, self.num_local_heads, self.head_dim)
         k = k.view(s, b, self.num_local_groups, self.head_dim)
         v = v.view(s, b, self.num_local_groups, self.head_dim)
+        batch_first = self._batch_first(s, b)
+        if batch_first:  # [b, s, n, d] views: the norms and the rotation write q and k batch-first
+            q, k, v = (t.transpose(0, 1) for t in (q, k, v))
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary_cos_sin is not None:
-            cos, sin = rotary_cos_sin
+            cos, sin = (t.transpose(0, 1) for t in rotary_cos_sin) if batch_first else rotary_cos_sin
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-        # [s, b, n, d] -> [b, n, s, d]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        # -> [b, n, s, d]
+        q, k, v = (t.transpose(1, 2) if batch_first else t.permute(1, 2, 0, 3) for t in (q, k, v))
         out = self.core_attention(q, k, v, attention_mask)
-        out = out.permute(2, 0, 1, 3).reshape(s, b, q_size)  # [s, b, nq*d]
+        if batch_first and out.transpose(1, 2).is_contiguous():
+            # The kernel wrote [b, s, n, d]: project [b*s, nq*d] as it lies; the residual add reads
+            # the result through a transposed view.
+            return self.linear_proj(out.transpose(1, 2).reshape(b, s, q_size)).transpose(0, 1)  # [s, b, h]
+        out = out.permute(2, 0, 1, 3).reshape(s, b, q_size)  # [s, b, nq*d]; a view if stored so
         return self.linear_proj(out)
+
+    def _batch_first(self, s: int, b: int) -> bool:
+        """Whether this micro-batch's attention runs batch-first (`runs_batch_first`)."""
+        return runs_batch_first(b, s, self.config.hidden_size, sequence_parallel=self.linear_proj.sequence_parallel,
+                                context_parallel=self.context_parallel, fp8=self.linear_proj.fp8 is not None)

@@ -27,6 +27,9 @@ gradient once, with its transpose, for both the input- and the weight-gradient G
 parallelism the input is kept as the local bf16 shard, re-gathered and cast in backward, as in bf16.
 `rowwise` scales each GEMM operand along that GEMM's contracted axis, so a tensor feeding two GEMMs
 is cast twice, and its input is kept in bf16.
+The weight-gradient GEMM cannot accumulate into `main_grad`, but it can write into it: on a step's
+first micro-batch (while `main_grad` holds nothing) `wgrad(..., out=main_grad)` writes its fp32
+output there; later micro-batches add a product in the gradient's dtype (tensor_parallel.layers).
 Megatron's `blockwise` and `mxfp8` recipes exist only as Transformer Engine kernels and are named
 errors here.
 """
@@ -137,10 +140,36 @@ def amax_of(x: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
     return torch.linalg.vector_norm(x, ord=math.inf, dim=dim, keepdim=True, dtype=torch.float32)
 
 
-def scaled_mm(a_q, b_q, a_scale, b_scale, out_dtype):
-    """a @ b from FP8 operands and the scales they were quantized with (a row-major, b column-major)."""
+def scaled_mm(a_q, b_q, a_scale, b_scale, out_dtype, *, out: Optional[torch.Tensor] = None):
+    """a @ b from FP8 operands and the scales they were quantized with (a row-major, b column-major).
+    `out`: a tensor of dtype `out_dtype` the product is written into (overwritten, not added to)."""
+    if out is not None:
+        return torch._scaled_mm(a_q, b_q, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(),
+                                out_dtype=out_dtype, out=out)
     return torch._scaled_mm(a_q, b_q, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(),
                             out_dtype=out_dtype)
+
+
+_DIRECT_OUTPUT = {}
+
+
+def writes_into(out: torch.Tensor, rowwise: bool) -> bool:
+    """Whether `_scaled_mm` can write its product straight into `out` (its dtype, e.g. the fp32
+    `main_grad`) on this device: tensorwise scaling can on every backend; row-wise scaling into fp32
+    only where cuBLAS has the kernel (Hopper, cuBLAS 12.9+; elsewhere only bf16 output). Probed once
+    per device type, output dtype and scaling kind."""
+    key = (out.device.type, out.dtype, rowwise)
+    if key not in _DIRECT_OUTPUT:
+        a = torch.ones(16, 16, device=out.device).to(torch.float8_e4m3fn)
+        scale_a = torch.ones(16, 1, device=out.device) if rowwise else torch.ones((), device=out.device)
+        scale_b = scale_a.t() if rowwise else scale_a
+        try:
+            probe = torch.empty(16, 16, device=out.device, dtype=out.dtype)
+            scaled_mm(a, a.t(), scale_a, scale_b, out.dtype, out=probe)
+            _DIRECT_OUTPUT[key] = bool(torch.all(probe == 16))
+        except (RuntimeError, ValueError, NotImplementedError):
+            _DIRECT_OUTPUT[key] = False
+    return _DIRECT_OUTPUT[key]
 
 
 def _column_major(q: torch.Tensor) -> torch.Tensor:
@@ -289,6 +318,10 @@ class FP8Linear:
             self._weight_key = key
         return self._weight
 
+    def writes_into(self, out: torch.Tensor) -> bool:
+        """Whether `wgrad(..., out=out)` runs on this device (module function `writes_into`)."""
+        return writes_into(out, self.rowwise)
+
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [..., K] @ weight[N, K]^T -> [..., N] in x's dtype."""
         return self.forward_keeping_input(x, weight, keep_input=False)[0]
@@ -329,21 +362,23 @@ class FP8Linear:
         return out.view(*shape[:-1], out.shape[-1])
 
     def wgrad(self, grad2d: torch.Tensor, input2d: Optional[torch.Tensor], grad_fp8: Optional[tuple] = None,
-              kept: Optional[tuple] = None) -> torch.Tensor:
-        """grad^T [N, T] @ input [T, K] -> [N, K] in the gradient's dtype. `grad_fp8`: grad as
-        `quantize_grad` cast it; the input as `forward_keeping_input` kept it, else `input2d`."""
+              kept: Optional[tuple] = None, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """grad^T [N, T] @ input [T, K] -> [N, K] in the gradient's dtype, or written into `out`
+        [N, K] in its dtype (overwriting it; see `writes_into`). `grad_fp8`: grad as `quantize_grad`
+        cast it; the input as `forward_keeping_input` kept it, else `input2d`."""
         if grad_fp8 is None:
             grad_fp8 = self.quantize_grad(grad2d)
         g_q, g_t, g_scale, dtype, _ = grad_fp8
+        dtype = out.dtype if out is not None else dtype
         if self.rowwise:
             g_q, g_scale = self._quantize_rowwise(g_q, self.grad_dtype, dim=0)        # [1, N]
             x_q, x_scale = self._quantize_rowwise(input2d, self.forward_dtype, dim=0)  # [1, K]
-            return scaled_mm(g_q.t().contiguous(), _column_major(x_q), g_scale.t(), x_scale, dtype)
+            return scaled_mm(g_q.t().contiguous(), _column_major(x_q), g_scale.t(), x_scale, dtype, out=out)
         if kept is None:
             _, x_t, x_scale = self._cast_whole(input2d, INPUT, self.forward_dtype, transpose=True)
         else:
             x_t, x_scale = kept
-        return scaled_mm(g_t, x_t.t(), g_scale, x_scale, dtype)
+        return scaled_mm(g_t, x_t.t(), g_scale, x_scale, dtype, out=out)
 
 
 def fp8_layer_numbers(execution, num_layers: int) -> set:

@@ -63,7 +63,9 @@ def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate) -> torch.Tensor:
     rotary_dim = cos.shape[-1]
     rotated, passthrough = x[..., :rotary_dim], x[..., rotary_dim:]
-    x32 = rotated.float()
+    # Written contiguous in x's logical order whatever x's strides (a view of the fused QKV output),
+    # so the attention kernels see q and k laid out as the caller ordered them (attention.py).
+    x32 = rotated.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     out = (x32 * cos + rotate(x32) * sin).to(x.dtype)
     return torch.cat((out, passthrough), dim=-1) if passthrough.shape[-1] else out
 
