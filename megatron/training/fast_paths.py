@@ -4,6 +4,8 @@
       fused, chunked, compiled | attention: auto -> flash (...) | FP8: off | optimizer: fused AdamW,
       clipping in its kernel
 
+With --num-experts the FP8 part also names the experts' FP8 path.
+
 Each part says what runs, not what was asked for: the weight-gradient GEMM's fp32-output kernel is
 probed on the device (the CPU has none), and the attention part is the kernel the start-up probe
 chose. bench/bench_pretrain.py prints the line and bench/gpu_report.py records it per run.
@@ -41,11 +43,12 @@ def _cross_entropy(execution: ExecutionConfig) -> str:
     return "fused, chunked, one-pass backward" + (", compiled" if execution.fuse_elementwise else ", eager")
 
 
-def _fp8(execution: ExecutionConfig) -> str:
+def _fp8(execution: ExecutionConfig, num_experts) -> str:
     if not execution.fp8:
         return "off"
     once = "each tensor cast once" if execution.fp8_recipe != "rowwise" else "cast per GEMM axis"
-    return f"{execution.fp8} {execution.fp8_recipe}, {once}"
+    experts = "; experts: per-expert scales, rows padded to 16, a loop of GEMMs" if num_experts else ""
+    return f"{execution.fp8} {execution.fp8_recipe}, {once}{experts}"
 
 
 def _optimizer(optimizer) -> str:
@@ -56,13 +59,13 @@ def _optimizer(optimizer) -> str:
 
 
 def fast_paths_line(execution: ExecutionConfig, *, no_torch_compile: bool, device, attention_report: str,
-                    optimizer) -> str:
+                    optimizer, num_experts=None) -> str:
     parts = {
         "compile": _compile(execution, no_torch_compile, device),
         "weight-gradient GEMM": _weight_gradient(execution, device),
         "cross entropy": _cross_entropy(execution),
         "attention": attention_report.removeprefix("attention: "),
-        "FP8": _fp8(execution),
+        "FP8": _fp8(execution, num_experts),
         "optimizer": _optimizer(optimizer),
     }
     return "fast paths: " + " | ".join(f"{name}: {value}" for name, value in parts.items())

@@ -494,8 +494,6 @@ def _validate_moe(config: Config, stage_ranks: int, notes: list) -> None:
     _validate_moe_losses(config)
     _require(not p.use_torch_fsdp2, "--use-torch-fsdp2 with --num-experts is not built; use "
                                     "--use-distributed-optimizer for sharded optimizer state")
-    if m.fp8:
-        notes.append("--fp8-format: the experts' GEMMs run in the parameters' dtype (FP8 covers the dense layers)")
 
 
 def _validate_moe_losses(config: Config) -> None:
