@@ -91,7 +91,7 @@ def test_each_expert_scales_from_its_own_rows():
     tokens = x.reshape(-1, 64)
     layer(x)
     scaling.roll()
-    amaxes = [scaling.history[0, linear.first_slot + INPUT].item() for linear in layer.experts.fp8["fc1"]]
+    amaxes = [scaling.history[0, linear.first_slot + INPUT].item() for linear in layer.experts.fp8["fc1"].linears]
     want = [tokens[routing_map[:, e]].abs().max().item() for e in range(EXPERTS)]
     assert amaxes == pytest.approx(want, rel=1e-6)
     assert min(amaxes) < max(amaxes) / 10  # the large token reached only its top-2 experts
@@ -212,3 +212,44 @@ def test_tiny_moe_model_trained_in_fp8_tracks_bf16(fp8_format, recipe, bf16_loss
     for step in range(steps):
         assert abs(fp8[step] - bf16_losses[step]) <= 0.10 * bf16_losses[step], (step, fp8[step], bf16_losses[step])
     assert abs(sum(fp8[-10:]) / sum(bf16_losses[-10:]) - 1) <= 0.05
+
+
+def _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs):
+    """torch._scaled_grouped_mm as PyTorch's own tests define it (no CPU kernel exists): per group,
+    `_scaled_mm` with a's row scales and b's column scales; groups of a's rows (b 3-D) or of the
+    contracted dimension (b 2-D, scales group-major)."""
+    ends = offs.tolist()
+    bounds = list(zip([0] + ends[:-1], ends))
+    if b.dim() == 3:
+        return torch.cat([torch._scaled_mm(a[s:e], b[g], scale_a[s:e].view(-1, 1), scale_b[g].view(1, -1),
+                                           out_dtype=torch.bfloat16) for g, (s, e) in enumerate(bounds)])
+    m, n = a.shape[0], b.shape[1]
+    return torch.stack([torch._scaled_mm(a[:, s:e], b[s:e], scale_a[g * m:(g + 1) * m].view(-1, 1),
+                                         scale_b[g * n:(g + 1) * n].view(1, -1), out_dtype=torch.bfloat16)
+                        if e > s else a.new_zeros((m, n), dtype=torch.bfloat16) for g, (s, e) in enumerate(bounds)])
+
+
+@pytest.mark.parametrize("fp8_format, recipe", [("e4m3", "tensorwise"), ("e4m3", "delayed"), ("hybrid", "delayed")])
+def test_grouped_fp8_path_equals_the_loop(monkeypatch, fp8_format, recipe):
+    """The grouped path (one cast per tensor for all experts, each row scaled by its expert's scale,
+    `torch._scaled_grouped_mm`; hybrid's E5M2 gradient GEMMs as a loop) gives the loop's results:
+    the same FP8 values, so only bf16 rounding of the outputs differs. The kernel stands in as
+    PyTorch defines it; tests/gpu runs the real one."""
+    from megatron.core.transformer.moe import fp8_experts
+
+    def train_bf16(grouped):
+        monkeypatch.setattr(fp8_experts, "grouped_fp8_supported", lambda x, rowwise: grouped)
+        monkeypatch.setattr(fp8_experts, "_scaled_grouped_mm", _emulated_scaled_grouped_mm)
+        layer, scaling = moe_layer(FP8Options(fp8_format, recipe))
+        layer.to(torch.bfloat16)
+        results = []
+        for _ in range(2):
+            if scaling is not None:
+                scaling.roll()
+            results.append(run(layer, X.bfloat16(), GRAD.bfloat16()))
+        return results
+
+    for got, want in zip(train_bf16(True), train_bf16(False)):
+        for name, g, w in zip(("output", "input grad", "fc1 grad", "fc2 grad"), got, want):
+            torch.testing.assert_close(g.float(), w.float(), rtol=2 ** -7, atol=2 ** -7 * w.abs().max().item(),
+                                       msg=name)

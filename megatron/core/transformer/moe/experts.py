@@ -32,7 +32,7 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.mlp import _ACTIVATIONS, MLP
-from megatron.core.transformer.moe.fp8_experts import experts_linear_fp8, pad_rows, padded_counts, real_rows
+from megatron.core.transformer.moe.fp8_experts import ExpertsFP8, pad_rows, padded_counts, real_rows
 from megatron.core.utils import divide
 
 
@@ -45,7 +45,7 @@ class GroupedMLP(torch.nn.Module):
         self.num_local_experts = num_local_experts
         self.expert_offset = expert_offset  # global index of local expert 0
         self.grouped_gemm = config.moe_grouped_gemm
-        self.fp8 = None  # {"fc1": [FP8Linear per local expert], "fc2": [...]}, set by `attach_fp8`
+        self.fp8 = None  # {"fc1": ExpertsFP8, "fc2": ExpertsFP8}, set by `attach_fp8`
         ffn, hidden = config.moe_ffn_hidden_size, config.hidden_size
         local_ffn = divide(ffn, etp_size, "--moe-ffn-hidden-size by --expert-tensor-parallel-size")
         dtype = execution.params_dtype
@@ -82,8 +82,9 @@ class GroupedMLP(torch.nn.Module):
     def attach_fp8(self, make_fp8_linear) -> list:
         """Runs the experts' GEMMs in FP8: one `FP8Linear` (from `make_fp8_linear()`) per local
         expert and weight, each with its own scaling state. Returns them all (to bind)."""
-        self.fp8 = {name: [make_fp8_linear() for _ in range(self.num_local_experts)] for name in ("fc1", "fc2")}
-        return self.fp8["fc1"] + self.fp8["fc2"]
+        self.fp8 = {name: ExpertsFP8([make_fp8_linear() for _ in range(self.num_local_experts)])
+                    for name in ("fc1", "fc2")}
+        return self.fp8["fc1"].linears + self.fp8["fc2"].linears
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: list, probs: torch.Tensor) -> torch.Tensor:
         """tokens [N, h] sorted by local expert, probs [N] -> probs-weighted expert outputs [N, h]
@@ -109,7 +110,7 @@ class GroupedMLP(torch.nn.Module):
     def _linear(self, x: torch.Tensor, name: str, tokens_per_expert: list) -> torch.Tensor:
         weight = self.fc1_weight if name == "fc1" else self.fc2_weight
         if self.fp8 is not None:
-            return experts_linear_fp8(x, weight, tokens_per_expert, self.fp8[name])
+            return self.fp8[name](x, weight, tokens_per_expert)
         if self.grouped_gemm and _grouped_mm_supported(x):
             return _grouped_linear(x, weight, tokens_per_expert)
         return _looped_linear(x, weight, tokens_per_expert)
