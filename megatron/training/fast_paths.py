@@ -4,7 +4,8 @@
       fused, chunked, compiled | attention: auto -> flash (...) | FP8: off | optimizer: fused AdamW,
       clipping in its kernel
 
-With --num-experts the FP8 part also names the experts' FP8 path.
+With --num-experts the FP8 part also names the experts' FP8 GEMMs: grouped (torch._scaled_grouped_mm)
+or a loop of torch._scaled_mm.
 
 Each part says what runs, not what was asked for: the weight-gradient GEMM's fp32-output kernel is
 probed on the device (the CPU has none), and the attention part is the kernel the start-up probe
@@ -12,8 +13,11 @@ chose. bench/bench_pretrain.py prints the line and bench/gpu_report.py records i
 """
 import importlib.util
 
+import torch
+
 from megatron.core.tensor_parallel.layers import _mixed_dtype_addmm_works
 from megatron.core.transformer.config import ExecutionConfig
+from megatron.core.transformer.moe.fp8_experts import grouped_fp8_supported
 
 
 def _compile(execution: ExecutionConfig, no_torch_compile: bool, device) -> str:
@@ -43,12 +47,22 @@ def _cross_entropy(execution: ExecutionConfig) -> str:
     return "fused, chunked, one-pass backward" + (", compiled" if execution.fuse_elementwise else ", eager")
 
 
-def _fp8(execution: ExecutionConfig, num_experts) -> str:
+def _fp8(execution: ExecutionConfig, num_experts, device) -> str:
     if not execution.fp8:
         return "off"
     once = "each tensor cast once" if execution.fp8_recipe != "rowwise" else "cast per GEMM axis"
-    experts = "; experts: per-expert scales, rows padded to 16, a loop of GEMMs" if num_experts else ""
+    experts = f"; experts: per-expert scales, rows padded to 16, {_fp8_experts_gemms(execution, device)}" \
+        if num_experts else ""
     return f"{execution.fp8} {execution.fp8_recipe}, {once}{experts}"
+
+
+def _fp8_experts_gemms(execution: ExecutionConfig, device) -> str:
+    probe = torch.empty(0, device=device, dtype=execution.params_dtype)
+    if not grouped_fp8_supported(probe, execution.fp8_recipe == "rowwise"):
+        return "a loop of GEMMs"
+    if execution.fp8 == "hybrid":
+        return "grouped GEMMs (E4M3) and a loop for the E5M2 gradients"
+    return "grouped GEMMs"
 
 
 def _optimizer(optimizer) -> str:
@@ -65,7 +79,7 @@ def fast_paths_line(execution: ExecutionConfig, *, no_torch_compile: bool, devic
         "weight-gradient GEMM": _weight_gradient(execution, device),
         "cross entropy": _cross_entropy(execution),
         "attention": attention_report.removeprefix("attention: "),
-        "FP8": _fp8(execution, num_experts),
+        "FP8": _fp8(execution, num_experts, device),
         "optimizer": _optimizer(optimizer),
     }
     return "fast paths: " + " | ".join(f"{name}: {value}" for name, value in parts.items())
