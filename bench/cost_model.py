@@ -221,22 +221,30 @@ def moe_parameters(name: str) -> int:
     return sum(param.numel() for param in model.parameters())
 
 
+def moe_layer_flops(p: dict) -> dict:
+    """Forward and backward FLOPs of one MoE layer and micro-batch, counted on meta tensors: the
+    attention linears, the router, each expert's GEMMs at its share of the routed rows, attention."""
+    tokens, q, kv = p["micro"] * SEQ, p["heads"] * p["kv"], p["kv"] * p["groups"]
+    per_expert = tokens * p["topk"] // p["experts"]
+    return {"linears": gemm_flops(tokens, p["h"], q + 2 * kv) + gemm_flops(tokens, q, p["h"]),
+            "router": gemm_flops(tokens, p["h"], p["experts"]),
+            "experts": p["experts"] * (gemm_flops(per_expert, p["h"], 2 * p["expert_f"])
+                                       + gemm_flops(per_expert, p["expert_f"], p["h"])),
+            "attention": attention_flops(dict(micro=p["micro"], heads=p["heads"], h=q))}
+
+
 def moe_step_parts(name: str, precision: str) -> dict:
     """{part: (seconds, work)} for one optimizer step of MoE preset `name` (tokens spread evenly over
     the experts, as --moe-router-force-load-balancing makes them)."""
     p = MOE_PRESETS[name]
     tokens, layers, m = p["micro"] * SEQ, p["layers"], MICRO_BATCHES
     rows, q, kv = tokens * p["topk"], p["heads"] * p["kv"], p["kv"] * p["groups"]
-    per_expert = rows // p["experts"]
-    dense = gemm_flops(tokens, p["h"], q + 2 * kv) + gemm_flops(tokens, q, p["h"]) + gemm_flops(tokens, p["h"],
-                                                                                               p["experts"])
-    experts = p["experts"] * (gemm_flops(per_expert, p["h"], 2 * p["expert_f"])
-                              + gemm_flops(per_expert, p["expert_f"], p["h"]))
+    flops = moe_layer_flops(p)
+    layer_gemm = flops["linears"] + flops["router"] + flops["experts"]
     output = gemm_flops(tokens, p["h"], p["vocab"])
     rate = GEMM_FP8 if precision == "fp8" else GEMM_BF16
-    gemm_seconds = m * (layers * (dense + experts) / rate + output / GEMM_BF16)
-    attention_p = dict(micro=p["micro"], heads=p["heads"], h=p["heads"] * p["kv"])
-    attention = m * layers * attention_flops(attention_p)
+    gemm_seconds = m * (layers * layer_gemm / rate + output / GEMM_BF16)
+    attention = m * layers * flops["attention"]
     a, r, f = 2 * tokens * p["h"], 2 * tokens * (q + 2 * kv), 2 * rows * p["expert_f"]
     expert_weights = p["experts"] * 3 * p["h"] * p["expert_f"]
     glue_layer = (2 * a + 2 * r + 3 * a + 3 * f + 3 * a) + (3 * a + 2 * r + 5 * f + 2 * 3 * a)  # as glue_bytes
@@ -247,7 +255,7 @@ def moe_step_parts(name: str, precision: str) -> dict:
     loss = m * tokens * p["vocab"] * 6
     optimizer = moe_parameters(name) * 46
     parts = {
-        "GEMMs": (gemm_seconds, f"{m * (layers * (dense + experts) + output) / 1e12:.0f} TFLOP"),
+        "GEMMs": (gemm_seconds, f"{m * (layers * layer_gemm + output) / 1e12:.0f} TFLOP"),
         "attention": (attention / ATTENTION[p["kv"]], f"{attention / 1e12:.0f} TFLOP"),
         "glue and dispatch": (glue / HBM, f"{glue / 1e9:.0f} GB"),
         "loss": (loss / HBM, f"{loss / 1e9:.1f} GB"),

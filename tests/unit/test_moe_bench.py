@@ -45,13 +45,10 @@ def test_counted_expert_flops_equal_megatrons_active_parameter_formula(name):
     """The GEMM and attention FLOPs the cost model counts (each expert's GEMMs at its share of the
     rows, without the router's GEMM, which Megatron does not count) equal Megatron's formula."""
     p = cost_model.MOE_PRESETS[name]
-    tokens = p["micro"] * cost_model.SEQ
-    q, kv, per_expert = p["heads"] * p["kv"], p["kv"] * p["groups"], tokens * p["topk"] // p["experts"]
-    layer = (cost_model.gemm_flops(tokens, p["h"], q + 2 * kv) + cost_model.gemm_flops(tokens, q, p["h"])
-             + p["experts"] * (cost_model.gemm_flops(per_expert, p["h"], 2 * p["expert_f"])
-                               + cost_model.gemm_flops(per_expert, p["expert_f"], p["h"]))
-             + cost_model.attention_flops(dict(micro=p["micro"], heads=p["heads"], h=q)))
-    counted = cost_model.MICRO_BATCHES * (p["layers"] * layer + cost_model.gemm_flops(tokens, p["h"], p["vocab"]))
+    flops = cost_model.moe_layer_flops(p)
+    layer = flops["linears"] + flops["experts"] + flops["attention"]
+    output = cost_model.gemm_flops(p["micro"] * cost_model.SEQ, p["h"], p["vocab"])
+    counted = cost_model.MICRO_BATCHES * (p["layers"] * layer + output)
     formula = flops_per_iteration(cost_model.moe_config(name), cost_model.MICRO_BATCHES * p["micro"], cost_model.SEQ)
     assert counted == pytest.approx(formula, rel=1e-12)
     # MFU is against the active parameters: the same step time with all experts counted would be far higher.
