@@ -89,9 +89,9 @@ class GroupedMLP(torch.nn.Module):
     def forward(self, tokens: torch.Tensor, tokens_per_expert: list, probs: torch.Tensor) -> torch.Tensor:
         """tokens [N, h] sorted by local expert, probs [N] -> probs-weighted expert outputs [N, h]
         (partial sums over expert-tensor-parallel ranks)."""
-        if self.fp8 is not None:
-            # Rows per expert padded to FP8's alignment, the padding dropped again at the end.
-            counts = padded_counts(tokens_per_expert)
+        counts = padded_counts(tokens_per_expert) if self.fp8 is not None else tokens_per_expert
+        if counts != list(tokens_per_expert):
+            # FP8: rows per expert padded to its alignment, the padding dropped again at the end.
             rows = real_rows(tokens_per_expert, counts, tokens.device)
             out = self._mlp(pad_rows(tokens, rows, sum(counts)), counts).index_select(0, rows)
         else:

@@ -9,7 +9,8 @@ expert parallelism leaves them unchanged (an expert sees the same rows on whiche
 Rows are padded per expert with zeros to a multiple of `FP8_ALIGNMENT` (16) before the GEMMs and the
 padding is removed after, as Megatron-Core's Fp8Padding / Fp8Unpadding do: FP8 GEMM kernels take
 dimensions that are multiples of 16, and the weight gradient's contracted dimension is the
-expert's row count. Zero rows change no amax and no real row's result.
+expert's row count. Zero rows change no amax and no real row's result. Counts that are multiples
+of 16 already (as with balanced routing at usual sizes) are not copied.
 
 Each expert keeps the dense FP8 linear's properties: the forward keeps the input's FP8 transpose for
 the weight gradient (tensorwise, delayed), the output gradient is cast once for both gradient GEMMs,
@@ -38,10 +39,12 @@ def padded_counts(tokens_per_expert: list, multiple: int = FP8_ALIGNMENT) -> lis
 
 def real_rows(tokens_per_expert: list, padded: list, device) -> torch.Tensor:
     """Indices, in the padded row layout, of the real rows (each expert's first `count` rows)."""
+    total = sum(tokens_per_expert)  # output sizes known on the host: no device sync
     starts = torch.tensor([0] + padded[:-1], device=device).cumsum(0)
     counts = torch.tensor(tokens_per_expert, device=device)
-    first = torch.repeat_interleave(starts, counts)
-    within = torch.arange(int(counts.sum()), device=device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    first = torch.repeat_interleave(starts, counts, output_size=total)
+    within = torch.arange(total, device=device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts,
+                                                                          output_size=total)
     return first + within
 
 
