@@ -3,7 +3,7 @@
     python bench/bench_pretrain.py --preset llama3-8b-8layers          # bf16, seq 4096, 8 micro-batches
     python bench/bench_pretrain.py --preset llama3.2-1b
     python bench/bench_pretrain.py --preset mixtral-8x7b-2layers       # MoE (also qwen3-30b-a3b-4layers)
-    python bench/bench_pretrain.py --preset tiny --device cpu          # smoke run of this script on CPU
+    python bench/bench_pretrain.py --preset tiny --device cpu          # smoke run of this script on CPU (also tiny-moe)
     python bench/bench_pretrain.py --preset llama3.2-1b -- --recompute-granularity full ...  (extra flags)
     python bench/bench_pretrain.py --preset llama3-8b-8layers -- --fp8-format hybrid --fp8-recipe delayed
     python bench/bench_pretrain.py --preset tiny --device cpu --json out.json   # figures also as JSON
@@ -60,6 +60,8 @@ PRESETS = {
     "tiny": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--ffn-hidden-size", "128",
              "--vocab-size", "256", "--micro-batch-size", "2", "--seq-length", "64"],
 }
+PRESETS["tiny-moe"] = PRESETS["tiny"] + ["--num-experts", "4", "--moe-ffn-hidden-size", "64", "--moe-router-topk", "2",
+                                         *MOE]
 PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H100/H200 SXM dense
 
 

@@ -1,7 +1,7 @@
 """The runs of bench/gpu_check.sh, in order, each with its predicted duration on one H100.
 
     python bench/gpu_plan.py [--tunableop] [--budget 570]           # the plan, for people (--dry-run)
-    python bench/gpu_plan.py --lines [--tunableop] [--smoke]        # what gpu_check.sh reads
+    python bench/gpu_plan.py --lines [--tunableop] [--smoke]        # what gpu_check.sh reads (--smoke: tiny)
 
 Order: the benchmarks first (bf16 on both presets, FP8 delayed on llama3-8b-8layers, the MoE
 presets, a few Mixtral 8x7B and Qwen3-30B-A3B layers, in bf16 and Mixtral's in FP8 tensorwise, then
@@ -11,8 +11,9 @@ data, NCCL) + compilation (cold for the first run, warm from inductor's cache af
 at the step time bench/cost_model.py predicts; the MoE runs and the A/Bs take fewer steps (2
 warm-up, 4 timed) so that all of it fits one 10-minute command. Each run costs about 45 s before its
 first step, so the plan holds 9 runs: FP8 on llama3.2-1b and FP8 tensorwise on llama3-8b-8layers
-gave way to the MoE runs (run them by hand: docs/performance.md). The estimates are predictions: gpu_check.sh gives each run 1.5x its estimate
-(at least +30 s), and skips what no longer fits.
+gave way to the MoE runs (run them by hand: docs/performance.md). The estimates are predictions:
+gpu_check.sh gives each run 1.5x its estimate (at least +30 s), and skips what no longer fits.
+`--smoke` (gpu_check.sh's CPU dry run) runs each entry on the tiny preset, the MoE ones on tiny-moe.
 """
 import argparse
 
@@ -67,8 +68,8 @@ def main() -> None:
     args = parser.parse_args()
     plan = runs(args.tunableop)
     if args.lines and args.smoke:
-        for name, _, flags, _, _, env in plan:
-            print(f"{name}|tiny|{flags}|1|2|600|{env}")
+        for name, preset, flags, _, _, env in plan:
+            print(f"{name}|{'tiny-moe' if preset in (MIXTRAL, QWEN3_MOE) else 'tiny'}|{flags}|1|2|600|{env}")
         return
     seconds = estimates(plan)
     if args.lines:

@@ -74,3 +74,18 @@ def test_gpu_check_plan_runs_both_moe_presets_in_bf16_and_one_in_fp8():
     moe = [(name, preset) for name, preset, *_ in runs if preset in cost_model.MOE_PRESETS]
     assert ("bf16", "mixtral-8x7b-2layers") in moe and ("bf16", "qwen3-30b-a3b-4layers") in moe
     assert any(name.startswith("fp8") for name, _ in moe)
+
+
+def test_the_moe_benchmark_runs_with_fp8_experts_on_cpu():
+    """bench_pretrain.py on the tiny MoE preset (what gpu_check.sh's CPU dry run uses for the MoE
+    entries), FP8 as the plan's Mixtral run: it trains and its start-up line names the experts' path."""
+    result = subprocess.run([sys.executable, "bench/bench_pretrain.py", "--preset", "tiny-moe", "--device", "cpu",
+                             "--micro-batches", "2", "--warmup", "1", "--steps", "2", "--", "--bf16",
+                             "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "experts: per-expert scales, rows padded to 16, a loop of GEMMs" in result.stdout
+    assert "tokens per GPU (tokens/s/GPU)" in result.stdout
+    smoke = subprocess.run([sys.executable, "gpu_plan.py", "--lines", "--smoke"], capture_output=True, text=True,
+                           cwd=ROOT / "bench", timeout=120).stdout
+    assert sum("|tiny-moe|" in line for line in smoke.splitlines()) == 3
