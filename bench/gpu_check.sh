@@ -5,7 +5,7 @@
 #   bash bench/gpu_check.sh [--dry-run] [--tunableop] [REPORT.md]   # or GPU_CHECK_REPORT=REPORT.md
 #     --dry-run    print the plan (each run with its predicted duration on one H100) and exit
 #     --tunableop  also measure bf16 llama3-8b-8layers with PyTorch TunableOp (GEMMs tuned at start)
-#   GPU_CHECK_DRY_RUN=1 bash bench/gpu_check.sh  # CPU smoke run of every step (tiny preset, no install)
+#   GPU_CHECK_DRY_RUN=1 bash bench/gpu_check.sh  # CPU smoke run of every step (tiny presets, no install)
 #   GPU_CHECK_BUDGET (seconds, default 570), GPU_CHECK_MAX_RUNS (default all), PYTHON (default python3)
 #
 # Needs: a CUDA GPU with PyTorch (and Triton) installed; no internet (the project installs with
