@@ -254,3 +254,22 @@ def test_grouped_fp8_path_equals_the_loop(monkeypatch, fp8_format, recipe):
         for name, g, w in zip(("output", "input grad", "fc1 grad", "fc2 grad"), got, want):
             torch.testing.assert_close(g.float(), w.float(), rtol=2 ** -7, atol=2 ** -7 * w.abs().max().item(),
                                        msg=name)
+
+
+def test_grouped_fp8_path_casts_each_tensor_once_for_all_experts(monkeypatch):
+    """Per weight and pass on the grouped path: one cast of the input for all experts (its FP8
+    transpose kept for the weight gradient), one of the output gradient, one of the weights: 6 for
+    the layer's fc1 and fc2, whatever the number of experts."""
+    from megatron.core.transformer.moe import fp8_experts
+
+    monkeypatch.setattr(fp8_experts, "grouped_fp8_supported", lambda x, rowwise: True)
+    monkeypatch.setattr(fp8_experts, "_scaled_grouped_mm", _emulated_scaled_grouped_mm)
+    layer, _ = moe_layer(FP8Options("e4m3", "tensorwise"))
+    layer.to(torch.bfloat16)
+    counter = CountFP8Work()
+    with counter:
+        run(layer, X.bfloat16(), GRAD.bfloat16())
+    assert counter.casts == 6, counter.casts
+    with counter:
+        run(layer, X.bfloat16(), GRAD.bfloat16())
+    assert counter.casts == 6 + 4  # the weights' casts are reused while they do not change
