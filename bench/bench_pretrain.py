@@ -2,13 +2,15 @@
 
     python bench/bench_pretrain.py --preset llama3-8b-8layers          # bf16, seq 4096, 8 micro-batches
     python bench/bench_pretrain.py --preset llama3.2-1b
-    python bench/bench_pretrain.py --preset tiny --device cpu          # smoke run of this script on CPU
+    python bench/bench_pretrain.py --preset mixtral-8x7b-2layers       # MoE (also qwen3-30b-a3b-4layers)
+    python bench/bench_pretrain.py --preset tiny --device cpu          # smoke run of this script on CPU (also tiny-moe)
     python bench/bench_pretrain.py --preset llama3.2-1b -- --recompute-granularity full ...  (extra flags)
     python bench/bench_pretrain.py --preset llama3-8b-8layers -- --fp8-format hybrid --fp8-recipe delayed
     python bench/bench_pretrain.py --preset tiny --device cpu --json out.json   # figures also as JSON
 
 Protocol (docs/performance.md): the median of --steps optimizer steps after --warmup steps, each
-timed with a device synchronize; FLOPs by Megatron's formula; MFU against the dense BF16 peak.
+timed with a device synchronize; FLOPs by Megatron's formula (for a mixture of experts, the active
+parameters: top-k experts per token); MFU against the dense BF16 peak.
 """
 import argparse
 import json
@@ -32,6 +34,8 @@ from pretrain_gpt import forward_step  # noqa: E402
 COMMON = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
           "--group-query-attention", "--num-query-groups", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
           "--lr", "1e-4", "--mock-data", "--num-workers", "1", "--log-interval", "1000000", "--eval-iters", "0"]
+MOE = ["--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss",
+       "--moe-aux-loss-coeff", "1e-2", "--moe-router-force-load-balancing"]
 PRESETS = {
     "llama3.2-1b": ["--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "32",
                     "--ffn-hidden-size", "8192", "--vocab-size", "128256", "--micro-batch-size", "2",
@@ -40,9 +44,24 @@ PRESETS = {
                           "--ffn-hidden-size", "14336", "--vocab-size", "128256", "--micro-batch-size", "1",
                           "--untie-embeddings-and-output-weights", "--rotary-base", "500000",
                           "--seq-length", "4096", "--bf16"],
+    # A few mixture-of-experts layers of Mixtral 8x7B and Qwen3-30B-A3B at full width, EP1, sized for
+    # one 80 GB GPU (bench/cost_model.py predicts them); tokens spread evenly over the experts.
+    "mixtral-8x7b-2layers": ["--num-layers", "2", "--hidden-size", "4096", "--num-attention-heads", "32",
+                             "--ffn-hidden-size", "14336", "--num-experts", "8", "--moe-ffn-hidden-size", "14336",
+                             "--moe-router-topk", "2", "--vocab-size", "32000", "--micro-batch-size", "1",
+                             "--rotary-base", "1000000", "--untie-embeddings-and-output-weights",
+                             "--seq-length", "4096", "--bf16", *MOE],
+    "qwen3-30b-a3b-4layers": ["--num-layers", "4", "--hidden-size", "2048", "--num-attention-heads", "32",
+                              "--kv-channels", "128", "--num-query-groups", "4", "--qk-layernorm",
+                              "--ffn-hidden-size", "6144", "--num-experts", "128", "--moe-ffn-hidden-size", "768",
+                              "--moe-router-topk", "8", "--vocab-size", "151936", "--micro-batch-size", "1",
+                              "--rotary-base", "1000000", "--untie-embeddings-and-output-weights",
+                              "--seq-length", "4096", "--bf16", *MOE],
     "tiny": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--ffn-hidden-size", "128",
              "--vocab-size", "256", "--micro-batch-size", "2", "--seq-length", "64"],
 }
+PRESETS["tiny-moe"] = PRESETS["tiny"] + ["--num-experts", "4", "--moe-ffn-hidden-size", "64", "--moe-router-topk", "2",
+                                         *MOE]
 PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H100/H200 SXM dense
 
 
@@ -56,7 +75,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures to this JSON file")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
-    flags = PRESETS[args.preset] + COMMON + extra
+    flags = COMMON + PRESETS[args.preset] + extra  # a preset may override the common Llama settings
     micro = int(flags[flags.index("--micro-batch-size") + 1])
     seq = int(flags[flags.index("--seq-length") + 1])
     total = args.warmup + args.steps

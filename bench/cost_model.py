@@ -3,6 +3,12 @@
     python bench/cost_model.py              # the tables of docs/performance.md ("Cost model")
     python bench/cost_model.py --json       # the same figures as JSON (bench/gpu_plan.py takes its step times)
 
+The mixture-of-experts presets (`MOE_PRESETS`: a few layers of Mixtral 8x7B and Qwen3-30B-A3B, EP1)
+are predicted the same way, their FLOPs per expert GEMM counted at the rows each expert gets with
+tokens spread evenly (--moe-router-force-load-balancing), the dispatch's passes over the routed rows
+added to the glue, and MFU from Megatron's FLOPs with the active parameters (top-k experts per token,
+megatron/training/logging.py).
+
 Nothing here runs on a GPU. Per optimizer step (8 micro-batches, seq 4096, the presets of
 bench/bench_pretrain.py) the step is cut into parts, each with the work it does and a time from the
 H100 ceilings below:
@@ -205,12 +211,140 @@ def markdown(rows: list) -> str:
     return "\n".join(lines)
 
 
+# -- mixture-of-experts presets (bench/bench_pretrain.py; a few layers of each model, EP1, one H100) ----
+MOE_PRESETS = {
+    "mixtral-8x7b-2layers": dict(h=4096, layers=2, heads=32, groups=8, kv=128, experts=8, topk=2, expert_f=14336,
+                                 vocab=32000, micro=1),
+    "qwen3-30b-a3b-4layers": dict(h=2048, layers=4, heads=32, groups=4, kv=128, experts=128, topk=8, expert_f=768,
+                                  vocab=151936, micro=1),
+}
+# Passes over the routed rows [tokens x topk, h] per MoE layer and micro-batch, forward and backward,
+# as megatron/core/transformer/moe/token_dispatcher.py (alltoall, EP1) and experts.py make them:
+# permute's gather, the sort into expert order, the probs product, the return to token order and
+# the combine's scatter-add, each a read and a write forward (10) and about 1.5x that backward (15).
+DISPATCH_PASSES = 25
+# Bytes per parameter held across a step: bf16 weight 2, fp32 main_grad 4, fp32 master 4, Adam's two
+# moments 8; FP8 adds the cached weight casts (forward and transposed, 1 byte each).
+STATE_BYTES = {"bf16": 18, "fp8": 20}
+
+
+def moe_config(name: str):
+    """The preset's model description, as bench/bench_pretrain.py builds it (all layers MoE)."""
+    from megatron.core.transformer.config import TransformerConfig, derive
+
+    p = MOE_PRESETS[name]
+    return derive(TransformerConfig(
+        num_layers=p["layers"], hidden_size=p["h"], num_attention_heads=p["heads"], num_query_groups=p["groups"],
+        group_query_attention=True, kv_channels=p["kv"], ffn_hidden_size=p["expert_f"], padded_vocab_size=p["vocab"],
+        swiglu=True, add_bias_linear=False, normalization="RMSNorm", position_embedding_type="rope",
+        untie_embeddings_and_output_weights=True, max_position_embeddings=SEQ, num_experts=p["experts"],
+        moe_ffn_hidden_size=p["expert_f"], moe_router_topk=p["topk"], moe_grouped_gemm=True))
+
+
+def moe_parameters(name: str) -> int:
+    """Parameters of the preset's model, counted on a meta-device GPTModel."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.parallel_state import single_process
+
+    model = GPTModel(moe_config(name), single_process(), device=torch.device("meta"))
+    return sum(param.numel() for param in model.parameters())
+
+
+def moe_layer_flops(p: dict) -> dict:
+    """Forward and backward FLOPs of one MoE layer and micro-batch, counted on meta tensors: the
+    attention linears, the router, each expert's GEMMs at its share of the routed rows, attention."""
+    tokens, q, kv = p["micro"] * SEQ, p["heads"] * p["kv"], p["kv"] * p["groups"]
+    per_expert = tokens * p["topk"] // p["experts"]
+    return {"linears": gemm_flops(tokens, p["h"], q + 2 * kv) + gemm_flops(tokens, q, p["h"]),
+            "router": gemm_flops(tokens, p["h"], p["experts"]),
+            "experts": p["experts"] * (gemm_flops(per_expert, p["h"], 2 * p["expert_f"])
+                                       + gemm_flops(per_expert, p["expert_f"], p["h"])),
+            "attention": attention_flops(dict(micro=p["micro"], heads=p["heads"], h=q))}
+
+
+def moe_step_parts(name: str, precision: str) -> dict:
+    """{part: (seconds, work)} for one optimizer step of MoE preset `name` (tokens spread evenly over
+    the experts, as --moe-router-force-load-balancing makes them)."""
+    p = MOE_PRESETS[name]
+    tokens, layers, m = p["micro"] * SEQ, p["layers"], MICRO_BATCHES
+    rows, q, kv = tokens * p["topk"], p["heads"] * p["kv"], p["kv"] * p["groups"]
+    flops = moe_layer_flops(p)
+    layer_gemm = flops["linears"] + flops["router"] + flops["experts"]
+    output = gemm_flops(tokens, p["h"], p["vocab"])
+    rate = GEMM_FP8 if precision == "fp8" else GEMM_BF16
+    gemm_seconds = m * (layers * layer_gemm / rate + output / GEMM_BF16)
+    attention = m * layers * flops["attention"]
+    a, r, f = 2 * tokens * p["h"], 2 * tokens * (q + 2 * kv), 2 * rows * p["expert_f"]
+    expert_weights = p["experts"] * 3 * p["h"] * p["expert_f"]
+    glue_layer = (2 * a + 2 * r + 3 * a + 3 * f + 3 * a) + (3 * a + 2 * r + 5 * f + 2 * 3 * a)  # as glue_bytes
+    # The dispatch's passes over the routed rows; the experts' bf16 weight gradients (autograd's,
+    # not fused into the GEMM) added to the fp32 main_grad: 2 written, 2 read, 4 read, 4 written.
+    glue_layer += DISPATCH_PASSES * 2 * rows * p["h"] + 12 * expert_weights
+    glue = m * layers * glue_layer
+    loss = m * tokens * p["vocab"] * 6
+    optimizer = moe_parameters(name) * 46
+    parts = {
+        "GEMMs": (gemm_seconds, f"{m * (layers * layer_gemm + output) / 1e12:.0f} TFLOP"),
+        "attention": (attention / ATTENTION[p["kv"]], f"{attention / 1e12:.0f} TFLOP"),
+        "glue and dispatch": (glue / HBM, f"{glue / 1e9:.0f} GB"),
+        "loss": (loss / HBM, f"{loss / 1e9:.1f} GB"),
+        "optimizer": (optimizer / HBM, f"{optimizer / 1e9:.1f} GB"),
+    }
+    if precision == "fp8":
+        # Per micro-batch and layer: each GEMM input and output gradient read for its amax, read and
+        # written with its transpose (6 bytes per element); the attention linears' bf16 weight
+        # gradients added to main_grad (12 bytes). Per step: each weight's amax, cast and transpose
+        # (6 bytes). Balanced rows per expert are multiples of 16 here: no padding copies.
+        attention_weights = p["h"] * (2 * q + 2 * kv)
+        x = tokens * (p["h"] + q) + rows * (p["h"] + p["expert_f"])
+        g = tokens * (q + 2 * kv + p["h"]) + rows * (2 * p["expert_f"] + p["h"])
+        casts = m * layers * (6 * (x + g) + 12 * attention_weights)
+        casts += layers * 6 * (expert_weights + attention_weights)
+        parts["FP8 casts"] = (casts / HBM, f"{casts / 1e9:.0f} GB")
+    return parts
+
+
+def moe_prediction(name: str, precision: str) -> dict:
+    """Predicted step time, tokens/s and MFU against the BF16 peak, Megatron's FLOPs with the
+    active parameters (megatron/training/logging.py: top-k experts per token)."""
+    from megatron.training.logging import flops_per_iteration
+
+    parts = moe_step_parts(name, precision)
+    seconds = sum(t for t, _ in parts.values())
+    batch = MICRO_BATCHES * MOE_PRESETS[name]["micro"]
+    flops = flops_per_iteration(moe_config(name), batch, SEQ)
+    return {"preset": name, "precision": precision, "step_seconds": seconds,
+            "tokens_per_second": batch * SEQ / seconds, "mfu_bf16_peak": 100 * flops / seconds / PEAK["bf16"],
+            "parameters": moe_parameters(name), "state_gb": moe_parameters(name) * STATE_BYTES[precision] / 1e9,
+            "parts": {part: {"seconds": t, "work": work} for part, (t, work) in parts.items()}}
+
+
+def moe_markdown() -> str:
+    lines = []
+    for name in MOE_PRESETS:
+        rows = [moe_prediction(name, precision) for precision in ("bf16", "fp8")]
+        lines += [f"**{name}** ({rows[0]['parameters'] / 1e9:.2f} B parameters, {rows[0]['state_gb']:.0f} / "
+                  f"{rows[1]['state_gb']:.0f} GB of weights, gradients and optimizer state in bf16 / FP8, "
+                  f"before activations; predicted, ms per step of {MICRO_BATCHES} micro-batches)", "",
+                  "| part | bf16 | fp8 | work (fp8) |", "|---|---|---|---|"]
+        for part in rows[1]["parts"]:
+            cells = [f"{r['parts'][part]['seconds'] * 1e3:.0f}" if part in r["parts"] else "" for r in rows]
+            lines.append(f"| {part} | " + " | ".join(cells) + f" | {rows[1]['parts'][part]['work']} |")
+        lines.append("| **step** | " + " | ".join(f"**{r['step_seconds'] * 1e3:.0f}**" for r in rows) + " | |")
+        lines.append("| MFU (BF16 peak, active parameters) | " + " | ".join(f"{r['mfu_bf16_peak']:.1f}%" for r in rows)
+                     + " | |")
+        lines.append("| tokens/s | " + " | ".join(f"{r['tokens_per_second']:.0f}" for r in rows) + " | |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print the predictions as JSON")
     args = parser.parse_args()
     rows = predictions()
-    print(json.dumps(rows, indent=1) if args.json else markdown(rows))
+    moe = [moe_prediction(name, precision) for name in MOE_PRESETS for precision in ("bf16", "fp8")]
+    print(json.dumps(rows + moe, indent=1) if args.json else markdown(rows) + "\n" + moe_markdown())
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 #   bash bench/gpu_check.sh [--dry-run] [--tunableop] [REPORT.md]   # or GPU_CHECK_REPORT=REPORT.md
 #     --dry-run    print the plan (each run with its predicted duration on one H100) and exit
 #     --tunableop  also measure bf16 llama3-8b-8layers with PyTorch TunableOp (GEMMs tuned at start)
-#   GPU_CHECK_DRY_RUN=1 bash bench/gpu_check.sh  # CPU smoke run of every step (tiny preset, no install)
+#   GPU_CHECK_DRY_RUN=1 bash bench/gpu_check.sh  # CPU smoke run of every step (tiny presets, no install)
 #   GPU_CHECK_BUDGET (seconds, default 570), GPU_CHECK_MAX_RUNS (default all), PYTHON (default python3)
 #
 # Needs: a CUDA GPU with PyTorch (and Triton) installed; no internet (the project installs with
@@ -13,9 +13,10 @@
 # with a time limit so the whole run fits one 10-minute command (GPU_CHECK_BUDGET, default 570 s):
 #   1. pip install --no-build-isolation --no-deps -e .
 #   2. bench_pretrain.py, in the order of bench/gpu_plan.py: llama3-8b-8layers and llama3.2-1b in
-#      bf16, both in FP8 (hybrid, delayed), llama3-8b-8layers FP8 tensorwise, [--tunableop: bf16 with
-#      TunableOp,] then the --no-torch-compile, --no-gradient-accumulation-fusion and
-#      --no-cross-entropy-loss-fusion A/Bs on llama3-8b-8layers. Each run is limited to 1.5x its
+#      bf16, llama3-8b-8layers in FP8 (hybrid, delayed), the MoE presets mixtral-8x7b-2layers and
+#      qwen3-30b-a3b-4layers in bf16 and mixtral-8x7b-2layers in FP8 (hybrid, tensorwise),
+#      [--tunableop: bf16 with TunableOp,] then the --no-torch-compile, --no-gradient-accumulation-fusion
+#      and --no-cross-entropy-loss-fusion A/Bs on llama3-8b-8layers. Each run is limited to 1.5x its
 #      predicted duration (at least +30 s); a run that no longer fits is skipped and logged.
 #   3. pytest -m gpu (tests/gpu; a small built-in runner if pytest is not installed) with the time left
 #   4. bench/gpu_report.py writes the report: device, versions, the test lane's outcome and, per

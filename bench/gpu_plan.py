@@ -1,22 +1,28 @@
 """The runs of bench/gpu_check.sh, in order, each with its predicted duration on one H100.
 
     python bench/gpu_plan.py [--tunableop] [--budget 570]           # the plan, for people (--dry-run)
-    python bench/gpu_plan.py --lines [--tunableop] [--smoke]        # what gpu_check.sh reads
+    python bench/gpu_plan.py --lines [--tunableop] [--smoke]        # what gpu_check.sh reads (--smoke: tiny)
 
-Order: the benchmarks first (bf16 on both presets, FP8, then with --tunableop the bf16 run with
-PyTorch TunableOp, then each optimization's off-switch as an A/B on llama3-8b-8layers), the GPU
-test lane last with what is left. A run's estimate = start-up (model, data, NCCL) + compilation
-(cold for the first run, warm from inductor's cache after it) + its steps at the step time
-bench/cost_model.py predicts; the A/Bs take fewer steps (2 warm-up, 4 timed) so that all of it fits
-one 10-minute command. The estimates are predictions: gpu_check.sh gives each run 1.5x its estimate
-(at least +30 s), and skips what no longer fits.
+Order: the benchmarks first (bf16 on both presets, FP8 delayed on llama3-8b-8layers, the MoE
+presets, a few Mixtral 8x7B and Qwen3-30B-A3B layers, in bf16 and Mixtral's in FP8 tensorwise, then
+with --tunableop the bf16 run with PyTorch TunableOp, then each optimization's off-switch as an A/B
+on llama3-8b-8layers), the GPU test lane last with what is left. A run's estimate = start-up (model,
+data, NCCL) + compilation (cold for the first run, warm from inductor's cache after it) + its steps
+at the step time bench/cost_model.py predicts; the MoE runs and the A/Bs take fewer steps (2
+warm-up, 4 timed) so that all of it fits one 10-minute command. Each run costs about 45 s before its
+first step, so the plan holds 9 runs: FP8 on llama3.2-1b and FP8 tensorwise on llama3-8b-8layers
+gave way to the MoE runs (run them by hand: docs/performance.md). The estimates are predictions:
+gpu_check.sh gives each run 1.5x its estimate (at least +30 s), and skips what no longer fits.
+`--smoke` (gpu_check.sh's CPU dry run) runs each entry on the tiny preset, the MoE ones on tiny-moe.
 """
 import argparse
 
 START_UP, COLD_COMPILE, WARM_COMPILE, TUNING = 25, 60, 20, 60  # seconds (predicted)
 LANE_MIN = 60
 FP8_DELAYED = "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024 --fp8-amax-compute-algo max"
+FP8_TENSORWISE = "--fp8-format hybrid --fp8-recipe tensorwise"
 BIG, SMALL = "llama3-8b-8layers", "llama3.2-1b"
+MIXTRAL, QWEN3_MOE = "mixtral-8x7b-2layers", "qwen3-30b-a3b-4layers"  # a few MoE layers each, EP1
 TUNABLEOP_ENV = "PYTORCH_TUNABLEOP_ENABLED=1 PYTORCH_TUNABLEOP_TUNING=1 PYTORCH_TUNABLEOP_MAX_TUNING_DURATION_MS=30"
 
 
@@ -24,8 +30,9 @@ def runs(tunableop: bool) -> list:
     """(name, preset, flags, warm-up steps, timed steps, environment) in the order they run."""
     protocol, ab = (3, 8), (2, 4)
     plan = [("bf16", BIG, "", *protocol, ""), ("bf16", SMALL, "", *protocol, ""),
-            ("fp8-delayed", BIG, FP8_DELAYED, *protocol, ""), ("fp8-delayed", SMALL, FP8_DELAYED, *protocol, ""),
-            ("fp8-tensorwise", BIG, "--fp8-format hybrid --fp8-recipe tensorwise", *protocol, "")]
+            ("fp8-delayed", BIG, FP8_DELAYED, *protocol, ""),
+            ("bf16", MIXTRAL, "", *ab, ""), ("bf16", QWEN3_MOE, "", *ab, ""),
+            ("fp8-tensorwise", MIXTRAL, FP8_TENSORWISE, *ab, "")]
     if tunableop:
         plan.append(("bf16-tunableop", BIG, "", *protocol, TUNABLEOP_ENV))
     for switch in ("--no-torch-compile", "--no-gradient-accumulation-fusion", "--no-cross-entropy-loss-fusion"):
@@ -34,10 +41,12 @@ def runs(tunableop: bool) -> list:
 
 
 def estimates(plan: list) -> list:
-    from cost_model import prediction
+    from cost_model import moe_prediction, prediction
 
     step = {(name, precision): prediction(name, precision, after=True)["step_seconds"]
             for name in (BIG, SMALL) for precision in ("bf16", "fp8")}
+    step.update({(name, precision): moe_prediction(name, precision)["step_seconds"]
+                 for name in (MIXTRAL, QWEN3_MOE) for precision in ("bf16", "fp8")})
     seconds, compiled = [], set()
     for name, preset, flags, warmup, timed, env in plan:
         precision = "fp8" if "--fp8-format" in flags else "bf16"
@@ -59,8 +68,8 @@ def main() -> None:
     args = parser.parse_args()
     plan = runs(args.tunableop)
     if args.lines and args.smoke:
-        for name, _, flags, _, _, env in plan:
-            print(f"{name}|tiny|{flags}|1|2|600|{env}")
+        for name, preset, flags, _, _, env in plan:
+            print(f"{name}|{'tiny-moe' if preset in (MIXTRAL, QWEN3_MOE) else 'tiny'}|{flags}|1|2|600|{env}")
         return
     seconds = estimates(plan)
     if args.lines:
@@ -72,7 +81,7 @@ def main() -> None:
     for (name, preset, flags, warmup, timed, env), estimate in zip(plan, seconds):
         used += estimate
         fits = "" if used + LANE_MIN <= args.budget else "   <- past the budget: would be skipped"
-        print(f"  {used - estimate:4d}-{used:4d} s  {name:38s} {preset:18s} {warmup}+{timed} steps "
+        print(f"  {used - estimate:4d}-{used:4d} s  {name:36s} {preset:21s} {warmup}+{timed} steps "
               f"{(env + ' ') if env else ''}{flags}{fits}")
     lane = args.budget - used
     print(f"  {used:4d}-{args.budget:4d} s  GPU test lane (pytest -m gpu), the time left: {lane} s "

@@ -1,4 +1,4 @@
-"""Runs tests/gpu without pytest (for a GPU machine that has PyTorch but not pytest).
+"""Runs tests/gpu (every test_*.py) without pytest (for a GPU machine that has PyTorch but not pytest).
 
 A stand-in `pytest` module gives the test file what it uses (marks, parametrize, approx); each test
 function runs once per parameter set. Prints PASSED/FAILED lines and a closing count.
@@ -41,9 +41,10 @@ def _stand_in_pytest() -> types.ModuleType:
 
 def main() -> int:
     sys.modules.setdefault("pytest", _stand_in_pytest())
-    tests = importlib.import_module("tests.gpu.test_gpu_lane")
+    modules = [importlib.import_module(f"tests.gpu.{path.stem}")
+               for path in sorted((ROOT / "tests" / "gpu").glob("test_*.py"))]
     passed = failed = 0
-    for name in sorted(n for n in dir(tests) if n.startswith("test_")):
+    for tests, name in ((m, n) for m in modules for n in sorted(n for n in dir(m) if n.startswith("test_"))):
         function = getattr(tests, name)
         grids = getattr(function, "params", [])
         combos = [dict()]

@@ -109,6 +109,12 @@ def layout_of(groups, num_chunks: int) -> dict:
             "pp": groups.pp_size, "vpp": num_chunks}
 
 
+def fp8_layout_of(groups, num_chunks: int) -> dict:
+    """The layout a rank's FP8 amax histories belong to: with the experts' own scaling slots, the
+    expert layout too (another EP size gives a rank other experts)."""
+    return {**layout_of(groups, num_chunks), "ep": groups.ep_size, "etp": groups.etp_size}
+
+
 # ---------------------------------------------------------------------------------------------
 def _directory_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
@@ -176,7 +182,7 @@ class Checkpointer:
                             if name != "exit_reason"},
             "optimizer": optimizer,
             "rng_layout": None if self.options.no_save_rng else layout_of(self.groups, len(run.chunks)),
-            "fp8_layout": layout_of(self.groups, len(run.chunks)) if ckpt_state.fp8_tensors(run.chunks) else None,
+            "fp8_layout": fp8_layout_of(self.groups, len(run.chunks)) if ckpt_state.fp8_tensors(run.chunks) else None,
             "model": architecture(run.model_config, vocab_size),
             "args": dataclasses.asdict(run.config),  # its "model" part: what --use-checkpoint-args restores
         }
@@ -413,7 +419,8 @@ class Checkpointer:
         current = ckpt_state.fp8_tensors(run.chunks)
         if not current or self.options.finetune or common.get("fp8_layout") is None:
             return None
-        if common["fp8_layout"] != layout_of(self.groups, len(run.chunks)):
+        layout = fp8_layout_of(self.groups, len(run.chunks))
+        if {**layout, **common["fp8_layout"]} != layout:  # checkpoints before "ep" and "etp" were kept lack them
             self.print(f"NOTE: {directory} was saved at another layout: the FP8 amax histories start afresh")
             return None
         targets = {name: tensor.clone() for name, tensor in current.items()}

@@ -4,6 +4,9 @@
       fused, chunked, compiled | attention: auto -> flash (...) | FP8: off | optimizer: fused AdamW,
       clipping in its kernel
 
+With --num-experts the FP8 part also names the experts' FP8 GEMMs: grouped (torch._scaled_grouped_mm)
+or a loop of torch._scaled_mm.
+
 Each part says what runs, not what was asked for: the weight-gradient GEMM's fp32-output kernel is
 probed on the device (the CPU has none), so is FP8's (`_scaled_mm` writing into the fp32 main_grad),
 and the attention part is the kernel the start-up probe chose. bench/bench_pretrain.py prints the
@@ -16,6 +19,7 @@ import torch
 from megatron.core.tensor_parallel.layers import _mixed_dtype_addmm_works
 from megatron.core.transformer.config import ExecutionConfig
 from megatron.core.transformer.fp8 import writes_into
+from megatron.core.transformer.moe.fp8_experts import grouped_fp8_supported
 
 
 def _compile(execution: ExecutionConfig, no_torch_compile: bool, device) -> str:
@@ -45,7 +49,7 @@ def _cross_entropy(execution: ExecutionConfig) -> str:
     return "fused, chunked, one-pass backward" + (", compiled" if execution.fuse_elementwise else ", eager")
 
 
-def _fp8(execution: ExecutionConfig, device) -> str:
+def _fp8(execution: ExecutionConfig, num_experts, device) -> str:
     if not execution.fp8:
         return "off"
     once = "each tensor cast once" if execution.fp8_recipe != "rowwise" else "cast per GEMM axis"
@@ -55,7 +59,18 @@ def _fp8(execution: ExecutionConfig, device) -> str:
         wgrad = "weight-gradient GEMM writes into fp32 main_grad on a step's first micro-batch"
     else:
         wgrad = f"weight-gradient GEMM product added to main_grad (no fp32-output FP8 GEMM on {device.type})"
-    return f"{execution.fp8} {execution.fp8_recipe}, {once}, {wgrad}"
+    experts = f"; experts: per-expert scales, rows padded to 16, {_fp8_experts_gemms(execution, device)}" \
+        if num_experts else ""
+    return f"{execution.fp8} {execution.fp8_recipe}, {once}, {wgrad}{experts}"
+
+
+def _fp8_experts_gemms(execution: ExecutionConfig, device) -> str:
+    probe = torch.empty(0, device=device, dtype=execution.params_dtype)
+    if not grouped_fp8_supported(probe, execution.fp8_recipe == "rowwise"):
+        return "a loop of GEMMs"
+    if execution.fp8 == "hybrid":
+        return "grouped GEMMs (E4M3) and a loop for the E5M2 gradients"
+    return "grouped GEMMs"
 
 
 def _optimizer(optimizer) -> str:
@@ -66,13 +81,13 @@ def _optimizer(optimizer) -> str:
 
 
 def fast_paths_line(execution: ExecutionConfig, *, no_torch_compile: bool, device, attention_report: str,
-                    optimizer) -> str:
+                    optimizer, num_experts=None) -> str:
     parts = {
         "compile": _compile(execution, no_torch_compile, device),
         "weight-gradient GEMM": _weight_gradient(execution, device),
         "cross entropy": _cross_entropy(execution),
         "attention": attention_report.removeprefix("attention: "),
-        "FP8": _fp8(execution, device),
+        "FP8": _fp8(execution, num_experts, device),
         "optimizer": _optimizer(optimizer),
     }
     return "fast paths: " + " | ".join(f"{name}: {value}" for name, value in parts.items())

@@ -111,7 +111,8 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int,
     chunks = builders.wrap_data_parallel(chunks, config, groups)
     optimizer, scheduler = builders.build_optimizer(config, chunks, groups)
     fast_paths = fast_paths_line(execution, no_torch_compile=config.model.no_torch_compile, device=groups.device,
-                                 attention_report=attention_report, optimizer=optimizer)
+                                 attention_report=attention_report, optimizer=optimizer,
+                                 num_experts=model_config.num_experts)
     print_rank_0(f"> {fast_paths}")
     batches = batch_schedule(config.training, groups.dp_size)
     global_batch = batches.global_batch_size

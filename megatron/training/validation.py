@@ -93,7 +93,7 @@ def _checked(config: Config, world_size: int) -> list:
         _require(t.seq_length % tp == 0, f"--seq-length ({t.seq_length}) must be divisible by "
                                          f"--tensor-model-parallel-size ({tp}) with --sequence-parallel")
     _validate_context_parallel(config)
-    _validate_moe(config, tp * cp * dp, notes)
+    _validate_moe(config, tp * cp * dp)
 
     _validate_kernels(config, notes)
     _validate_fp8(config)
@@ -452,7 +452,7 @@ def _validate_schedule(config: Config, notes: list) -> None:
         raise ConfigError("--recompute-method needs --recompute-granularity full")
 
 
-def _validate_moe(config: Config, stage_ranks: int, notes: list) -> None:
+def _validate_moe(config: Config, stage_ranks: int) -> None:
     """Mixture-of-experts flags against each other and the layout (before the model is built)."""
     m, p = config.model, config.parallel
     ep, tp = p.expert_model_parallel_size, p.tensor_model_parallel_size
@@ -494,8 +494,6 @@ def _validate_moe(config: Config, stage_ranks: int, notes: list) -> None:
     _validate_moe_losses(config)
     _require(not p.use_torch_fsdp2, "--use-torch-fsdp2 with --num-experts is not built; use "
                                     "--use-distributed-optimizer for sharded optimizer state")
-    if m.fp8:
-        notes.append("--fp8-format: the experts' GEMMs run in the parameters' dtype (FP8 covers the dense layers)")
 
 
 def _validate_moe_losses(config: Config) -> None:

@@ -16,6 +16,9 @@ LAYOUTS = {
     "distributed-optimizer": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]),
     "fsdp2": (2, ["--use-torch-fsdp2"]),
     "fsdp2-pp2": (4, ["--pipeline-model-parallel-size", "2", "--use-torch-fsdp2"]),
+    "ep2-fp8": (2, ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+                    "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall", "--bf16", "--fp8-format", "hybrid",
+                    "--fp8-recipe", "delayed"]),
 }
 
 

@@ -45,3 +45,17 @@ def test_switched_off_paths_say_so():
     assert "cross entropy: plain, fp32 copy of the logits (--no-cross-entropy-loss-fusion)" in line
     assert "FP8: off" in line and "optimizer: SGD, clipping a pass of its own" in line
     assert "weight-gradient GEMM: one fp32 GEMM" in _line(params_dtype=torch.float32)
+
+
+def test_the_fp8_part_names_the_experts_path():
+    from megatron.core.transformer.config import ExecutionConfig
+
+    execution = ExecutionConfig(params_dtype=torch.bfloat16, fp8="hybrid", fp8_recipe="tensorwise")
+    model = GPTModel(llama_config(), single_process(), execution=execution)
+    optimizer = get_megatron_optimizer(OptimizerConfig(bf16=True), [DistributedDataParallel(model, single_process())],
+                                       single_process())
+    line = fast_paths_line(execution, no_torch_compile=False, device=CPU, attention_report="attention: SDPA",
+                           optimizer=optimizer, num_experts=8)
+    assert "FP8: hybrid tensorwise, each tensor cast once, weight-gradient GEMM writes into fp32 main_grad on a " \
+           "step's first micro-batch; experts: per-expert scales, rows padded to 16, a loop of GEMMs" in line
+    assert "experts" not in _line(params_dtype=torch.bfloat16, fp8="hybrid", fp8_recipe="tensorwise")

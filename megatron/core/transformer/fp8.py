@@ -391,7 +391,8 @@ def fp8_layer_numbers(execution, num_layers: int) -> set:
 
 
 def attach_fp8(decoder, config, num_layers: int, device) -> Optional[DelayedScaling]:
-    """Gives every column/row-parallel linear of the FP8 layers of `decoder` an `FP8Linear`;
+    """Gives every column/row-parallel linear of the FP8 layers of `decoder` an `FP8Linear` (the
+    routed experts one per expert and weight);
     returns the chunk's delayed-scaling state (None for the other recipes, or no FP8 layer)."""
     options = FP8Options(config.fp8, config.fp8_recipe, config.fp8_margin, config.fp8_amax_history_len,
                          config.fp8_amax_compute_algo)
@@ -405,6 +406,8 @@ def attach_fp8(decoder, config, num_layers: int, device) -> Optional[DelayedScal
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.fp8 = FP8Linear(options, scaling, compiled=config.fuse_elementwise)
                 linears.append(module.fp8)
+            elif hasattr(module, "attach_fp8"):  # the routed experts: an FP8Linear per expert GEMM
+                linears += module.attach_fp8(lambda: FP8Linear(options, scaling, compiled=config.fuse_elementwise))
     if scaling is None or scaling.num_slots == 0:
         return None
     scaling.allocate(device)

@@ -8,7 +8,9 @@ the model's activation (SwiGLU or GeLU):
 
 Tokens arrive sorted by expert (`tokens_per_expert` rows each). With --moe-grouped-gemm on a GPU
 that has `torch._grouped_mm` (bf16, compute capability 9.0+) the experts run as two grouped GEMMs;
-elsewhere as a loop of GEMMs over the experts, the same arithmetic. Expert-tensor parallelism splits
+elsewhere as a loop of GEMMs over the experts, the same arithmetic. Under FP8 (`attach_fp8`) the
+experts' GEMMs run in FP8, each expert with its own scaling state, on rows padded per expert to a
+multiple of 16 (moe/fp8_experts.py). Expert-tensor parallelism splits
 the expert hidden size as the dense MLP's TP does (fc2's partial sums are added by the dispatcher).
 
 Initialization is per global expert index (`initialize_expert_param`), so an expert starts from the
@@ -30,6 +32,7 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.mlp import _ACTIVATIONS, MLP
+from megatron.core.transformer.moe.fp8_experts import ExpertsFP8, pad_rows, padded_counts, real_rows
 from megatron.core.utils import divide
 
 
@@ -42,6 +45,7 @@ class GroupedMLP(torch.nn.Module):
         self.num_local_experts = num_local_experts
         self.expert_offset = expert_offset  # global index of local expert 0
         self.grouped_gemm = config.moe_grouped_gemm
+        self.fp8 = None  # {"fc1": ExpertsFP8, "fc2": ExpertsFP8}, set by `attach_fp8`
         ffn, hidden = config.moe_ffn_hidden_size, config.hidden_size
         local_ffn = divide(ffn, etp_size, "--moe-ffn-hidden-size by --expert-tensor-parallel-size")
         dtype = execution.params_dtype
@@ -75,23 +79,41 @@ class GroupedMLP(torch.nn.Module):
             set_layout(param, layouts[name], init)
             param.expert_offset = expert_offset
 
+    def attach_fp8(self, make_fp8_linear) -> list:
+        """Runs the experts' GEMMs in FP8: one `FP8Linear` (from `make_fp8_linear()`) per local
+        expert and weight, each with its own scaling state. Returns them all (to bind)."""
+        self.fp8 = {name: ExpertsFP8([make_fp8_linear() for _ in range(self.num_local_experts)])
+                    for name in ("fc1", "fc2")}
+        return self.fp8["fc1"].linears + self.fp8["fc2"].linears
+
     def forward(self, tokens: torch.Tensor, tokens_per_expert: list, probs: torch.Tensor) -> torch.Tensor:
         """tokens [N, h] sorted by local expert, probs [N] -> probs-weighted expert outputs [N, h]
         (partial sums over expert-tensor-parallel ranks)."""
-        if self.grouped_gemm and _grouped_mm_supported(tokens):
-            h = _grouped_linear(tokens, self.fc1_weight, tokens_per_expert)
+        counts = padded_counts(tokens_per_expert) if self.fp8 is not None else tokens_per_expert
+        if counts != list(tokens_per_expert):
+            # FP8: rows per expert padded to its alignment, the padding dropped again at the end.
+            rows = real_rows(tokens_per_expert, counts, tokens.device)
+            out = self._mlp(pad_rows(tokens, rows, sum(counts)), counts).index_select(0, rows)
         else:
-            h = _looped_linear(tokens, self.fc1_weight, tokens_per_expert)
+            out = self._mlp(tokens, tokens_per_expert)
+        return out * probs.unsqueeze(-1).to(out.dtype)
+
+    def _mlp(self, tokens: torch.Tensor, tokens_per_expert: list) -> torch.Tensor:
+        h = self._linear(tokens, "fc1", tokens_per_expert)
         if self.fc1_bias is not None:
             h = h + _per_token(self.fc1_bias, tokens_per_expert)
-        h = self._activate(h)
-        if self.grouped_gemm and _grouped_mm_supported(tokens):
-            out = _grouped_linear(h, self.fc2_weight, tokens_per_expert)
-        else:
-            out = _looped_linear(h, self.fc2_weight, tokens_per_expert)
+        out = self._linear(self._activate(h), "fc2", tokens_per_expert)
         if self.fc2_bias is not None and self.add_fc2_bias:
             out = out + _per_token(self.fc2_bias, tokens_per_expert)
-        return out * probs.unsqueeze(-1).to(out.dtype)
+        return out
+
+    def _linear(self, x: torch.Tensor, name: str, tokens_per_expert: list) -> torch.Tensor:
+        weight = self.fc1_weight if name == "fc1" else self.fc2_weight
+        if self.fp8 is not None:
+            return self.fp8[name](x, weight, tokens_per_expert)
+        if self.grouped_gemm and _grouped_mm_supported(x):
+            return _grouped_linear(x, weight, tokens_per_expert)
+        return _looped_linear(x, weight, tokens_per_expert)
 
     def _activate(self, h):
         if not self.gated:

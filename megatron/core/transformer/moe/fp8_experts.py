@@ -1,0 +1,216 @@
+"""FP8 GEMMs for the routed experts, under --fp8-format / --fp8-recipe.
+
+Megatron-Core runs its experts in FP8 through Transformer Engine's grouped linear, which keeps FP8
+metadata per GEMM. Here likewise each local expert's GEMMs have their own scaling state: one
+`FP8Linear` (transformer/fp8.py) per expert and stacked weight, with its own amax and scale for the
+input, the weight and the output gradient. An expert's scales follow only the rows routed to it, so
+expert parallelism leaves them unchanged (an expert sees the same rows on whichever rank holds it).
+
+Rows are padded per expert with zeros to a multiple of `FP8_ALIGNMENT` (16) before the GEMMs and the
+padding is removed after, as Megatron-Core's Fp8Padding / Fp8Unpadding do: FP8 GEMM kernels take
+dimensions that are multiples of 16, and the weight gradient's contracted dimension is the
+expert's row count. Zero rows change no amax and no real row's result. Counts that are multiples
+of 16 already (as with balanced routing at usual sizes) are not copied.
+
+Each expert keeps the dense FP8 linear's properties: the forward keeps the input's FP8 transpose for
+the weight gradient (tensorwise, delayed), the output gradient is cast once for both gradient GEMMs,
+an expert's weight is cast once per optimizer step (cached on the parameter's version), and
+evaluation forwards do not roll the amax history (the chunk's `DelayedScaling`, shared with the
+dense layers).
+
+The GEMMs run as one `torch._scaled_grouped_mm` per GEMM where it exists (an NVIDIA GPU of compute
+capability 9.0, H100/H200; bf16 activations; one scale per expert and tensor, i.e. tensorwise or
+delayed), with each expert's scale given per row (and per output column of its weight): E4M3
+operands only, so under `hybrid` (E5M2 gradients) the two gradient GEMMs loop over the experts with
+`torch._scaled_mm` on the same casts. Elsewhere, and for rowwise, all three GEMMs loop over the
+experts that received rows, each with its `FP8Linear`.
+"""
+import torch
+
+from megatron.core.transformer.fp8 import GRAD, INPUT, WEIGHT, quantize, scale_from_amax, scaled_mm
+
+FP8_ALIGNMENT = 16  # rows per expert are padded to a multiple of this (Megatron-Core's FP8 alignment)
+
+
+def padded_counts(tokens_per_expert: list, multiple: int = FP8_ALIGNMENT) -> list:
+    """Each expert's row count rounded up to `multiple` (an expert with no rows keeps none)."""
+    return [-(-count // multiple) * multiple for count in tokens_per_expert]
+
+
+def real_rows(tokens_per_expert: list, padded: list, device) -> torch.Tensor:
+    """Indices, in the padded row layout, of the real rows (each expert's first `count` rows)."""
+    total = sum(tokens_per_expert)  # output sizes known on the host: no device sync
+    starts = torch.tensor([0] + padded[:-1], device=device).cumsum(0)
+    counts = torch.tensor(tokens_per_expert, device=device)
+    first = torch.repeat_interleave(starts, counts, output_size=total)
+    within = torch.arange(total, device=device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts,
+                                                                          output_size=total)
+    return first + within
+
+
+def pad_rows(x: torch.Tensor, rows: torch.Tensor, num_padded: int) -> torch.Tensor:
+    """x [N, k] -> [num_padded, k] with x's rows at `rows`, zeros elsewhere."""
+    return x.new_zeros((num_padded, x.shape[-1])).index_copy(0, rows, x)
+
+
+class _ExpertsFP8Function(torch.autograd.Function):
+    """y = per expert e, rows_e @ weight[e]^T, every GEMM in FP8 with expert e's `FP8Linear`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts, linears):
+        outputs, kept = [], []
+        for index, rows in enumerate(x.split(counts)):
+            if rows.shape[0] == 0:
+                outputs.append(rows.new_empty((0, weight.shape[1])))
+                continue
+            y, expert_kept = linears[index].forward_keeping_input(rows, weight[index], keep_input=True)
+            outputs.append(y)
+            kept.extend(expert_kept if expert_kept is not None else (rows,))
+        # Rowwise keeps the input rows themselves (it casts per GEMM axis); the other recipes keep
+        # each expert's FP8 transpose and its scale.
+        ctx.save_for_backward(weight, *kept)
+        ctx.counts, ctx.linears = counts, linears
+        return torch.cat(outputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, *kept = ctx.saved_tensors
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        grad_inputs, position = [], 0
+        for index, rows_grad in enumerate(grad.split(ctx.counts)):
+            if rows_grad.shape[0] == 0:
+                grad_inputs.append(rows_grad.new_empty((0, weight.shape[2])))
+                continue
+            linear = ctx.linears[index]
+            # The output gradient cast once, for both GEMMs.
+            grad_fp8 = linear.quantize_grad(rows_grad, transpose=grad_weight is not None)
+            grad_inputs.append(linear.dgrad(rows_grad, weight[index], grad_fp8))
+            if linear.rowwise:
+                expert_kept, input_rows = None, kept[position]
+                position += 1
+            else:
+                expert_kept, input_rows = tuple(kept[position:position + 2]), None
+                position += 2
+            if grad_weight is not None:
+                grad_weight[index] = linear.wgrad(rows_grad, input_rows, grad_fp8, expert_kept)
+        grad_input = torch.cat(grad_inputs) if ctx.needs_input_grad[0] else None
+        return grad_input, grad_weight, None, None
+
+
+def grouped_fp8_supported(x: torch.Tensor, rowwise: bool) -> bool:
+    """Whether `torch._scaled_grouped_mm` runs here: CUDA compute capability 9.x, bf16 output, one
+    scale per expert (its row-wise scales then carry each expert's scale)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and not rowwise and hasattr(torch, "_scaled_grouped_mm")
+            and torch.cuda.get_device_capability(x.device)[0] == 9)
+
+
+def _scaled_grouped_mm(a, b, scale_a, scale_b, offs):
+    """torch._scaled_grouped_mm with dequantizing scales (one per row of a, one per column of b per
+    group), bf16 output. A function of its own so the CPU tests can stand in for the kernel."""
+    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)
+
+
+def _expert_amaxes(x: torch.Tensor, row_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """max |x| over each expert's rows [E] (fp32; 0 for an expert without rows)."""
+    row_amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, dtype=torch.float32)
+    return row_amax.new_zeros(num_experts).scatter_reduce(0, row_expert, row_amax, "amax")
+
+
+class ExpertsFP8:
+    """The FP8 GEMMs of one stacked expert weight [E, n, k]: an `FP8Linear` per expert (its scaling
+    state; the loop path runs through it), and the grouped path's cached weight casts."""
+
+    def __init__(self, linears: list):
+        self.linears = linears
+        first = linears[0]
+        self.options, self.scaling, self.rowwise = first.options, first.scaling, first.rowwise
+        self.forward_dtype, self.grad_dtype = first.forward_dtype, first.grad_dtype
+        self._weight_key = self._weight = None
+        self._slots = {}  # role -> the experts' slots in the delayed-scaling state, as a device tensor
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, counts: list) -> torch.Tensor:
+        """x [N, k] (rows sorted by expert, `counts` each, every count a multiple of FP8_ALIGNMENT)
+        times weight [E, n, k] per expert -> [N, n] in x's dtype."""
+        if grouped_fp8_supported(x, self.rowwise):
+            return _GroupedExpertsFP8Function.apply(x, weight, list(counts), self)
+        return _ExpertsFP8Function.apply(x, weight, list(counts), self.linears)
+
+    def scales(self, amaxes: torch.Tensor, role: int, dtype: torch.dtype) -> torch.Tensor:
+        """Each expert's scale [E] for `role` (recording the amaxes under delayed scaling)."""
+        if self.scaling is None:
+            return scale_from_amax(amaxes, dtype, self.options.margin)
+        slots = [linear.first_slot + role for linear in self.linears]
+        for slot, amax in zip(slots, amaxes):
+            (self.scaling.record_weight if role == WEIGHT else self.scaling.record)(slot, amax)
+        if not self.scaling.ready:
+            return scale_from_amax(amaxes, dtype, self.options.margin)
+        if role not in self._slots:
+            self._slots[role] = torch.tensor(slots, device=amaxes.device)
+        return self.scaling.scale[self._slots[role]]
+
+    def weights(self, weight: torch.Tensor):
+        """(forward operand [E, k, n] and input-gradient operand [E, n, k], both column-major FP8,
+        the experts' scales [E]), cast once per weight update."""
+        key = (weight.data_ptr(), weight._version)
+        if key != self._weight_key:
+            w = weight.detach()
+            amaxes = torch.linalg.vector_norm(w, ord=float("inf"), dim=(1, 2), dtype=torch.float32)
+            scale = self.scales(amaxes, WEIGHT, self.forward_dtype)
+            w_q = quantize(w, scale.view(-1, 1, 1), self.forward_dtype)                 # [E, n, k]
+            self._weight = (w_q.transpose(1, 2), w_q.transpose(1, 2).contiguous().transpose(1, 2), scale)
+            self._weight_key = key
+        return self._weight
+
+
+class _GroupedExpertsFP8Function(torch.autograd.Function):
+    """The experts' three GEMMs as grouped FP8 GEMMs, each tensor cast once for all experts (one
+    kernel, each row scaled by its expert's scale)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts, fp8):
+        num_experts = weight.shape[0]
+        counts_t = torch.tensor(counts, device=x.device)
+        row_expert = torch.repeat_interleave(torch.arange(num_experts, device=x.device), counts_t,
+                                             output_size=x.shape[0])
+        offs = counts_t.cumsum(0).to(torch.int32)
+        x_scale = fp8.scales(_expert_amaxes(x, row_expert, num_experts), INPUT, fp8.forward_dtype)
+        x_q = quantize(x, x_scale[row_expert].unsqueeze(1), fp8.forward_dtype)       # [N, k]
+        w_forward, _, w_scale = fp8.weights(weight)
+        out_features = weight.shape[1]
+        y = _scaled_grouped_mm(x_q, w_forward, x_scale.reciprocal()[row_expert],
+                               w_scale.reciprocal().unsqueeze(1).expand(-1, out_features).contiguous(), offs)
+        # The input's FP8 transpose [k, N] is what the weight gradient needs of it.
+        ctx.save_for_backward(x_q.t().contiguous(), x_scale, weight, row_expert, offs)
+        ctx.counts, ctx.fp8 = counts, fp8
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_t, x_scale, weight, row_expert, offs = ctx.saved_tensors
+        fp8, counts = ctx.fp8, ctx.counts
+        num_experts, out_features, in_features = weight.shape
+        grad = grad.contiguous()
+        g_scale = fp8.scales(_expert_amaxes(grad, row_expert, num_experts), GRAD, fp8.grad_dtype)
+        g_q = quantize(grad, g_scale[row_expert].unsqueeze(1), fp8.grad_dtype)       # [N, n], cast once
+        g_t = g_q.t().contiguous()                                                    # [n, N]
+        _, w_dgrad, w_scale = fp8.weights(weight)
+        if fp8.grad_dtype == fp8.forward_dtype:  # the grouped kernel multiplies E4M3 operands only
+            grad_input = _scaled_grouped_mm(g_q, w_dgrad, g_scale.reciprocal()[row_expert],
+                                            w_scale.reciprocal().unsqueeze(1).expand(-1, in_features).contiguous(),
+                                            offs)
+            # Weight gradient: groups along the contracted (row) dimension, scales group-major.
+            grad_weight = _scaled_grouped_mm(g_t, x_t.t(), g_scale.reciprocal().repeat_interleave(out_features),
+                                             x_scale.reciprocal().repeat_interleave(in_features), offs)
+            empty = torch.tensor(counts, device=grad.device).eq(0).view(-1, 1, 1)
+            return grad_input, grad_weight.masked_fill(empty, 0), None, None
+        grad_input = grad.new_empty((grad.shape[0], in_features))
+        grad_weight = torch.zeros_like(weight)
+        start = 0
+        for index, count in enumerate(counts):
+            if count:
+                rows = slice(start, start + count)
+                grad_input[rows] = scaled_mm(g_q[rows], w_dgrad[index], g_scale[index], w_scale[index], grad.dtype)
+                grad_weight[index] = scaled_mm(g_t[:, rows], x_t[:, rows].t(), g_scale[index], x_scale[index],
+                                               grad.dtype)
+            start += count
+        return grad_input, grad_weight, None, None

@@ -1,0 +1,74 @@
+"""The experts' grouped GEMMs on the GPU (`pytest -m gpu`, run by bench/gpu_check.sh): the paths the
+CPU cannot run, each against the loop of GEMMs it replaces.
+
+- bf16: `torch._grouped_mm` (--moe-grouped-gemm) against the loop of F.linear, forward and backward.
+- FP8: `torch._scaled_grouped_mm` (one cast per tensor for all experts, each expert's scale per
+  row) against the loop of `torch._scaled_mm` with each expert's `FP8Linear`: the same FP8 values,
+  so only the bf16 rounding of the results differs; and both within the FP8 bound of bf16.
+Rows per expert are multiples of 16 (as the experts pad them under FP8), one expert gets none.
+Skipped without a GPU.
+"""
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+COUNTS = [32, 0, 48, 16]        # rows per expert (multiples of 16; an empty expert)
+HIDDEN, FFN = 256, 512
+
+
+def _data(seed):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    rows = sum(COUNTS)
+    x = torch.randn(rows, HIDDEN, device="cuda", generator=generator).bfloat16()
+    weight = (torch.randn(len(COUNTS), FFN, HIDDEN, device="cuda", generator=generator) * 0.05).bfloat16()
+    grad = (torch.randn(rows, FFN, device="cuda", generator=generator) * 1e-3).bfloat16()
+    return x, weight, grad
+
+
+def _run(function, x, weight, grad):
+    x = x.clone().requires_grad_()
+    weight = weight.clone().requires_grad_()
+    y = function(x, weight)
+    y.backward(grad)
+    return y.detach().float(), x.grad.float(), weight.grad.float()
+
+
+def _close(got, want, what):
+    for name, g, w in zip(("output", "input grad", "weight grad"), got, want):
+        torch.testing.assert_close(g, w, rtol=2 ** -7, atol=2 ** -7 * w.abs().max().item(), msg=f"{what}: {name}")
+
+
+def test_grouped_mm_experts_equal_the_loop():
+    from megatron.core.transformer.moe.experts import _grouped_linear, _grouped_mm_supported, _looped_linear
+
+    x, weight, grad = _data(0)
+    if not _grouped_mm_supported(x):
+        pytest.skip("torch._grouped_mm needs compute capability 9.0+ and this PyTorch")
+    _close(_run(lambda a, w: _grouped_linear(a, w, COUNTS), x, weight, grad),
+           _run(lambda a, w: _looped_linear(a, w, COUNTS), x, weight, grad), "bf16 grouped")
+
+
+@pytest.mark.parametrize("fp8_format", ["e4m3", "hybrid"])
+def test_scaled_grouped_mm_fp8_experts_equal_the_loop(fp8_format):
+    from megatron.core.transformer.fp8 import FP8Linear, FP8Options
+    from megatron.core.transformer.moe.experts import _looped_linear
+    from megatron.core.transformer.moe.fp8_experts import ExpertsFP8, _ExpertsFP8Function, grouped_fp8_supported
+
+    x, weight, grad = _data(1)
+    if not grouped_fp8_supported(x, rowwise=False):
+        pytest.skip("torch._scaled_grouped_mm needs compute capability 9.x and this PyTorch")
+    options = FP8Options(fp8_format, "tensorwise")
+    grouped = ExpertsFP8([FP8Linear(options, None) for _ in COUNTS])
+    loop = [FP8Linear(options, None) for _ in COUNTS]
+    got = _run(lambda a, w: grouped(a, w, COUNTS), x, weight, grad)
+    want = _run(lambda a, w: _ExpertsFP8Function.apply(a, w, COUNTS, loop), x, weight, grad)
+    _close(got, want, f"FP8 {fp8_format} grouped")
+    bf16 = _run(lambda a, w: _looped_linear(a, w, COUNTS), x, weight, grad)
+    grad_u = 2.0 ** -3 if fp8_format == "hybrid" else 2.0 ** -4
+    for name, g, w, bound in zip(("output", "input grad", "weight grad"), got, bf16,
+                                 (math.hypot(2 ** -4, 2 ** -4),) + (math.hypot(grad_u, 2 ** -4),) * 2):
+        error = ((g - w).norm() / w.norm()).item()
+        assert error <= bound, (name, error, bound)
+    assert torch.all(got[2][1] == 0)  # the expert without rows gets a zero weight gradient
