@@ -17,11 +17,12 @@ Formats (Megatron-LM's `--ckpt-format`):
 - `torch` (legacy): one `mp_rank_XX/model_optim_rng.pt` per TP rank, `mp_rank_XX_YYY/` per TP rank
   XX and PP stage YYY, `mp_rank_XX[_YYY]_ZZZ/` per expert-parallel rank ZZZ (mixture of experts:
   each file holds its rank's experts; the dense tensors are read from rank 0's); the model under
-  `model`, or `model0`, `model1`, ... per virtual pipeline stage. Shards are merged: column-parallel weights (linear_qkv, linear_fc1, the vocabulary-parallel
-  embedding and output layer) along dim 0, row-parallel ones (linear_proj, linear_fc2) along dim 1,
-  norms and row-parallel biases taken from TP rank 0. Layers are numbered per model chunk; chunks are
-  laid out in pipeline order (virtual stage 0 of stages 0..PP-1, then virtual stage 1, ...), each
-  chunk's layer count taken from its own shard.
+  `model`, or `model0`, `model1`, ... per virtual pipeline stage. Shards are merged: column-parallel
+  weights (linear_qkv, linear_fc1, the vocabulary-parallel embedding and output layer) along dim 0,
+  row-parallel ones (linear_proj, linear_fc2) along dim 1, norms and row-parallel biases taken from
+  TP rank 0. Layers are numbered per model chunk; chunks are laid out in pipeline order (virtual
+  stage 0 of stages 0..PP-1, then virtual stage 1, ...), each chunk's layer count taken from its
+  own shard.
 
 Layouts undone:
 - linear_qkv interleaves q, k and v per query group ([q heads of group 0, k0, v0, q heads of group 1,
@@ -253,7 +254,8 @@ def _unstack_layers(tensors: dict, num_layers: int, directory: str) -> dict:
 def _read_legacy(directory: str) -> tuple[dict, dict]:
     """(args, iteration and version of the first file, {Megatron tensor name (global layer numbers,
     global expert indices): full tensor}). Stage by stage: one stage's shards are in memory at a time."""
-    first = os.path.join(directory, min(n for n in os.listdir(directory) if _RANK_DIR.fullmatch(n)), "model_optim_rng.pt")
+    first_rank = min(name for name in os.listdir(directory) if _RANK_DIR.fullmatch(name))
+    first = os.path.join(directory, first_rank, "model_optim_rng.pt")
     loaded = {first: load_pickled(first)}
     common = _read_common(loaded[first], directory)
     args = vars(common["args"])
@@ -305,8 +307,9 @@ def _legacy_files(directory: str, args: dict) -> tuple[dict, int, int, int]:
                 name = (f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if pipeline_parallel else "")
                         + (f"_{ep:03d}" if expert_parallel else ""))
                 if (tp, pp, ep) not in files or not os.path.isfile(files[(tp, pp, ep)]):
-                    raise FileNotFoundError(f"{os.path.join(directory, name, 'model_optim_rng.pt')} is missing "
-                                            f"(the checkpoint has TP {sizes[0]} x PP {sizes[1]} x EP {sizes[2]} shards)")
+                    raise FileNotFoundError(
+                        f"{os.path.join(directory, name, 'model_optim_rng.pt')} is missing "
+                        f"(the checkpoint has TP {sizes[0]} x PP {sizes[1]} x EP {sizes[2]} shards)")
     return files, *sizes
 
 
