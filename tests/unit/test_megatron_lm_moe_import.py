@@ -8,7 +8,8 @@ TP1 / EP1 and, resharded by Megatron-Core's dist_checkpointing, at EP2, TP2 x EP
 PP2 x EP2: torch_dist, and legacy files with the experts in SequentialMLP's form, the legacy
 GroupedMLP's (weight1/weight2) or TEGroupedMLP's names. Each checkpoint, imported and loaded into
 our GPTModel, must give Megatron-Core's logits within TOLERANCE (fp32), and every layout and form
-must import to the same tensors.
+must import to the same tensors; the Mixtral-like one, exported to Hugging Face, must give
+Megatron-Core's logits in `transformers`' MixtralForCausalLM.
 """
 import re
 import shutil
@@ -153,3 +154,22 @@ def test_convert_tool_writes_the_moe_model_with_its_expert_bias(moe_checkpoints,
     reference = torch.load(moe_checkpoints / "shared_logits.pt", weights_only=True)
     converted = megatron_lm.MegatronCheckpoint(ITERATION, {}, config, logical, "torch", str(tmp_path))
     assert (our_logits(converted, reference["tokens"]) - reference["logits"]).abs().max().item() < TOLERANCE
+
+
+def test_megatron_mixtral_exported_to_hugging_face_gives_megatron_core_logits(moe_checkpoints, tmp_path):
+    """Megatron-LM (legacy, TP2 x EP2) -> convert.py --target-format hf -> transformers'
+    MixtralForCausalLM: the two independent implementations agree through our import."""
+    from tests.optional import require_module
+    from tests.unit.test_checkpoint_convert import convert
+
+    transformers = require_module("transformers")
+    source = checkpoint_dir(moe_checkpoints, "mixtral", "torch", "tp2_pp1_ep2")
+    convert.convert(["--source-format", "megatron", "--source", str(source), "--target-format", "hf",
+                     "--target", str(tmp_path / "hf")])
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True,
+                                                              dtype=torch.float32, attn_implementation="eager")
+    assert type(model).__name__ == "MixtralForCausalLM"
+    reference = torch.load(moe_checkpoints / "mixtral_logits.pt", weights_only=True)
+    with torch.no_grad():
+        logits = model.eval()(reference["tokens"]).logits
+    assert (logits - reference["logits"]).abs().max().item() < TOLERANCE
