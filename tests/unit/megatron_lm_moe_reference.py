@@ -67,7 +67,7 @@ _MOE_DEFAULTS = dict(
     moe_router_topk=2, moe_router_score_function="softmax", moe_router_pre_softmax=False,
     moe_router_topk_scaling_factor=None, moe_router_num_groups=None, moe_router_group_topk=None,
     moe_router_enable_expert_bias=False, moe_router_bias_update_rate=1e-3, moe_router_dtype=None,
-    moe_router_load_balancing_type=["aux_loss"], moe_aux_loss_coeff=[0.0], moe_z_loss_coeff=None,
+    moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
     moe_input_jitter_eps=None, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
     moe_use_legacy_grouped_gemm=False, moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False,
     moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False, moe_token_drop_policy="probs",
@@ -77,7 +77,8 @@ MODELS = {
     "shared": dict(_DENSE, num_layers=3, ffn_hidden_size=96, qk_layernorm=True, num_experts=4,
                    moe_layer_freq=[0, 1, 1], moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=64,
                    moe_shared_expert_gate=True, moe_router_score_function="sigmoid",
-                   moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.0),
+                   moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.0,
+                   moe_router_load_balancing_type=["seq_aux_loss"], moe_aux_loss_coeff=[1e-3]),
 }
 # (model, TP, PP, EP, legacy forms): the layouts each model is saved at after TP1 / PP1 / EP1.
 LAYOUTS = (("mixtral", 1, 1, 2, ("sequential",)), ("mixtral", 2, 1, 2, ("sequential", "grouped")),

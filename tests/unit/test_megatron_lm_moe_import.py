@@ -73,12 +73,15 @@ def test_moe_config_follows_megatron_arguments(moe_checkpoints):
     mixtral = read_megatron_checkpoint(checkpoint_dir(moe_checkpoints, "mixtral", "torch", "tp2_pp1_ep2")).config
     assert (mixtral.num_experts, mixtral.moe_router_topk, mixtral.moe_ffn_hidden_size) == (4, 2, 96)
     assert mixtral.moe_router_score_function == "softmax" and mixtral.moe_shared_expert_intermediate_size is None
+    # nargs='+' flags saved with their scalar defaults become one-element lists
+    assert (mixtral.moe_router_load_balancing_type, mixtral.moe_aux_loss_coeff) == (["aux_loss"], [0.0])
     checkpoint = read_megatron_checkpoint(checkpoint_dir(moe_checkpoints, "shared", "torch_dist", "tp1_pp1_ep2"))
     shared = checkpoint.config
     assert (shared.moe_layer_freq, shared.moe_ffn_hidden_size, shared.moe_shared_expert_intermediate_size) == \
         ("[0, 1, 1]", 32, 64)
     assert shared.moe_shared_expert_gate and shared.moe_router_enable_expert_bias
     assert (shared.moe_router_score_function, shared.moe_router_topk_scaling_factor) == ("sigmoid", 2.0)
+    assert (shared.moe_router_load_balancing_type, shared.moe_aux_loss_coeff) == (["seq_aux_loss"], [1e-3])
     assert "decoder.layers.0.mlp.linear_fc1.weight" in checkpoint.logical  # the dense first layer
     bias = checkpoint.logical["decoder.layers.1.mlp.router.expert_bias"][""]
     assert bias.shape == (4,) and bias.abs().sum() > 0

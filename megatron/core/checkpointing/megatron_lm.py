@@ -475,8 +475,15 @@ def config_from_megatron_args(args: dict, padded_vocab_size: int, *, source: str
     values = {name: value for name, value in args.items() if name in names and value is not None}
     if isinstance(values.get("moe_layer_freq"), (int, list)):  # Megatron-LM parses the flag to these
         values["moe_layer_freq"] = str(values["moe_layer_freq"])
+    for field in dataclasses.fields(TransformerConfig):  # nargs='+' flags keep their scalar default
+        if field.name in values and _is_list_field(field) and not isinstance(values[field.name], (list, tuple)):
+            values[field.name] = [values[field.name]]
     values.update(padded_vocab_size=padded_vocab_size, openai_gelu=_tanh_gelu(args))
     return derive(TransformerConfig(**values), seq_length=args.get("seq_length"))
+
+
+def _is_list_field(field) -> bool:
+    return field.default_factory is not dataclasses.MISSING and isinstance(field.default_factory(), list)
 
 
 def _tanh_gelu(args: dict) -> bool:
