@@ -176,3 +176,30 @@ def test_megatron_mixtral_exported_to_hugging_face_gives_megatron_core_logits(mo
     with torch.no_grad():
         logits = model.eval()(reference["tokens"]).logits
     assert (logits - reference["logits"]).abs().max().item() < TOLERANCE
+
+
+def test_training_starts_from_the_imported_moe_model_and_its_expert_bias(moe_checkpoints, tmp_path):
+    """pretrain_gpt.py --load <converted Megatron-LM MoE> --finetune --use-checkpoint-args: the MoE
+    flags come from the checkpoint, and the routers start from Megatron-Core's expert biases (after
+    one step each has moved by the update rate, 1e-3, at most)."""
+    from megatron.core.checkpointing.storage import read_full_tensors
+    from tests.functional.test_pretrain_gpt import run_pretrain
+    from tests.unit.test_checkpoint_convert import convert
+
+    source = checkpoint_dir(moe_checkpoints, "shared", "torch_dist", "tp1_pp1_ep2")
+    convert.convert(["--source-format", "megatron", "--source", str(source), "--target", str(tmp_path / "ours")])
+    flags = ["--load", str(tmp_path / "ours"), "--finetune", "--use-checkpoint-args", "--save", str(tmp_path / "tuned"),
+             "--save-interval", "1", "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1", "--lr",
+             "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "99", "--log-interval", "1",
+             "--eval-iters", "0", "--num-workers", "0", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    result = run_pretrain([], base=flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--use-checkpoint-args: num_experts = 4" in result.stdout
+    assert "--use-checkpoint-args: moe_router_enable_expert_bias = True" in result.stdout
+    imported = read_megatron_checkpoint(source).logical
+    keys = [f"model/decoder.layers.{layer}.mlp.router.expert_bias" for layer in (1, 2)]
+    tuned = read_full_tensors(str(tmp_path / "tuned" / "iter_0000001"), keys)
+    for key in keys:
+        start = imported[key[len("model/"):]][""]
+        assert start.abs().min() > 1e-2
+        assert (tuned[key] - start).abs().max().item() <= 1e-3 + 1e-6, key
