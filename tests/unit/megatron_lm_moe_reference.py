@@ -16,7 +16,8 @@ Two models (GPTModel with Megatron-Core's local spec, `get_gpt_decoder_block_spe
 Each is built at TP1 / EP1 with weights of a size that makes logits O(1); the logits of a forward
 pass on fixed tokens are saved, and the model in both formats. Then the torch_dist checkpoint is
 loaded with `dist_checkpointing.load` (Megatron's own resharding) at other layouts (EP2, TP2 x EP2,
-PP2 x EP2) and saved again in both formats. The legacy files of an expert-parallel layout are
+PP2 x EP2) and saved again in both formats, and at TP2 x EP2 with expert-tensor-parallel size 1 in
+torch_dist. The legacy files of an expert-parallel layout are
 `mp_rank_TT[_PPP]_EEE/` (Megatron-LM's `get_checkpoint_name`), written by the ranks of expert-data-
 parallel rank 0.
 
@@ -80,9 +81,11 @@ MODELS = {
                    moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.0,
                    moe_router_load_balancing_type=["seq_aux_loss"], moe_aux_loss_coeff=[1e-3]),
 }
-# (model, TP, PP, EP, legacy forms): the layouts each model is saved at after TP1 / PP1 / EP1.
-LAYOUTS = (("mixtral", 1, 1, 2, ("sequential",)), ("mixtral", 2, 1, 2, ("sequential", "grouped")),
-           ("mixtral", 1, 2, 2, ("sequential",)), ("shared", 1, 1, 2, ("te",)), ("shared", 2, 1, 2, ("te",)))
+# (model, TP, PP, EP, ETP, legacy forms): the layouts each model is saved at after TP1 / PP1 / EP1
+# (ETP None: TP, Megatron-LM's default). TP2 with ETP1 only in torch_dist (such legacy files are refused).
+LAYOUTS = (("mixtral", 1, 1, 2, None, ("sequential",)), ("mixtral", 2, 1, 2, None, ("sequential", "grouped")),
+           ("mixtral", 1, 2, 2, None, ("sequential",)), ("mixtral", 2, 1, 2, 1, ()),
+           ("shared", 1, 1, 2, None, ("te",)), ("shared", 2, 1, 2, None, ("te",)))
 SINGLE_FORMS = {"mixtral": ("sequential", "grouped"), "shared": ("sequential", "te")}
 
 
@@ -97,19 +100,19 @@ def main():
                                          world_size=int(os.environ["WORLD_SIZE"]))
     for name in MODELS:
         _single(torch, name, out_dir)
-    for name, tp, pp, ep, forms in LAYOUTS:
-        _parallel(torch, name, out_dir, tp, pp, ep, forms)
+    for name, tp, pp, ep, etp, forms in LAYOUTS:
+        _parallel(torch, name, out_dir, tp, pp, ep, etp, forms)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
-def fixture_name(name, fmt, tp=1, pp=1, ep=1):
+def fixture_name(name, fmt, tp=1, pp=1, ep=1, etp=None):
     """fmt: torch_dist, torch (SequentialMLP), torch-grouped (legacy GroupedMLP) or torch-te
     (TEGroupedMLP's names)."""
-    return f"{name}_{fmt}_tp{tp}_pp{pp}_ep{ep}"
+    return f"{name}_{fmt}_tp{tp}_pp{pp}_ep{ep}" + (f"_etp{etp}" if etp is not None else "")
 
 
-def megatron_args(torch, name, tp, pp, ep, fmt):
+def megatron_args(torch, name, tp, pp, ep, fmt, etp=None):
     from megatron.core.enums import ModelType
     from megatron.core.transformer.enums import AttnBackend
     values = {**COMMON_ARGS, **_MOE_DEFAULTS, **MODELS[name]}
@@ -119,12 +122,13 @@ def megatron_args(torch, name, tp, pp, ep, fmt):
         values.update(moe_grouped_gemm=True, transformer_impl="transformer_engine")
     return argparse.Namespace(
         **values, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
+        virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=tp if etp is None else etp,
         ckpt_format="torch" if fmt.startswith("torch-") else fmt, use_dist_ckpt=fmt == "torch_dist",
         params_dtype=torch.float32, model_type=ModelType.encoder_or_decoder, attention_backend=AttnBackend.auto)
 
 
-def build_model(torch, name, tp, pp, ep, grouped=False):
+def build_model(torch, name, tp, pp, ep, etp=None, grouped=False):
     """This rank's GPTModel, as Megatron-LM builds a mixture of experts with the local spec."""
     from megatron.core import parallel_state
     from megatron.core.models import backends
@@ -133,7 +137,8 @@ def build_model(torch, name, tp, pp, ep, grouped=False):
     from megatron.core.transformer import transformer_block
     from megatron.core.transformer.transformer_config import TransformerConfig
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp)
+    etp = tp if etp is None else etp
+    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     a = argparse.Namespace(**{**COMMON_ARGS, **_MOE_DEFAULTS, **MODELS[name]})
     backends.LNImpl = transformer_block.LayerNormImpl = backends.WrappedTorchNorm
     config = TransformerConfig(
@@ -142,7 +147,7 @@ def build_model(torch, name, tp, pp, ep, grouped=False):
         normalization=a.normalization, layernorm_epsilon=a.norm_epsilon, gated_linear_unit=a.swiglu,
         activation_func=torch.nn.functional.silu, bias_activation_fusion=False, add_bias_linear=False,
         add_qkv_bias=False, hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
+        pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
         pipeline_dtype=torch.float32, use_cpu_initialization=True,
         masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         qk_layernorm=a.qk_layernorm, num_moe_experts=a.num_experts, moe_layer_freq=a.moe_layer_freq,
@@ -250,10 +255,10 @@ def _single(torch, name, out_dir):
                     os.path.join(out_dir, fixture_name(name, fmt)), form)
 
 
-def _reloaded(torch, name, out_dir, tp, pp, ep, grouped=False):
-    """The TP1 / EP1 torch_dist checkpoint loaded at (tp, pp, ep) by Megatron-Core's resharding."""
+def _reloaded(torch, name, out_dir, tp, pp, ep, etp=None, grouped=False):
+    """The TP1 / EP1 torch_dist checkpoint loaded at (tp, pp, ep, etp) by Megatron-Core's resharding."""
     from megatron.core import dist_checkpointing
-    model = build_model(torch, name, tp, pp, ep, grouped)
+    model = build_model(torch, name, tp, pp, ep, etp, grouped)
     source = os.path.join(out_dir, fixture_name(name, "torch_dist"), f"iter_{ITERATION:07d}")
     sharded = sharded_state_dict([model])
     loaded = dist_checkpointing.load(sharded, source)
@@ -261,13 +266,13 @@ def _reloaded(torch, name, out_dir, tp, pp, ep, grouped=False):
     return model
 
 
-def _parallel(torch, name, out_dir, tp, pp, ep, forms):
-    model = _reloaded(torch, name, out_dir, tp, pp, ep)
-    save_torch_dist(torch, [model], megatron_args(torch, name, tp, pp, ep, "torch_dist"),
-                    os.path.join(out_dir, fixture_name(name, "torch_dist", tp, pp, ep)))
+def _parallel(torch, name, out_dir, tp, pp, ep, etp, forms):
+    model = _reloaded(torch, name, out_dir, tp, pp, ep, etp)
+    save_torch_dist(torch, [model], megatron_args(torch, name, tp, pp, ep, "torch_dist", etp),
+                    os.path.join(out_dir, fixture_name(name, "torch_dist", tp, pp, ep, etp)))
     for form in forms:
         fmt = _legacy_format(form)
-        source = model if form != "grouped" else _reloaded(torch, name, out_dir, tp, pp, ep, grouped=True)
+        source = model if form != "grouped" else _reloaded(torch, name, out_dir, tp, pp, ep, etp, grouped=True)
         save_legacy(torch, name, source, megatron_args(torch, name, tp, pp, ep, fmt),
                     os.path.join(out_dir, fixture_name(name, fmt, tp, pp, ep)), form)
 

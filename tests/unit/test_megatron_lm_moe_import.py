@@ -5,7 +5,7 @@ GPTModels with Megatron-Core ("mixtral": every layer 4 experts, top-2 softmax; "
 layer, sigmoid routing with an expert bias and a top-k scaling factor, shared experts with their
 gate, query/key norms), records the logits of its forward pass at TP1 / EP1, and saves each at
 TP1 / EP1 and, resharded by Megatron-Core's dist_checkpointing, at EP2, TP2 x EP2 and (mixtral)
-PP2 x EP2: torch_dist, and legacy files with the experts in SequentialMLP's form, the legacy
+PP2 x EP2 and TP2 x EP2 with expert-tensor-parallel size 1 (torch_dist only): torch_dist, and legacy files with the experts in SequentialMLP's form, the legacy
 GroupedMLP's (weight1/weight2) or TEGroupedMLP's names. Each checkpoint, imported and loaded into
 our GPTModel, must give Megatron-Core's logits within TOLERANCE (fp32), and every layout and form
 must import to the same tensors; the Mixtral-like one, exported to Hugging Face, must give
@@ -31,6 +31,7 @@ CHECKPOINTS = [
     ("mixtral", "torch_dist", "tp2_pp1_ep2"), ("mixtral", "torch", "tp2_pp1_ep2"),
     ("mixtral", "torch-grouped", "tp2_pp1_ep2"),
     ("mixtral", "torch_dist", "tp1_pp2_ep2"), ("mixtral", "torch", "tp1_pp2_ep2"),
+    ("mixtral", "torch_dist", "tp2_pp1_ep2_etp1"),
     ("shared", "torch_dist", "tp1_pp1_ep1"), ("shared", "torch", "tp1_pp1_ep1"), ("shared", "torch-te", "tp1_pp1_ep1"),
     ("shared", "torch_dist", "tp1_pp1_ep2"), ("shared", "torch-te", "tp1_pp1_ep2"),
     ("shared", "torch_dist", "tp2_pp1_ep2"), ("shared", "torch-te", "tp2_pp1_ep2"),
