@@ -15,7 +15,7 @@
 #   MOE_AUX_LOSS    load-balancing loss coefficient (--moe-aux-loss-coeff) [1e-2]
 #   MOE_LAYER_RECOMPUTE 1: recompute the MoE blocks in backward             [0]
 # FSDP=1 is refused with experts (use the distributed optimizer, on by default with DP > 1).
-# Slurm: examples/llama/train_llama_slurm.sh runs train_llama3.sh; copy it and point it here.
+# Slurm: MODEL=mixtral sbatch examples/llama/train_llama_slurm.sh 8x7B MBS BS_PER_NODE SEQ ITERS 0 RECOMPUTE
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 DEFAULT_GPU_MODEL_SIZE=8x7B

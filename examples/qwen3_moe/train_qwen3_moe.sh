@@ -11,6 +11,7 @@
 #   MOE_DISPATCHER  alltoall | allgather                                    [alltoall]
 #   MOE_AUX_LOSS    load-balancing loss coefficient (global batch, as Qwen3) [1e-3]
 #   MOE_LAYER_RECOMPUTE 1: recompute the MoE blocks in backward             [0]
+# Slurm: MODEL=qwen3_moe sbatch examples/llama/train_llama_slurm.sh 30B-A3B MBS BS_PER_NODE SEQ ITERS 0 RECOMPUTE
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 DEFAULT_GPU_MODEL_SIZE=30B-A3B

@@ -39,16 +39,21 @@ CHECKPOINTS = [(model, fmt, layout) for model, layouts in LAYOUTS.items() for fm
 @pytest.fixture(scope="session")
 def megatron_checkpoints(tmp_path_factory):
     """Megatron-Core's checkpoints and logits, written once per session (4 processes, ~30-60 s)."""
+    return run_fixture_writer(WRITER, tmp_path_factory.mktemp("megatron_lm"))
+
+
+def run_fixture_writer(writer: Path, out: Path) -> Path:
+    """Runs a Megatron-Core fixture writer in WORLD_SIZE processes (only Megatron-Core on
+    PYTHONPATH) into `out`; skips when Megatron-Core cannot run here."""
     reference_dir = require_megatron_core("megatron/core/dist_checkpointing/serialization.py")
     require_module("psutil", install="pip install psutil (Megatron-Core's torch_dist writer needs it)")
-    out = tmp_path_factory.mktemp("megatron_lm")
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     env.update(PYTHONPATH=reference_dir, WORLD_SIZE=str(WORLD_SIZE), OMP_NUM_THREADS="1")
     logs = [out / f"rank{rank}.log" for rank in range(WORLD_SIZE)]
     processes = []
     for rank, log in enumerate(logs):
         with open(log, "w") as stream:
-            processes.append(subprocess.Popen([sys.executable, str(WRITER), str(out), str(out / "store")],
+            processes.append(subprocess.Popen([sys.executable, str(writer), str(out), str(out / "store")],
                                               env={**env, "RANK": str(rank)}, stdout=stream, stderr=subprocess.STDOUT))
     try:
         codes = [process.wait(timeout=600) for process in processes]
@@ -227,7 +232,7 @@ def _rewrite_args(directory: Path, **changes) -> None:
 
 @pytest.mark.parametrize("changes,message", [
     (dict(qk_layernorm=True), "missing ['decoder.layers.0.self_attention.k_layernorm.weight'"),
-    (dict(num_experts=8), "--num-experts"),
+    (dict(num_experts=8), "missing ['decoder.layers.0.mlp.experts.fc1_weight'"),  # a dense model's tensors
     (dict(multi_latent_attention=True), "--multi-latent-attention"),
     (dict(position_embedding_type="yarn"), "--position-embedding-type yarn"),
     (dict(num_layers=3), "expected the layers stacked in its first dimension (num_layers=3)"),

@@ -15,12 +15,14 @@ Formats (Megatron-LM's `--ckpt-format`):
   (`decoder.layers.mlp.linear_fc2.weight` is [num_layers, h, ffn]). Only the model's tensors are
   read, without a process group.
 - `torch` (legacy): one `mp_rank_XX/model_optim_rng.pt` per TP rank, `mp_rank_XX_YYY/` per TP rank
-  XX and PP stage YYY; the model under `model`, or `model0`, `model1`, ... per virtual pipeline
-  stage. Shards are merged: column-parallel weights (linear_qkv, linear_fc1, the vocabulary-parallel
-  embedding and output layer) along dim 0, row-parallel ones (linear_proj, linear_fc2) along dim 1,
-  norms and row-parallel biases taken from TP rank 0. Layers are numbered per model chunk; chunks are
-  laid out in pipeline order (virtual stage 0 of stages 0..PP-1, then virtual stage 1, ...), each
-  chunk's layer count taken from its own shard.
+  XX and PP stage YYY, `mp_rank_XX[_YYY]_ZZZ/` per expert-parallel rank ZZZ (mixture of experts:
+  each file holds its rank's experts; the dense tensors are read from rank 0's); the model under
+  `model`, or `model0`, `model1`, ... per virtual pipeline stage. Shards are merged: column-parallel
+  weights (linear_qkv, linear_fc1, the vocabulary-parallel embedding and output layer) along dim 0,
+  row-parallel ones (linear_proj, linear_fc2) along dim 1, norms and row-parallel biases taken from
+  TP rank 0. Layers are numbered per model chunk; chunks are laid out in pipeline order (virtual
+  stage 0 of stages 0..PP-1, then virtual stage 1, ...), each chunk's layer count taken from its
+  own shard.
 
 Layouts undone:
 - linear_qkv interleaves q, k and v per query group ([q heads of group 0, k0, v0, q heads of group 1,
@@ -33,15 +35,21 @@ Layouts undone:
   `pre_mlp_layernorm`; `_extra_state` entries (FP8 metadata) are skipped.
 - A tied output layer (no `--untie-embeddings-and-output-weights`) is the word embedding: the last
   pipeline stage's copy in legacy files is not read.
+- Mixture of experts (router, expert bias, routed experts in each form Megatron-Core writes, shared
+  experts and their gate): see megatron_lm_moe.py. The router's expert bias, a buffer, is a logical
+  entry `decoder.layers.i.mlp.router.expert_bias` of its own.
 
 The model's arguments are read by name: TransformerConfig's fields are Megatron-LM's argument names,
 so the config is a loop over them (`config_from_megatron_args`).
 
-Refused with a ValueError naming the option: what GPTModel cannot represent (mixture of experts,
-multi-latent attention, multi-token prediction, sliding-window attention, non-vanilla softmax,
-squared ReLU, quick GeGLU, post-layernorm residuals, rotary sequence interpolation, position
-embeddings other than rope / learned_absolute / none), Megatron-LM's pre-Core models (`--use-legacy-models`, keys under `language_model`), checkpoint
-versions before 3.0, and formats other than the two above.
+Refused with a ValueError naming the option: what GPTModel cannot represent (multi-latent
+attention, multi-token prediction, sliding-window attention, non-vanilla softmax, squared ReLU, quick
+GeGLU, post-layernorm residuals, rotary sequence interpolation, position embeddings other than rope /
+learned_absolute / none; for experts: a router bias, the sqrtsoftplus score function, probabilities
+applied to the experts' input, latent experts, interleaved gate/up rows, legacy files with an
+expert-tensor-parallel size other than the tensor-parallel one), Megatron-LM's pre-Core models
+(`--use-legacy-models`, keys under `language_model`), checkpoint versions before 3.0, and formats
+other than the two above.
 
 Safety: nothing in the files is executed (see safe_pickle: `.pt` files are read with
 `torch.load(weights_only=True)`, Megatron's own classes arrive as inert `MegatronObject`s, and
@@ -63,6 +71,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megatron.core.checkpointing import megatron_lm_moe as moe
 from megatron.core.checkpointing.safe_pickle import SafeFileSystemReader, check_dcp_files, first_line, load_pickled
 from megatron.core.models.gpt.hf_mapping import OUTPUT_LAYER
 from megatron.core.models.gpt.model import WORD_EMBEDDINGS, GPTModel
@@ -73,6 +82,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 FORMATS = ("torch_dist", "torch")
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_ROUTER_BIAS = ".mlp.router.expert_bias"
 _STACKED_LAYERS = "decoder.layers."
 _MODEL_ROOTS = ("embedding.", "decoder.", "output_layer.")
 
@@ -94,6 +104,7 @@ _LAYER_SPLIT = {
     "self_attention.k_layernorm.weight": None, "self_attention.k_layernorm.bias": None,
     "mlp.linear_fc1.weight": 0, "mlp.linear_fc1.bias": 0,
     "mlp.linear_fc2.weight": 1, "mlp.linear_fc2.bias": None,
+    **moe.LAYER_SPLIT,
 }
 _MODEL_SPLIT = {
     WORD_EMBEDDINGS: 0, "embedding.position_embeddings.weight": None,
@@ -217,9 +228,14 @@ def _read_torch_dist(directory: str) -> dict:
 
 
 def _unstack_layers(tensors: dict, num_layers: int, directory: str) -> dict:
-    """decoder.layers.X [num_layers, ...] -> decoder.layers.{i}.X for each layer (local names)."""
+    """decoder.layers.X [num_layers, ...] -> decoder.layers.{i}.X for each layer (local names); the
+    experts' [E, ...] tensors one per expert. Models with layers of more than one kind (a
+    --moe-layer-freq pattern) are saved per layer, `decoder.layers.{i}.X`."""
     out = {}
     for name, tensor in tensors.items():
+        if _LAYER.fullmatch(name):
+            out[_canonical_name(name)] = tensor
+            continue
         if not name.startswith(_STACKED_LAYERS):
             out[name] = tensor
             continue
@@ -229,58 +245,78 @@ def _unstack_layers(tensors: dict, num_layers: int, directory: str) -> dict:
         suffix = name[len(_STACKED_LAYERS):]
         for layer in range(num_layers):
             out[_canonical_name(f"decoder.layers.{layer}.{suffix}")] = tensor[layer]
-    return out
+    return moe.split_torch_dist_experts(out)
 
 
 # ------------------------------------------------------------------------------------------------
 # Legacy (mp_rank_XX[_YYY]/model_optim_rng.pt)
 # ------------------------------------------------------------------------------------------------
 def _read_legacy(directory: str) -> tuple[dict, dict]:
-    """(args, iteration and version of rank 0's file, {Megatron tensor name (global layer numbers): full
-    tensor}). Stage by stage: one stage's shards are in memory at a time."""
-    files, tp_size, pp_size = _legacy_files(directory)
+    """(args, iteration and version of the first file, {Megatron tensor name (global layer numbers,
+    global expert indices): full tensor}). Stage by stage: one stage's shards are in memory at a time."""
+    first_rank = min(name for name in os.listdir(directory) if _RANK_DIR.fullmatch(name))
+    first = os.path.join(directory, first_rank, "model_optim_rng.pt")
+    loaded = {first: load_pickled(first)}
+    common = _read_common(loaded[first], directory)
+    args = vars(common["args"])
+    files, tp_size, pp_size, ep_size = _legacy_files(directory, args)
+    _check_layout(common, tp_size, pp_size, ep_size, directory)
+    gated = bool(args.get("swiglu", False))
+    num_local = args["num_experts"] // ep_size if args.get("num_experts") else 0
     chunks = {}   # (virtual stage, pipeline stage) -> {name with local layer number: full tensor}
-    common = None
     for stage in range(pp_size):
-        shards = []
-        for tp_rank in range(tp_size):
-            file = files[(tp_rank, stage)]
-            state = load_pickled(file)
-            if common is None:
-                common = _read_common(state, directory)
-                _check_layout(common, tp_size, pp_size, directory)
-            shards.append(_model_chunks(state, file))
-            del state
-        gated = bool(getattr(common["args"], "swiglu", False))
-        for virtual, chunk_shards in enumerate(zip(*shards, strict=True)):
-            chunks[(virtual, stage)] = _merge_tensor_parallel(list(chunk_shards), gated, files[(0, stage)])
+        for ep_rank in range(ep_size):
+            shards = []
+            for tp_rank in range(tp_size):
+                file = files[(tp_rank, stage, ep_rank)]
+                state = loaded.pop(file) if file in loaded else load_pickled(file)
+                shards.append([moe.global_experts(chunk, ep_rank, num_local, args.get("hidden_size"))
+                               for chunk in _model_chunks(state, file)])
+                del state
+            for virtual, chunk_shards in enumerate(zip(*shards, strict=True)):
+                merged = _merge_tensor_parallel(list(chunk_shards), gated, files[(0, stage, ep_rank)])
+                if ep_rank > 0:  # the dense tensors are the same on every expert-parallel rank
+                    merged = {name: tensor for name, tensor in merged.items() if ".mlp.experts." in name}
+                chunks.setdefault((virtual, stage), {}).update(merged)
     return common, _number_layers_globally(chunks, pp_size, directory)
 
 
-def _legacy_files(directory: str) -> tuple[dict, int, int]:
+def _legacy_files(directory: str, args: dict) -> tuple[dict, int, int, int]:
+    """{(TP rank, PP stage, EP rank): file}, and the three sizes. Megatron-LM names a rank's directory
+    mp_rank_TT, then _PPP with pipeline parallelism, then _EEE with expert parallelism: a name with
+    one suffix is a pipeline stage or an expert-parallel rank as the arguments say."""
+    expert_parallel = (args.get("expert_model_parallel_size") or 1) > 1
+    pipeline_parallel = (args.get("pipeline_model_parallel_size") or 1) > 1
     files = {}
     for entry in os.listdir(directory):
         match = _RANK_DIR.fullmatch(entry)
         if not match:
             continue
-        if match.group(3) is not None:
-            raise ValueError(f"{os.path.join(directory, entry)}: expert-parallel shards (--num-experts, mixture of "
-                             "experts) cannot be imported")
-        files[(int(match.group(1)), int(match.group(2) or 0))] = os.path.join(directory, entry, "model_optim_rng.pt")
-    tp_size = 1 + max(tp for tp, _ in files)
-    pp_size = 1 + max(pp for _, pp in files)
-    for tp in range(tp_size):
-        for pp in range(pp_size):
-            name = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if pp_size > 1 else "")
-            if (tp, pp) not in files or not os.path.isfile(files[(tp, pp)]):
-                raise FileNotFoundError(f"{os.path.join(directory, name, 'model_optim_rng.pt')} is missing "
-                                        f"(the checkpoint has TP {tp_size} x PP {pp_size} shards)")
-    return files, tp_size, pp_size
+        suffixes = [int(group) for group in match.groups()[1:] if group is not None]
+        if len(suffixes) != pipeline_parallel + expert_parallel:
+            raise ValueError(f"{os.path.join(directory, entry)}: a shard directory of another layout than the "
+                             f"arguments' (pipeline_model_parallel_size={args.get('pipeline_model_parallel_size')}, "
+                             f"expert_model_parallel_size={args.get('expert_model_parallel_size')})")
+        stage = suffixes.pop(0) if pipeline_parallel else 0
+        ep_rank = suffixes.pop(0) if expert_parallel else 0
+        files[(int(match.group(1)), stage, ep_rank)] = os.path.join(directory, entry, "model_optim_rng.pt")
+    sizes = [1 + max(key[axis] for key in files) for axis in range(3)]
+    for tp in range(sizes[0]):
+        for pp in range(sizes[1]):
+            for ep in range(sizes[2]):
+                name = (f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if pipeline_parallel else "")
+                        + (f"_{ep:03d}" if expert_parallel else ""))
+                if (tp, pp, ep) not in files or not os.path.isfile(files[(tp, pp, ep)]):
+                    raise FileNotFoundError(
+                        f"{os.path.join(directory, name, 'model_optim_rng.pt')} is missing "
+                        f"(the checkpoint has TP {sizes[0]} x PP {sizes[1]} x EP {sizes[2]} shards)")
+    return files, *sizes
 
 
-def _check_layout(common: dict, tp_size: int, pp_size: int, directory: str) -> None:
+def _check_layout(common: dict, tp_size: int, pp_size: int, ep_size: int, directory: str) -> None:
     """The shard directories found must be all the checkpoint's arguments say there are."""
-    for arg, found in (("tensor_model_parallel_size", tp_size), ("pipeline_model_parallel_size", pp_size)):
+    for arg, found in (("tensor_model_parallel_size", tp_size), ("pipeline_model_parallel_size", pp_size),
+                       ("expert_model_parallel_size", ep_size)):
         expected = getattr(common["args"], arg, None)
         if expected is not None and int(expected) != found:
             raise ValueError(f"{directory}: {arg} is {expected} in the checkpoint's arguments but its mp_rank_* "
@@ -314,7 +350,7 @@ def _merge_tensor_parallel(shards: list, gated: bool, file: str) -> dict:
         pieces = [shard[raw_name] for shard in shards]
         if dim is None or len(pieces) == 1:
             merged[name] = pieces[0]
-        elif gated and re.fullmatch(r"decoder\.layers\.\d+\.mlp\.linear_fc1\.(weight|bias)", name):
+        elif gated and moe.GATED_FC1.fullmatch(name):
             halves = [piece.chunk(2, dim=0) for piece in pieces]  # each shard: [gate_r; up_r]
             merged[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
         else:
@@ -324,7 +360,7 @@ def _merge_tensor_parallel(shards: list, gated: bool, file: str) -> dict:
 
 def _split_dim(name: str, file: str) -> Optional[int]:
     match = _LAYER.fullmatch(name)
-    table, key = (_LAYER_SPLIT, match.group(2)) if match else (_MODEL_SPLIT, name)
+    table, key = (_LAYER_SPLIT, moe.split_key(match.group(2))) if match else (_MODEL_SPLIT, name)
     if key not in table:
         raise ValueError(f"{file}: tensor {name!r} is not part of a GPT model this framework can build "
                          "(an option it does not implement?)")
@@ -364,7 +400,11 @@ def _number_layers_globally(chunks: dict, pp_size: int, directory: str) -> dict:
 # ------------------------------------------------------------------------------------------------
 # (argument, Megatron flag, what it is) for options GPTModel does not implement: refused when set.
 _UNSUPPORTED = (
-    ("num_experts", "--num-experts", "mixture of experts"),
+    ("moe_apply_probs_on_input", "--moe-apply-probs-on-input", "router weights applied to the experts' input"),
+    ("moe_latent_size", "--moe-latent-size", "experts in a latent space"),
+    ("moe_mlp_glu_interleave_size", "--moe-mlp-glu-interleave-size", "interleaved gate/up rows of the experts"),
+    ("moe_shared_expert_glu_interleave_size", "--moe-shared-expert-glu-interleave-size",
+     "interleaved gate/up rows of the shared experts"),
     ("multi_latent_attention", "--multi-latent-attention", "multi-latent attention"),
     ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction"),
     ("rotary_seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor", "rotary interpolation"),
@@ -412,10 +452,12 @@ def check_supported(args: dict, source: str = "checkpoint") -> None:
                              "not implement it")
     for name, default, supported in (("position_embedding_type", "learned_absolute", ("rope", "learned_absolute", "none")),
                                      ("normalization", "LayerNorm", ("LayerNorm", "RMSNorm")),
-                                     ("softmax_type", "vanilla", ("vanilla",))):
+                                     ("softmax_type", "vanilla", ("vanilla",)),
+                                     ("moe_router_score_function", "softmax", ("softmax", "sigmoid"))):
         value = args.get(name) or default
         if value not in supported:
             raise ValueError(f"{source}: --{name.replace('_', '-')} {value} cannot be imported; supported: {supported}")
+    moe.check_supported(args, source)
 
 
 def config_from_megatron_args(args: dict, padded_vocab_size: int, *, source: str = "checkpoint") -> TransformerConfig:
@@ -431,8 +473,17 @@ def config_from_megatron_args(args: dict, padded_vocab_size: int, *, source: str
         _required(args, name, source)
     names = {field.name for field in dataclasses.fields(TransformerConfig)}
     values = {name: value for name, value in args.items() if name in names and value is not None}
+    if isinstance(values.get("moe_layer_freq"), (int, list)):  # Megatron-LM parses the flag to these
+        values["moe_layer_freq"] = str(values["moe_layer_freq"])
+    for field in dataclasses.fields(TransformerConfig):  # nargs='+' flags keep their scalar default
+        if field.name in values and _is_list_field(field) and not isinstance(values[field.name], (list, tuple)):
+            values[field.name] = [values[field.name]]
     values.update(padded_vocab_size=padded_vocab_size, openai_gelu=_tanh_gelu(args))
     return derive(TransformerConfig(**values), seq_length=args.get("seq_length"))
+
+
+def _is_list_field(field) -> bool:
+    return field.default_factory is not dataclasses.MISSING and isinstance(field.default_factory(), list)
 
 
 def _tanh_gelu(args: dict) -> bool:
@@ -447,7 +498,8 @@ def _tanh_gelu(args: dict) -> bool:
 # Megatron's layouts -> logical state
 # ------------------------------------------------------------------------------------------------
 def _to_logical(tensors: dict, config: TransformerConfig, source: str) -> dict:
-    logical = {}
+    tensors = dict(tensors)
+    logical = moe.moe_logical(tensors, config, source)
     for name, tensor in tensors.items():
         if name == OUTPUT_LAYER and not config.untie_embeddings_and_output_weights:
             continue  # the last stage's copy of the tied word embedding
@@ -455,7 +507,7 @@ def _to_logical(tensors: dict, config: TransformerConfig, source: str) -> dict:
         suffix = match.group(2) if match else ""
         if suffix.startswith("self_attention.linear_qkv."):
             parts = _split_qkv(tensor, config, name, source)
-        elif suffix.startswith("mlp.linear_fc1.") and config.swiglu:
+        elif re.fullmatch(r"mlp\.(shared_experts\.mlp\.)?linear_fc1\..+", suffix) and config.swiglu:
             gate, up = tensor.chunk(2, dim=0)
             parts = {"gate": gate, "up": up}
         else:
@@ -491,6 +543,9 @@ def _check_against_model(logical: dict, config: TransformerConfig, source: str) 
             shape[layout.dim] = part.full_size
             shapes[part.name] = tuple(shape)
         expected[model.global_param_name(local_name)] = shapes
+    for local_name, buffer in model.named_buffers():
+        if local_name.endswith(_ROUTER_BIAS):  # --moe-router-enable-expert-bias: state without gradients
+            expected[model.global_param_name(local_name)] = {"": tuple(buffer.shape)}
     missing = sorted(set(expected) - set(logical))
     unexpected = sorted(set(logical) - set(expected))
     if missing or unexpected:

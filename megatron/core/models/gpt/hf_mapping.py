@@ -472,6 +472,12 @@ def load_logical_into_model(model, logical: dict) -> None:
             raise ValueError(f"{global_name}: logical state gives shape {tuple(local.shape)} for this rank, "
                              f"the parameter is {tuple(param.shape)}")
         param.copy_(local)
+    for name, buffer in model.named_buffers():
+        # A Megatron-LM import's MoE router biases (--moe-router-enable-expert-bias): trained state
+        # without gradients, whole on every rank; absent from Hugging Face checkpoints (zeros).
+        global_name = model.global_param_name(name)
+        if name.endswith(".router.expert_bias") and global_name in logical:
+            buffer.copy_(logical[global_name][""])
 
 
 @torch.no_grad()
