@@ -65,6 +65,15 @@ PRESETS["tiny-moe"] = PRESETS["tiny"] + ["--num-experts", "4", "--moe-ffn-hidden
 PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H100/H200 SXM dense
 
 
+def preset_flags(preset: str, extra: list, micro_batches: int = 8, iterations: int = 11, device: str = "cuda") -> list:
+    """The pretrain_gpt.py flags of a benchmark run (bench/gpu_report.py plans the same run)."""
+    flags = COMMON + PRESETS[preset] + list(extra)  # a preset may override the common Llama settings
+    micro = int(flags[flags.index("--micro-batch-size") + 1])
+    seq = int(flags[flags.index("--seq-length") + 1])
+    return flags + ["--global-batch-size", str(micro * micro_batches), "--train-iters", str(iterations),
+                    "--max-position-embeddings", str(seq), "--distributed-backend", "nccl" if device == "cuda" else "gloo"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), required=True)
@@ -75,13 +84,10 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures to this JSON file")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
-    flags = COMMON + PRESETS[args.preset] + extra  # a preset may override the common Llama settings
+    total = args.warmup + args.steps
+    flags = preset_flags(args.preset, extra, args.micro_batches, total, args.device)
     micro = int(flags[flags.index("--micro-batch-size") + 1])
     seq = int(flags[flags.index("--seq-length") + 1])
-    total = args.warmup + args.steps
-    flags += ["--global-batch-size", str(micro * args.micro_batches), "--train-iters", str(total),
-              "--max-position-embeddings", str(seq),
-              "--distributed-backend", "nccl" if args.device == "cuda" else "gloo"]
     config = parse_args(flags)
     run = setup(config, forward_step, config.data.vocab_size)
     dataset = MockGPTDataset(total * run.global_batch_size, seq, config.data.vocab_size, seed=1)

@@ -39,9 +39,38 @@ def _lane(work: Path) -> list:
     return ["```", *(summary or []), *tail, "```"]
 
 
+def planner_preset(device_name: str) -> str:
+    """The planner's GPU preset (megatron/training/planning/hardware.py) for a device's name."""
+    name = device_name.upper()
+    for marker, preset in (("H200", "h200"), ("A100", "a100-80gb"), ("MI300", "mi300x")):
+        if marker in name:
+            return preset
+    return "h100-80gb"
+
+
+def planned_run(preset: str, flags: str, gpu: str = "h100-80gb"):
+    """The planner's prediction (tools/plan.py) for one bench_pretrain.py run on one GPU of `gpu`."""
+    from bench_pretrain import preset_flags
+    from megatron.training.arguments import parse_args
+    from megatron.training.planning.hardware import cluster
+    from megatron.training.planning.plan import plan_for_flags
+
+    config = parse_args(preset_flags(preset, flags.split()))
+    return plan_for_flags(config, config.data.vocab_size, 1, cluster(gpu, nodes=1, gpus_per_node=1))
+
+
+def _beside_plan(f: dict, preset: str, flags: str) -> str:
+    """The plan's step time and MFU, and how far the measurement is from it (docs/planning.md: 15%)."""
+    plan = planned_run(preset, flags, planner_preset(f.get("device", "")))
+    ratio = f["step_ms"] / (plan.time.seconds * 1e3)
+    flag = "" if abs(ratio - 1) <= 0.15 else " (off by more than 15%)"
+    return f"{plan.time.seconds * 1e3:.1f} ms, {100 * plan.time.mfu:.1f}% | {ratio:.2f}{flag}"
+
+
 def _runs(work: Path) -> list:
     rows = ["| run | preset | step (ms) | TFLOP/s/GPU | MFU (BF16 peak) | MFU (FP8 peak) | tokens/s/GPU | "
-            "peak memory (GB) | attention |", "|---|---|---|---|---|---|---|---|---|"]
+            "peak memory (GB) | attention | plan: step, MFU | measured / planned step |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     failures = []
     runs = (work / "runs.txt").read_text().splitlines() if (work / "runs.txt").exists() else []
     for index, line in enumerate(runs, start=1):
@@ -50,12 +79,13 @@ def _runs(work: Path) -> list:
         if status != "0" or not figures_file.exists():
             log = (work / f"run{index}.log").read_text().strip().splitlines()[-15:]
             failures += [f"**{name} {preset}** (`{flags}`) exit status {status}:", "```", *log, "```"]
-            rows.append(f"| {name} | {preset} | failed | | | | | | |")
+            rows.append(f"| {name} | {preset} | failed | | | | | | | | |")
             continue
         f = json.loads(figures_file.read_text())
         rows.append(f"| {name} | {preset} | {f['step_ms']:.1f} | {f['tflops_per_gpu']:.1f} | "
                     f"{f['mfu_bf16_peak']:.1f}% | {f['mfu_fp8_peak']:.1f}% | {f['tokens_per_gpu']:.0f} | "
-                    f"{f['peak_memory_gb']:.2f} | {f['attention'].removeprefix('attention: ')} |")
+                    f"{f['peak_memory_gb']:.2f} | {f['attention'].removeprefix('attention: ')} | "
+                    f"{_beside_plan(f, preset, flags)} |")
     return rows + ([""] + failures if failures else [])
 
 
