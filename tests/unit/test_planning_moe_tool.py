@@ -5,7 +5,7 @@ parameter counts of the published models, and the token exchange's time against 
 import pytest
 
 from megatron.training.arguments import parse_args
-from megatron.training.planning.architecture import active_parameters, total_parameters
+from megatron.training.planning.architecture import active_parameters, architecture, total_parameters
 from megatron.training.planning.hardware import cluster
 from megatron.training.planning.layout import Layout
 from megatron.training.planning.plan import model_architecture
@@ -111,3 +111,26 @@ def test_search_sizes_come_from_the_validation_rules():
         lay = plan.layout
         assert arch.num_experts % lay.ep == 0 and (lay.tp * lay.dp * lay.cp) % (lay.ep * lay.etp) == 0
         assert lay.etp in (1, lay.tp) and not lay.fsdp2
+
+
+@pytest.mark.parametrize("flags", [["--bf16"], ["--bf16", "--use-distributed-optimizer", "--moe-layer-freq", "[0]+[1]"]])
+def test_expert_terms_are_the_start_up_figures_of_the_built_run(flags):
+    """Dense plus expert terms are the built run's parameter and optimizer bytes (one process)."""
+    import pretrain_gpt
+    from megatron.training.memory import theoretical_bytes
+    from megatron.training.planning.layout import layout_from_config
+    from megatron.training.planning.memory import expert_terms, persistent_terms
+    from megatron.training.training import setup
+    from tests.unit.test_memory_estimate import TINY
+
+    config = parse_args(TINY + ["--num-experts", "4", "--moe-ffn-hidden-size", "32"] + flags)
+    run = setup(config, pretrain_gpt.forward_step, 255)
+    built = theoretical_bytes(run.chunks, run.optimizer)
+    arch = architecture(run.model_config)
+    lay = layout_from_config(config, run.model_config, 1)
+    dense = persistent_terms(arch, lay, 2, first=True, last=True)
+    experts = expert_terms(arch, lay, 2)
+    assert dense["weights"] + experts["expert weights"] == built["parameters"]
+    assert dense["optimizer state"] + experts["expert optimizer state"] == built["optimizer_state"]
+    gradients = dense["gradients"] + experts["expert gradients"]
+    assert gradients <= built["gradients"] <= gradients * 1.02
