@@ -2,8 +2,8 @@
 saves for backward (saved-tensor hooks, as tests/distributed/test_planning_activations.py does for
 the dense layers), per recompute mode (none, selective, full, --moe-layer-recompute), for both token
 dispatchers, with and without shared experts (and their gate), with capacity padding, a
-load-balancing loss and an fp32 router, in one process and with expert parallelism 2 on 2 gloo
-processes; and the plan's parameter count against the model's for Mixtral- and Qwen3-MoE-shaped
+load-balancing loss and an fp32 router, in one process, and on 2 gloo processes with EP 2, with TP 2
+(SP) and ETP 2, and with TP 2 (SP), EP 2 and ETP 1; and the plan's parameter count against the model's for Mixtral- and Qwen3-MoE-shaped
 configurations.
 
 With expert parallelism the rows a rank's experts receive depend on the routing; the plan assumes
@@ -32,6 +32,7 @@ VARIANTS = {
     "allgather": {},
     "alltoall": dict(moe_token_dispatcher_type="alltoall"),
     "allgather-shared": dict(moe_shared_expert_intermediate_size=32),
+    "allgather-wide-shared": dict(moe_shared_expert_intermediate_size=256),
     "alltoall-shared-gate": dict(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=32,
                                  moe_shared_expert_gate=True),
     "allgather-bf16-router-fp32": dict(params_dtype=torch.bfloat16, moe_router_dtype="fp32"),
@@ -50,11 +51,13 @@ def model_config(variant: str, recompute: str, **overrides) -> tuple:
     return llama_config(**values), execution
 
 
-def planned(model, *, seq: int, batch: int, ep: int = 1) -> float:
+def planned(model, *, seq: int, batch: int, tp: int = 1, ep: int = 1, etp: int = 1) -> float:
     config, execution = model
     precision = {torch.float32: "fp32", torch.bfloat16: "bf16"}[execution.params_dtype]
-    lay = Layout(tp=1, pp=1, cp=1, dp=ep, micro_batch_size=batch, global_batch_size=batch * ep, seq_length=seq,
-                 precision=precision, recompute_granularity=execution.recompute_granularity,
+    dp = max(1, ep * etp // tp)
+    lay = Layout(tp=tp, pp=1, cp=1, dp=dp, micro_batch_size=batch, global_batch_size=batch * dp, seq_length=seq,
+                 precision=precision, sequence_parallel=execution.sequence_parallel, etp=etp,
+                 recompute_granularity=execution.recompute_granularity,
                  recompute_method=execution.recompute_method, recompute_num_layers=execution.recompute_num_layers,
                  fused_elementwise=False, device="cpu", ep=ep, moe_layer_recompute=execution.moe_layer_recompute)
     return stage_layer_activations(architecture(config), lay, config.num_layers)[0]
@@ -73,24 +76,40 @@ def test_one_process(variant, recompute):
         assert abs(plan - measured) <= TOLERANCE * measured, (seq, batch, plan, measured)
 
 
-EP_CASES = ("allgather", "alltoall", "alltoall-shared-gate", "allgather-64-experts-top-1")
+PARALLEL_CASES = [  # (variant, TP, EP, ETP) on 2 processes; TP > 1 with sequence parallelism
+    ("allgather", 1, 2, 1), ("alltoall", 1, 2, 1), ("alltoall-shared-gate", 1, 2, 1),
+    ("allgather-64-experts-top-1", 1, 2, 1),
+    ("allgather", 2, 1, 2), ("alltoall", 2, 1, 2), ("allgather-shared", 2, 1, 2),
+    ("allgather", 2, 2, 1), ("alltoall", 2, 2, 1), ("allgather-wide-shared", 2, 2, 1),
+]
 
 
-def _measure_ep2(rank, world_size):
-    groups = initialize_model_parallel(1, 1, 1, expert_model_parallel_size=2)
-    return {(variant, seq, batch): saved_bytes(*model_config(variant, "none"), groups, seq=seq, batch=batch)
-            for variant in EP_CASES for seq, batch in SHAPES}
+def _config(variant: str, tp: int) -> tuple:
+    return model_config(variant, "none", **(dict(sequence_parallel=True) if tp > 1 else {}))
 
 
-def test_expert_parallel_2():
-    ranks = run_distributed(2, _measure_ep2)
-    failures = []
-    for variant in EP_CASES:
+def _measure_parallel(rank, world_size):
+    results = {}
+    for variant, tp, ep, etp in PARALLEL_CASES:
+        groups = initialize_model_parallel(tp, 1, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
         for seq, batch in SHAPES:
-            measured = sum(results[(variant, seq, batch)] for results in ranks) / len(ranks)
-            plan = planned(model_config(variant, "none"), seq=seq, batch=batch, ep=2)
+            results[(variant, tp, ep, etp, seq, batch)] = saved_bytes(*_config(variant, tp), groups, seq=seq,
+                                                                      batch=batch)
+    return results
+
+
+def test_expert_and_tensor_parallel():
+    """EP 2; TP 2 with SP and ETP 2 (each expert split); TP 2 with SP, EP 2 and ETP 1 (experts split
+    over the TP ranks, which route their own sequence shards)."""
+    ranks = run_distributed(2, _measure_parallel)
+    failures = []
+    for variant, tp, ep, etp in PARALLEL_CASES:
+        for seq, batch in SHAPES:
+            measured = sum(results[(variant, tp, ep, etp, seq, batch)] for results in ranks) / len(ranks)
+            plan = planned(_config(variant, tp), seq=seq, batch=batch, tp=tp, ep=ep, etp=etp)
             if abs(plan - measured) > TOLERANCE * measured:
-                failures.append(f"{variant} s{seq} b{batch}: plan {plan:.0f}, measured mean {measured:.0f}")
+                failures.append(f"{variant} TP{tp} EP{ep} ETP{etp} s{seq} b{batch}: plan {plan:.0f}, "
+                                f"measured mean {measured:.0f}")
     assert not failures, "\n".join(failures)
 
 

@@ -23,8 +23,8 @@ saved-tensor hooks in tests/distributed/test_planning_moe.py):
 - experts: their input [N, h], fc1's output, the activation's output and (gated) the product
   [N, 4f or 2f], the probabilities [N], fc2's output and the weighted output [N, h] each (the
   experts' activation is never compiled);
-- shared experts: a dense MLP of their size (the dense MLP's terms), and with the gate its output
-  [T, h] and the gate [T].
+- shared experts: a dense MLP of their size (the dense MLP's terms, over the TP group's gathered
+  tokens with sequence parallelism), and with the gate its output [T, h] and the gate [T].
 --moe-layer-recompute keeps none of these (the block's input is the norm's output, already counted)
 and re-runs one block at a time in backward.
 """
@@ -86,8 +86,8 @@ def block_activation_terms(arch, lay) -> dict:
         dispatch += INT64 * n + e * sent * h
     experts = e * n * (3 * h + (4 if a.gated_linear_unit else 2) * f + 1)
     terms = {"router": router, "dispatch": dispatch, "experts": experts}
-    if a.moe_shared_expert_size:
-        terms["shared experts"] = _dense_mlp_bytes(a, lay, a.moe_shared_expert_size, T)
+    if a.moe_shared_expert_size:  # a dense MLP: over the TP group's gathered tokens with SP
+        terms["shared experts"] = _dense_mlp_bytes(a, lay, a.moe_shared_expert_size, T * lay.tp if lay.sp else T)
         if a.moe_shared_expert_gate:
             terms["shared experts"] += e * T * (h + 1)
     return terms
