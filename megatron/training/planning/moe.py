@@ -152,10 +152,11 @@ def gemm_forward_seconds(arch, lay, cluster) -> float:
 
 def elementwise_bytes(arch, lay) -> float:
     """Bytes the router's softmax and top-k, the permutation, the experts' activation and the
-    weighting and un-permutation read and write in one forward."""
+    weighting and un-permutation, and the shared experts' activation read and write in one forward."""
     e, h, T = lay.compute_bytes, arch.hidden_size, tokens_in(lay)
     n, f = rows_computed(arch, lay), arch.moe_ffn_hidden_size / lay.etp
     router = 3 * FP32 * T * arch.num_experts
     permutation = 2 * e * rows_sent(arch, lay) * h * (2 if arch.moe_dispatcher == "alltoall" else 1)
     experts = 3 * e * n * f + 3 * e * n * h  # activation (gate, up -> product), weighting by the probabilities
-    return router + 2 * permutation + experts
+    shared = 3 * e * (T * lay.tp if lay.sp else T) * arch.moe_shared_expert_size / lay.tp
+    return router + 2 * permutation + experts + shared
