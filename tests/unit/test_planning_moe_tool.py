@@ -134,3 +134,16 @@ def test_expert_terms_are_the_start_up_figures_of_the_built_run(flags):
     assert dense["optimizer state"] + experts["expert optimizer state"] == built["optimizer_state"]
     gradients = dense["gradients"] + experts["expert gradients"]
     assert gradients <= built["gradients"] <= gradients * 1.02
+
+
+def test_a_moe_plan_that_does_not_fit_names_the_expert_flags():
+    result = plan_tool("--nodes", "1", "--", *QWEN3_30B_A3B, "--micro-batch-size", "1", "--global-batch-size", "64",
+                       "--expert-model-parallel-size", "2")
+    assert result.returncode == 1 and "verdict: does not fit on H100" in result.stdout
+    from megatron.training.planning.plan import plan_for_flags, reducing_flags
+
+    config = parse_args(QWEN3_30B_A3B + ["--micro-batch-size", "1", "--global-batch-size", "64", "--lr", "0",
+                                         "--train-iters", "1", "--mock-data", "--expert-model-parallel-size", "2"])
+    hints = reducing_flags(plan_for_flags(config, 151936, 8, cluster("h100-80gb")))
+    assert hints[0] == "--expert-model-parallel-size 4"  # the experts' state is most of the memory
+    assert "--use-distributed-optimizer" in hints and not any("fsdp2" in hint for hint in hints)

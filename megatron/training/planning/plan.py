@@ -86,8 +86,13 @@ def reducing_flags(plan: Plan) -> list:
         if lay.tp > 1 and not lay.sp:
             hints.append("--sequence-parallel")
         hints.append("--context-parallel-size 2 (long sequences)")
+        if plan.arch.is_moe and not lay.moe_layer_recompute:
+            hints.append("--moe-layer-recompute")
+    experts = sum(terms.get(name, 0) for name in ("expert weights", "expert gradients", "expert optimizer state"))
+    if experts > 0.3 * plan.worst.total and plan.arch.num_experts % (2 * lay.ep) == 0:
+        hints.append(f"--expert-model-parallel-size {2 * lay.ep}")
     if not (lay.distributed_optimizer or lay.fsdp2) and lay.dp * lay.cp > 1:
-        hints.append("--use-distributed-optimizer (or --use-torch-fsdp2)")
+        hints.append("--use-distributed-optimizer" + ("" if plan.arch.is_moe else " (or --use-torch-fsdp2)"))
     if lay.precision == "fp32":
         hints.append("--bf16")
     hints.append(f"--tensor-model-parallel-size {2 * lay.tp} or --pipeline-model-parallel-size {2 * lay.pp}")
