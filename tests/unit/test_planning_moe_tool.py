@@ -2,6 +2,8 @@
 them) on H100 nodes: a fitting plan with the experts' memory terms and the flags' EP, a --top table
 ranked over EP and ETP whose layouts all pass start-up validation, the whole model's and the active
 parameter counts of the published models, and the token exchange's time against its definition."""
+from pathlib import Path
+
 import pytest
 
 from megatron.training.arguments import parse_args
@@ -46,10 +48,13 @@ def test_parameters_of_the_published_models(flags, total, active, rounding):
 def test_mixtral_plan_at_the_flags_layout():
     result = plan_tool("--nodes", "8", "--", *MIXTRAL_8X7B, "--micro-batch-size", "1", "--global-batch-size", "256",
                        "--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "4",
-                       "--expert-model-parallel-size", "8", "--use-distributed-optimizer", "--moe-layer-recompute",
-                       "--recompute-granularity", "selective")
+                       "--expert-model-parallel-size", "8", "--use-distributed-optimizer", "--overlap-grad-reduce",
+                       "--overlap-param-gather", "--moe-layer-recompute", "--recompute-granularity", "selective")
     assert result.returncode == 0, result.stderr
     out = result.stdout
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "planning.md").read_text()
+    for line in out.splitlines():  # docs/planning.md prints this plan: it must stay the planner's
+        assert line in docs, line
     assert "(64 GPUs used): TP1 PP4 x VPP2 CP1 DP16 EP8 ETP1 mbs 1 dist-opt" in out
     assert "32 mixture-of-experts layers of 8 experts, top-2" in out and "12.88 B active" in out
     for term in ("expert weights", "expert gradients", "expert optimizer state", "recompute working set"):
