@@ -92,7 +92,8 @@ def test_token_exchange_time_is_its_definition():
     """EP8 inside a node: each rank sends 7/8 of its T x k rows of h bf16 values to the others and
     gets as many back (dispatch and combine) over the node's links. EP8 x ETP2 over two nodes: the
     EP group's ranks are every second of 16 GPUs, 4 per node, so 4/8 of the rows cross the network
-    (the slower part sets the time), and ETP all-gathers and reduce-scatters the rows inside a node."""
+    (the slower part sets the time), and ETP all-gathers and reduce-scatters the rows inside a node.
+    The allgather dispatcher: a ring all-gather of all EP ranks' tokens and a reduce-scatter back."""
     arch = architecture_of(MIXTRAL_8X7B)
     target = cluster("h100-80gb", nodes=2)
     lay = Layout(tp=1, pp=1, cp=1, dp=8, micro_batch_size=1, global_batch_size=8, seq_length=4096, ep=8)
@@ -105,6 +106,13 @@ def test_token_exchange_time_is_its_definition():
     exchange = 2 * max(2 * tokens * 2 * h * 3 / 8 / (450e9 * 0.8), 2 * tokens * 2 * h * 4 / 8 / (50e9 * 0.8))
     gather = 2 * (1 / 2) * 2 * (2 * tokens * 2) * h / (450e9 * 0.8)
     assert layer_time(arch, across, target, moe=True).ep_exchange == pytest.approx(exchange + gather, rel=1e-9)
+    # allgather over EP 4 inside a node: every rank's tokens with their probabilities (bf16) and
+    # routing (int64) over the 8 experts gathered, the outputs reduce-scattered
+    allgather = lay.replace(ep=4, dp=4)
+    arch_ag = architecture_of([flag if flag != "alltoall" else "allgather" for flag in MIXTRAL_8X7B])
+    row = 2 * h + (2 + 8) * 8
+    expected = 3 / 4 * 4 * 4096 * row / (450e9 * 0.8) + 3 / 4 * 4 * 4096 * 2 * h / (450e9 * 0.8)
+    assert layer_time(arch_ag, allgather, target, moe=True).ep_exchange == pytest.approx(expected, rel=1e-9)
 
 
 def test_search_sizes_come_from_the_validation_rules():
