@@ -6,7 +6,8 @@ the best layouts, for the flags of a pretrain_gpt.py run on a target cluster, fr
         --tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 2 --global-batch-size 64 \\
         --seq-length 8192 --bf16 --vocab-size 128256
 
-    # the 5 fastest layouts that fit (TP, PP, VPP, CP, DP, sharding, recompute, micro-batch size)
+    # the 5 fastest layouts that fit (TP, PP, VPP, CP, DP, sharding, recompute, micro-batch size,
+    # and for a mixture of experts EP, ETP and --moe-layer-recompute)
     python tools/plan.py --gpu h100-80gb --nodes 4 --top 5 -- <the same model and batch flags>
 
 Everything after `--` is read exactly as pretrain_gpt.py reads it (--lr, --train-iters and the data

@@ -4,6 +4,7 @@ from typing import Optional
 
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
+from megatron.training.planning.architecture import megatron_flops
 
 
 def flops_per_iteration(model: TransformerConfig, global_batch_size: int, seq_length: int) -> float:
@@ -11,19 +12,19 @@ def flops_per_iteration(model: TransformerConfig, global_batch_size: int, seq_le
 
     m = 3 for SwiGLU else 2; q = heads*kv_channels; k = kv_channels; g = query groups; V = padded vocab.
     In a mixture-of-experts layer f is what a token runs through: topk x --moe-ffn-hidden-size plus
-    the shared experts' size (Megatron-LM's count; the router's GEMM is not counted).
+    the shared experts' size (Megatron-LM's count; the router's GEMM is not counted). One definition,
+    the planner's, so the plan's MFU and the log line's TFLOP/s/GPU count the same FLOPs.
     """
-    h, f, L, V = model.hidden_size, model.ffn_hidden_size, model.num_layers, model.padded_vocab_size
-    m = 3 if model.swiglu else 2
-    q = model.num_attention_heads * model.kv_channels
-    k = model.kv_channels
-    g = model.num_query_groups
-    per_layer = m * h * f + 2 * h * q + 2 * h * k * g + seq_length * q
-    total = L * per_layer
+    moe = {}
     if model.num_experts is not None:
-        active = model.moe_router_topk * model.moe_ffn_hidden_size + (model.moe_shared_expert_intermediate_size or 0)
-        total += sum(moe_layer_pattern(model.moe_layer_freq, L)) * m * h * (active - f)
-    return 6.0 * global_batch_size * seq_length * (total + h * V)
+        moe = dict(moe_layers=sum(moe_layer_pattern(model.moe_layer_freq, model.num_layers)),
+                   moe_active_ffn=model.moe_router_topk * model.moe_ffn_hidden_size
+                   + (model.moe_shared_expert_intermediate_size or 0))
+    return megatron_flops(global_batch_size=global_batch_size, seq_length=seq_length, num_layers=model.num_layers,
+                          hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size,
+                          query_size=model.num_attention_heads * model.kv_channels, kv_channels=model.kv_channels,
+                          num_query_groups=model.num_query_groups, vocab_size=model.padded_vocab_size,
+                          gated=model.swiglu, **moe)
 
 
 def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,

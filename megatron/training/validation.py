@@ -452,6 +452,25 @@ def _validate_schedule(config: Config, notes: list) -> None:
         raise ConfigError("--recompute-method needs --recompute-granularity full")
 
 
+def check_expert_layout(*, num_experts: int, expert_ffn: int, tp: int, ep: int, etp: int, stage_ranks: int,
+                        sequence_parallel: bool, fsdp2: bool) -> None:
+    """The expert layout's rules (start-up validation and the planner's layout search): raises
+    ConfigError naming the flags. `stage_ranks`: TP x CP x DP, the ranks EP x ETP is folded from."""
+    _require(num_experts % ep == 0, f"--num-experts ({num_experts}) must be divisible by "
+                                    f"--expert-model-parallel-size ({ep})")
+    try:
+        check_expert_sizes(stage_ranks, ep, etp)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    _require(etp in (1, tp), f"--expert-tensor-parallel-size ({etp}) must be 1 or --tensor-model-parallel-size ({tp})")
+    _require(expert_ffn % etp == 0, f"--moe-ffn-hidden-size ({expert_ffn}) must be divisible by "
+                                    f"--expert-tensor-parallel-size ({etp})")
+    _require(tp == 1 or sequence_parallel, f"mixture of experts with --tensor-model-parallel-size {tp} needs "
+                                           "--sequence-parallel (as in Megatron-LM)")
+    _require(not fsdp2, "--use-torch-fsdp2 with --num-experts is not built; use "
+                        "--use-distributed-optimizer for sharded optimizer state")
+
+
 def _validate_moe(config: Config, stage_ranks: int) -> None:
     """Mixture-of-experts flags against each other and the layout (before the model is built)."""
     m, p = config.model, config.parallel
@@ -462,19 +481,14 @@ def _validate_moe(config: Config, stage_ranks: int) -> None:
         return
     experts, topk = m.num_experts, m.moe_router_topk
     _require(experts >= 1, f"--num-experts must be >= 1, got {experts}")
-    _require(experts % ep == 0, f"--num-experts ({experts}) must be divisible by --expert-model-parallel-size ({ep})")
     try:
-        check_expert_sizes(stage_ranks, ep, etp)
         moe_layer_pattern(m.moe_layer_freq, m.num_layers)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    _require(etp in (1, tp), f"--expert-tensor-parallel-size ({etp}) must be 1 or --tensor-model-parallel-size ({tp})")
-    expert_ffn = m.moe_ffn_hidden_size or architecture(config).ffn_hidden_size
-    _require(expert_ffn % etp == 0, f"--moe-ffn-hidden-size ({expert_ffn}) must be divisible by "
-                                    f"--expert-tensor-parallel-size ({etp})")
+    check_expert_layout(num_experts=experts, expert_ffn=m.moe_ffn_hidden_size or architecture(config).ffn_hidden_size,
+                        tp=tp, ep=ep, etp=etp, stage_ranks=stage_ranks, sequence_parallel=p.sequence_parallel,
+                        fsdp2=p.use_torch_fsdp2)
     _require(1 <= topk <= experts, f"--moe-router-topk ({topk}) must be between 1 and --num-experts ({experts})")
-    _require(tp == 1 or p.sequence_parallel, f"mixture of experts with --tensor-model-parallel-size {tp} needs "
-                                             "--sequence-parallel (as in Megatron-LM)")
     groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
     _require((groups is None) == (group_topk is None), "group-limited routing needs both --moe-router-num-groups "
                                                        f"and --moe-router-group-topk (got {groups} and {group_topk})")
@@ -492,8 +506,6 @@ def _validate_moe(config: Config, stage_ranks: int) -> None:
     _require(m.moe_token_dispatcher_type != "flex", "--moe-token-dispatcher-type flex needs DeepEP, which is not "
                                                     "built; use alltoall or allgather")
     _validate_moe_losses(config)
-    _require(not p.use_torch_fsdp2, "--use-torch-fsdp2 with --num-experts is not built; use "
-                                    "--use-distributed-optimizer for sharded optimizer state")
 
 
 def _validate_moe_losses(config: Config) -> None:

@@ -1,6 +1,8 @@
 """The plan's memory against short CPU training runs of pretrain_gpt.py, over a grid of layouts
 (one process; TP 2 with SP; PP 2 at seq 512; DP 2 with the distributed optimizer and full
-recomputation).
+recomputation; and a mixture of experts of the same shape: one process, EP 2 with the alltoall
+dispatcher and the distributed optimizer, EP 2 with allgather, shared experts and
+--moe-layer-recompute).
 
 - Tensors: on every rank, the peak of the bytes held by live tensors over the whole run (start-up,
   two iterations, the optimizer's state created in the first) is the plan's total for that rank's
@@ -31,6 +33,11 @@ MODEL = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --group-query
          "--ffn-hidden-size 1536 --swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
          "--untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0 --vocab-size 32000 "
          "--seq-length 256").split() + COMMON
+# Four experts of 1024 (top-2) with the first layer dense: the experts hold most of the parameters.
+# The minimal runs of the MoE layouts have two experts of 32.
+MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "1024", "--moe-router-topk", "2", "--moe-layer-freq",
+       "[0]*1+[1]*3"]
+MINIMAL_MOE = ["--num-experts", "2", "--moe-ffn-hidden-size", "32"]
 MINIMAL = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --vocab-size 256 --seq-length 32".split() + COMMON
 GRID = {
     "one process": (1, []),
@@ -39,6 +46,11 @@ GRID = {
     "PP2": (2, ["--pipeline-model-parallel-size", "2", "--seq-length", "512"]),
     "DP2 dist-opt full-recompute": (2, ["--use-distributed-optimizer", "--recompute-granularity", "full",
                                         "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
+    "MoE one process": (1, []),
+    "MoE EP2 alltoall dist-opt": (2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+                                      "--use-distributed-optimizer"]),
+    "MoE EP2 allgather shared moe-recompute": (2, ["--expert-model-parallel-size", "2", "--moe-layer-recompute",
+                                                   "--moe-shared-expert-intermediate-size", "512"]),
 }
 
 
@@ -63,12 +75,14 @@ def run(nproc: int, flags: list) -> tuple:
 @pytest.mark.parametrize("layout", sorted(GRID))
 def test_peak_memory_of_short_runs_is_the_plan(layout):
     nproc, extra = GRID[layout]
-    plan = plan_of(MODEL + extra, nproc)
-    live, logged = run(nproc, MODEL + extra)
+    moe = layout.startswith("MoE")
+    model = MODEL + (MOE if moe else [])
+    plan = plan_of(model + extra, nproc)
+    live, logged = run(nproc, model + extra)
     ranks_per_stage = nproc // plan.layout.pp
     for rank, peak in live.items():
         planned = plan.stages[rank // ranks_per_stage].total
         assert abs(peak / planned - 1) <= 0.05, (rank, peak, planned)
-    _, baseline = run(nproc, MINIMAL + extra)
+    _, baseline = run(nproc, MINIMAL + (MINIMAL_MOE if moe else []) + extra)
     with_margin = plan.stages[-1].total / (1 - plan.margin)  # the log line is printed by the last stage
     assert abs((logged - baseline) / with_margin - 1) <= 0.15, (logged, baseline, with_margin)

@@ -41,6 +41,15 @@ class Layout:
     overlap_p2p_comm: bool = True           # pipeline sends/receives under compute (on by default here)
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
+    ep: int = 1                             # expert parallelism (folded from the TP x CP x DP ranks)
+    etp: int = 1                            # expert tensor parallelism (1 or TP)
+    moe_layer_recompute: bool = False       # each mixture-of-experts block re-run in backward
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: the copies of each expert, over which its gradients are
+        reduced and the distributed optimizer shards its state."""
+        return max(1, self.tp * self.cp * self.dp // (self.ep * self.etp))
 
     @property
     def world_size(self) -> int:
@@ -67,7 +76,10 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"TP{self.tp}", f"PP{self.pp}" + (f" x VPP{self.vpp}" if self.vpp > 1 else ""), f"CP{self.cp}",
-                 f"DP{self.dp}", f"mbs {self.micro_batch_size}"]
+                 f"DP{self.dp}"]
+        if self.ep > 1 or self.etp > 1:
+            parts.append(f"EP{self.ep} ETP{self.etp}")
+        parts.append(f"mbs {self.micro_batch_size}")
         if self.sp:
             parts.append("SP")
         parts.append("FSDP2" if self.fsdp2 else ("dist-opt" if self.distributed_optimizer else "DDP"))
@@ -75,6 +87,8 @@ class Layout:
             parts.append(f"recompute full/{self.recompute_method}/{self.recompute_num_layers}")
         elif self.recompute_granularity == "selective":
             parts.append("recompute selective")
+        if self.moe_layer_recompute:
+            parts.append("MoE recompute")
         return " ".join(parts)
 
 
@@ -106,4 +120,13 @@ def layout_from_config(config, model_config, world_size: int) -> Layout:
         attention_kernel="math" if run.attention_backend in ("unfused", "local", "math") else "flash",
         overlap_grad_reduce=p.overlap_grad_reduce, overlap_p2p_comm=p.overlap_p2p_comm,
         overlap_param_gather=p.overlap_param_gather, first_stage_layers=p.decoder_first_pipeline_num_layers,
-        last_stage_layers=p.decoder_last_pipeline_num_layers)
+        last_stage_layers=p.decoder_last_pipeline_num_layers, **_expert_layout(config, m))
+
+
+def _expert_layout(config, model_config) -> dict:
+    """EP, ETP (default: TP, as Megatron-LM) and --moe-layer-recompute of a mixture-of-experts run."""
+    p = config.parallel
+    if model_config.num_experts is None:
+        return {}
+    etp = p.tensor_model_parallel_size if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
+    return dict(ep=p.expert_model_parallel_size, etp=etp, moe_layer_recompute=config.model.moe_layer_recompute)

@@ -13,7 +13,8 @@ tokens with sequence parallelism, t without.
 """
 from dataclasses import dataclass, field
 
-from megatron.training.planning.architecture import Architecture, stage_parameters
+from megatron.training.planning import moe as moe_terms
+from megatron.training.planning.architecture import Architecture, stage_expert_parameters, stage_parameters
 from megatron.training.planning.layout import Layout
 
 GIB = 1024 ** 3
@@ -56,9 +57,11 @@ def _dropout_mask_bytes(lay: Layout) -> int:
     return 1 if lay.device == "gpu" else lay.compute_bytes
 
 
-def layer_activation_terms(arch: Architecture, lay: Layout, selective: bool = False) -> dict:
+def layer_activation_terms(arch: Architecture, lay: Layout, selective: bool = False, moe: bool = False) -> dict:
     """{part: bytes} one decoder layer saves for backward for one micro-batch on one rank, without
-    full recomputation (`selective`: the attention core is re-run, its own saved tensors dropped)."""
+    full recomputation (`selective`: the attention core is re-run, its own saved tensors dropped).
+    A mixture-of-experts layer (`moe`) saves its block's terms (planning/moe.py) in place of the
+    MLP's, none with --moe-layer-recompute."""
     a, e, h, tp = arch, lay.compute_bytes, arch.hidden_size, lay.tp
     tokens = lay.micro_batch_size * lay.seq_length / lay.cp
     norm_tokens = tokens / tp if lay.sp else tokens
@@ -78,7 +81,10 @@ def layer_activation_terms(arch: Architecture, lay: Layout, selective: bool = Fa
         if lay.attention_kernel == "math" and lay.device == "cpu" and e != FP32:
             del terms["qkv"]  # the CPU math kernel saves its fp32 copies of q, k and v instead
     terms["proj_input"] = e * tokens * q_local
-    if a.gated_linear_unit:  # fc1's [gate, up] output, silu(gate) (eager only), the product
+    if moe:
+        if not lay.moe_layer_recompute:
+            terms.update(moe_terms.block_activation_terms(a, lay))
+    elif a.gated_linear_unit:  # fc1's [gate, up] output, silu(gate) (eager only), the product
         terms["mlp"] = e * tokens * f_local * (3 if lay.fused_elementwise else 4)
     else:  # fc1's output (the activation's input) and the activation's output
         terms["mlp"] = 2 * e * tokens * f_local
@@ -98,22 +104,26 @@ def rope_table_bytes(arch: Architecture, lay: Layout) -> float:
     return 2 * FP32 * lay.micro_batch_size * lay.seq_length / lay.cp * arch.rotary_dim if arch.rope else 0.0
 
 
-def stage_layer_activations(arch: Architecture, lay: Layout, num_layers: int) -> tuple:
-    """(bytes saved by `num_layers` decoder layers for one micro-batch, bytes of the largest group
-    that is re-run at once in backward under full recomputation, or 0)."""
-    full_layer = sum(layer_activation_terms(arch, lay, lay.recompute_granularity == "selective").values())
+def stage_layer_activations(arch: Architecture, lay: Layout, num_layers: int, first_layer: int = 0) -> tuple:
+    """(bytes saved by layers first_layer .. first_layer + num_layers - 1 for one micro-batch, bytes
+    of the largest group that is re-run at once in backward under full recomputation (or of one
+    mixture-of-experts block under --moe-layer-recompute), or 0)."""
     if num_layers == 0:
         return 0.0, 0.0
+    selective = lay.recompute_granularity == "selective"
+    moe = arch.moe_layers[first_layer:first_layer + num_layers] if arch.is_moe else (0,) * num_layers
+    per_layer = [sum(layer_activation_terms(arch, lay, selective, bool(m)).values()) for m in moe]
     if lay.recompute_granularity != "full":
-        return num_layers * full_layer + rope_table_bytes(arch, lay), 0.0
+        rerun = sum(moe_terms.block_activation_terms(arch, lay).values()) if lay.moe_layer_recompute and any(moe) else 0
+        return sum(per_layer) + rope_table_bytes(arch, lay), float(rerun)
     count = lay.recompute_num_layers or 1
     if lay.recompute_method == "block":
         recomputed = min(count, num_layers)
-        kept = num_layers - recomputed
-        saved = recomputed * layer_input_bytes(arch, lay) + kept * full_layer
-        return saved + (rope_table_bytes(arch, lay) if kept else 0.0), full_layer
-    groups = -(-num_layers // count)
-    return groups * layer_input_bytes(arch, lay), min(count, num_layers) * full_layer
+        kept = per_layer[recomputed:]
+        saved = recomputed * layer_input_bytes(arch, lay) + sum(kept)
+        return saved + (rope_table_bytes(arch, lay) if kept else 0.0), max(per_layer[:recomputed])
+    groups = [per_layer[i:i + count] for i in range(0, num_layers, count)]
+    return len(groups) * layer_input_bytes(arch, lay), max(sum(group) for group in groups)
 
 
 def microbatches_in_flight(lay: Layout, stage: int) -> float:
@@ -157,9 +167,11 @@ class StageMemory:
         return sum(self.terms.values())
 
 
-def persistent_terms(arch: Architecture, lay: Layout, layers: int, *, first: bool, last: bool) -> dict:
-    """Weights, gradients and optimizer state (masters and moments) of one stage on one GPU."""
-    n = stage_parameters(arch, lay.tp, layers, first=first, last=last, pp=lay.pp)
+def persistent_terms(arch: Architecture, lay: Layout, layers: int, *, first: bool, last: bool,
+                     first_layer: int = 0) -> dict:
+    """Weights, gradients and optimizer state (masters and moments) of one stage on one GPU; the
+    routed experts' apart (`expert_terms`)."""
+    n = stage_parameters(arch, lay.tp, layers, first=first, last=last, pp=lay.pp, first_layer=first_layer)
     shards = lay.dp * lay.cp
     moments = 2 if lay.optimizer == "adam" else (1 if lay.sgd_momentum else 0)
     if lay.fsdp2:
@@ -178,10 +190,26 @@ def persistent_terms(arch: Architecture, lay: Layout, layers: int, *, first: boo
     return terms
 
 
+def expert_terms(arch: Architecture, lay: Layout, layers: int, first_layer: int = 0) -> dict:
+    """The routed experts' weights, gradients and optimizer state on one GPU: E/EP experts split over
+    ETP, replicated over the expert-data-parallel ranks, over which the distributed optimizer
+    shards their state."""
+    n = stage_expert_parameters(arch, lay.ep, lay.etp, layers, first_layer)
+    if not n:
+        return {}
+    moments = 2 if lay.optimizer == "adam" else (1 if lay.sgd_momentum else 0)
+    masters = FP32 if lay.compute_bytes != FP32 else 0
+    state = (masters + FP32 * moments) * n
+    return {"expert weights": lay.compute_bytes * n, "expert gradients": (2 if lay.grad_reduce_in_bf16 else FP32) * n,
+            "expert optimizer state": state / lay.edp if lay.distributed_optimizer else state}
+
+
 def stage_memory(arch: Architecture, lay: Layout, stage: int, layers: int) -> StageMemory:
     first, last = stage == 0, stage == lay.pp - 1
-    terms = persistent_terms(arch, lay, layers, first=first, last=last)
-    saved, regroup = stage_layer_activations(arch, lay, layers)
+    first_layer = sum(lay.layers_per_stage(arch.num_layers)[:stage])
+    terms = persistent_terms(arch, lay, layers, first=first, last=last, first_layer=first_layer)
+    terms.update(expert_terms(arch, lay, layers, first_layer))
+    saved, regroup = stage_layer_activations(arch, lay, layers, first_layer)
     in_flight = microbatches_in_flight(lay, stage)
     terms["activations"] = saved * in_flight
     if lay.pp > 1:  # the received input of each micro-batch in flight, kept for its backward

@@ -3,7 +3,7 @@ run's flags on a target cluster. `pretrain_gpt.py --dry-run` and `tools/plan.py`
 import copy
 from dataclasses import dataclass
 
-from megatron.training.planning.architecture import Architecture, architecture, total_parameters
+from megatron.training.planning.architecture import Architecture, active_parameters, architecture, total_parameters
 from megatron.training.planning.hardware import Cluster
 from megatron.training.planning.layout import Layout, layout_from_config
 from megatron.training.planning.memory import GIB, StageMemory, memory_per_stage
@@ -86,8 +86,13 @@ def reducing_flags(plan: Plan) -> list:
         if lay.tp > 1 and not lay.sp:
             hints.append("--sequence-parallel")
         hints.append("--context-parallel-size 2 (long sequences)")
+        if plan.arch.is_moe and not lay.moe_layer_recompute:
+            hints.append("--moe-layer-recompute")
+    experts = sum(terms.get(name, 0) for name in ("expert weights", "expert gradients", "expert optimizer state"))
+    if experts > 0.3 * plan.worst.total and plan.arch.num_experts % (2 * lay.ep) == 0:
+        hints.append(f"--expert-model-parallel-size {2 * lay.ep}")
     if not (lay.distributed_optimizer or lay.fsdp2) and lay.dp * lay.cp > 1:
-        hints.append("--use-distributed-optimizer (or --use-torch-fsdp2)")
+        hints.append("--use-distributed-optimizer" + ("" if plan.arch.is_moe else " (or --use-torch-fsdp2)"))
     if lay.precision == "fp32":
         hints.append("--bf16")
     hints.append(f"--tensor-model-parallel-size {2 * lay.tp} or --pipeline-model-parallel-size {2 * lay.pp}")
@@ -98,13 +103,24 @@ def _gib(value: float) -> str:
     return f"{value / GIB:8.2f} GiB"
 
 
+def _experts(arch: Architecture) -> str:
+    if not arch.is_moe:
+        return ""
+    moe_layers = arch.moe_layer_count(0, arch.num_layers)
+    shared = f" + shared {arch.moe_shared_expert_size}" if arch.moe_shared_expert_size else ""
+    return (f"; {moe_layers} mixture-of-experts layers of {arch.num_experts} experts, top-{arch.moe_router_topk}, "
+            f"expert FFN {arch.moe_ffn_hidden_size}{shared}, {arch.moe_dispatcher} dispatcher; "
+            f"{active_parameters(arch) / 1e9:.2f} B active")
+
+
 def format_plan(plan: Plan) -> str:
     arch, lay, cluster, worst = plan.arch, plan.layout, plan.cluster, plan.worst
     lines = [f"plan for {cluster.nodes} node(s) x {cluster.gpus_per_node} {cluster.gpu.name} "
              f"({lay.world_size} GPUs used): {lay.describe()}",
              f"  model: {total_parameters(arch) / 1e9:.2f} B parameters ({arch.num_layers} layers, hidden "
              f"{arch.hidden_size}, {arch.num_attention_heads} heads / {arch.num_query_groups} query groups, FFN "
-             f"{arch.ffn_hidden_size}, padded vocabulary {arch.vocab_size}); sequence {lay.seq_length}, {lay.precision}"
+             f"{arch.ffn_hidden_size}, padded vocabulary {arch.vocab_size}" + _experts(arch)
+             + f"); sequence {lay.seq_length}, {lay.precision}"
              + (" + FP8" if lay.fp8 else "") + f"; global batch {lay.global_batch_size} = {lay.num_microbatches} "
              f"micro-batches of {lay.micro_batch_size} x DP {lay.dp}"]
     where = f" (pipeline stage {worst.stage} of {lay.pp}, the largest; {worst.layers} layers)" if lay.pp > 1 else ""

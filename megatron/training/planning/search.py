@@ -1,8 +1,12 @@
 """Ranking layouts: every TP, PP, VPP, CP, DP, sharding (DDP, distributed optimizer, FSDP2),
 recomputation and micro-batch size that divides the model, the sequence and the global batch on
-the cluster, kept when it fits the GPU's memory (with the margin), ordered by predicted tokens/s."""
+the cluster, and for a mixture of experts every EP and ETP the start-up validation accepts (with
+and without --moe-layer-recompute), kept when it fits the GPU's memory (with the margin), ordered
+by predicted tokens/s."""
 import itertools
 from typing import Callable
+
+from megatron.training.validation import ConfigError, check_expert_layout
 
 from megatron.training.planning.hardware import Cluster
 from megatron.training.planning.layout import Layout
@@ -45,15 +49,36 @@ def candidate_layouts(arch_for_tp: Callable, base: Layout, cluster: Cluster) -> 
                     continue  # the interleaved schedule runs micro-batches in groups of PP
                 if sharding != "DDP" and dp * cp == 1:
                     continue
-                found.append((arch, base.replace(
-                    tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, micro_batch_size=mbs, sequence_parallel=tp > 1,
-                    distributed_optimizer=sharding == "distributed optimizer", fsdp2=sharding == "FSDP2",
-                    overlap_grad_reduce=sharding == "distributed optimizer",
-                    overlap_param_gather=sharding == "distributed optimizer",
-                    recompute_granularity=recompute, recompute_method="uniform" if recompute == "full" else None,
-                    recompute_num_layers=1 if recompute == "full" else None,
-                    first_stage_layers=None, last_stage_layers=None)))
+                for experts in _expert_layouts(arch, tp, tp * cp * dp, sharding == "FSDP2", recompute):
+                    found.append((arch, base.replace(**experts, **_layout_fields(
+                        tp, pp, cp, dp, vpp, mbs, sharding, recompute))))
     return found
+
+
+def _expert_layouts(arch, tp: int, stage_ranks: int, fsdp2: bool, recompute) -> list:
+    """{ep, etp, moe_layer_recompute} choices of a layout: one (nothing) for a dense model."""
+    if not arch.is_moe:
+        return [{}]
+    choices = []
+    for ep, etp in itertools.product(_divisors(arch.num_experts, stage_ranks), sorted({1, tp})):
+        try:
+            check_expert_layout(num_experts=arch.num_experts, expert_ffn=arch.moe_ffn_hidden_size, tp=tp, ep=ep,
+                                etp=etp, stage_ranks=stage_ranks, sequence_parallel=True, fsdp2=fsdp2)
+        except ConfigError:
+            continue
+        for moe_recompute in ((False, True) if recompute != "full" else (False,)):
+            choices.append(dict(ep=ep, etp=etp, moe_layer_recompute=moe_recompute))
+    return choices
+
+
+def _layout_fields(tp, pp, cp, dp, vpp, mbs, sharding, recompute) -> dict:
+    return dict(
+        tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, micro_batch_size=mbs, sequence_parallel=tp > 1,
+        distributed_optimizer=sharding == "distributed optimizer", fsdp2=sharding == "FSDP2",
+        overlap_grad_reduce=sharding == "distributed optimizer",
+        overlap_param_gather=sharding == "distributed optimizer",
+        recompute_granularity=recompute, recompute_method="uniform" if recompute == "full" else None,
+        recompute_num_layers=1 if recompute == "full" else None, first_stage_layers=None, last_stage_layers=None)
 
 
 def search(arch_for_tp: Callable, base: Layout, cluster: Cluster, top: int, margin: float = MARGIN) -> tuple:
@@ -69,16 +94,21 @@ def search(arch_for_tp: Callable, base: Layout, cluster: Cluster, top: int, marg
 
 
 def format_table(plans: list, tried: int, cluster: Cluster) -> str:
-    header = (f"{'rank':>4} {'TP':>3} {'PP':>3} {'VPP':>3} {'CP':>3} {'DP':>5} {'MBS':>3}  {'sharding':21s} "
-              f"{'recompute':9s} {'memory GiB':>10} {'step ms':>9} {'tokens/s/GPU':>12} {'MFU':>6}")
+    moe = any(plan.arch.is_moe for plan in plans)
+    header = (f"{'rank':>4} {'TP':>3} {'PP':>3} {'VPP':>3} {'CP':>3} {'DP':>5} "
+              + (f"{'EP':>3} {'ETP':>3} " if moe else "") + f"{'MBS':>3}  {'sharding':21s} "
+              f"{'recompute':13s} {'memory GiB':>10} {'step ms':>9} {'tokens/s/GPU':>12} {'MFU':>6}")
     lines = [f"layouts of {cluster.world_size} {cluster.gpu.name} GPUs ({cluster.nodes} x {cluster.gpus_per_node}) "
              f"that fit, by predicted tokens/s ({len(plans)} shown of {tried} tried):", header]
     for rank, plan in enumerate(plans, 1):
         lay = plan.layout
         sharding = "FSDP2" if lay.fsdp2 else ("distributed optimizer" if lay.distributed_optimizer else "DDP")
+        recompute = str(lay.recompute_granularity or ("moe" if lay.moe_layer_recompute else "none"))
+        if lay.moe_layer_recompute and lay.recompute_granularity:
+            recompute += "+moe"
         lines.append(f"{rank:>4} {lay.tp:>3} {lay.pp:>3} {lay.vpp:>3} {lay.cp:>3} {lay.dp:>5} "
-                     f"{lay.micro_batch_size:>3}  "
-                     f"{sharding:21s} {str(lay.recompute_granularity or 'none'):9s} "
+                     + (f"{lay.ep:>3} {lay.etp:>3} " if moe else "") + f"{lay.micro_batch_size:>3}  "
+                     f"{sharding:21s} {recompute:13s} "
                      f"{plan.worst.total / 2 ** 30:>10.1f} {plan.time.seconds * 1e3:>9.0f} "
                      f"{plan.time.tokens_per_second_per_gpu:>12,.0f} {plan.time.mfu:>6.1%}")
     if not plans:

@@ -26,11 +26,21 @@ reduce-scatter (n-1)/n), and what hides it here:
 - PP: one [s, b, h] activation (1/TP with SP) each way per micro-batch per stage boundary, all
   exposed with --no-overlap-p2p-communication, else only the warm-up's and cool-down's; the
   bubble is (PP - 1) / VPP micro-batch times.
+- Mixture-of-experts layers (planning/moe.py): the router's and the experts' GEMMs at the rows
+  each rank's experts run (top-k copies of the tokens, capacity padding when set), one GEMM per
+  local expert; the permutation and the experts' activation through HBM; the token exchange
+  (EP all-to-all, or all-gather / reduce-scatter over ETP x EP) each way, exposed (nothing here
+  overlaps it), over the node's links or the network by where the group lies; only the attention's
+  TP collectives (and the shared experts'); the experts' gradients reduced over the
+  expert-data-parallel group like the dense ones over DP; --moe-layer-recompute re-runs each
+  block's forward, exchange included, in backward. The experts' GEMMs run in the compute dtype
+  (FP8 covers the attention's).
 """
 from dataclasses import dataclass, field
 
+from megatron.training.planning import moe as moe_time
 from megatron.training.planning.architecture import (Architecture, flops_per_iteration, layer_parameters,
-                                                     stage_parameters)
+                                                     stage_expert_parameters, stage_parameters)
 from megatron.training.planning.hardware import Cluster
 from megatron.training.planning.layout import Layout
 from megatron.training.planning.memory import fp8_layers
@@ -59,24 +69,30 @@ class LayerTime:
     cp_forward: float           # exposed
     cp_backward: float          # exposed
     fsdp_exposed: float
+    ep_exchange: float = 0.0    # a mixture-of-experts layer's token exchange, each direction (exposed)
+    moe_block_forward: float = 0.0  # its router, experts and exchange (what --moe-layer-recompute re-runs)
 
     @property
     def forward(self) -> float:
-        return self.gemm_forward + self.attention_forward + self.elementwise_forward + self.tp_forward + self.cp_forward
+        return (self.gemm_forward + self.attention_forward + self.elementwise_forward + self.tp_forward
+                + self.cp_forward + self.ep_exchange)
 
     @property
     def backward(self) -> float:
         wgrad = self.gemm_forward  # the weight-gradient GEMMs hide the input gradient's reduction
         return (2 * self.gemm_forward + self.attention_backward + 2 * self.elementwise_forward
-                + max(0.0, self.tp_backward - wgrad) + self.cp_backward)
+                + max(0.0, self.tp_backward - wgrad) + self.cp_backward + self.ep_exchange)
 
 
-def _gemm_forward(arch: Architecture, lay: Layout, cluster: Cluster, tokens: float, fp8: bool) -> float:
+def _gemm_forward(arch: Architecture, lay: Layout, cluster: Cluster, tokens: float, fp8: bool,
+                  moe: bool = False) -> float:
     a, h, tp = arch, arch.hidden_size, lay.tp
     q_local = a.query_size // tp
     kv_local = a.kv_channels * a.num_query_groups // min(tp, a.num_query_groups)
     f_local = a.ffn_hidden_size // tp
-    shapes = [h * (q_local + 2 * kv_local), q_local * h, h * f_local * (2 if a.gated_linear_unit else 1), f_local * h]
+    shapes = [h * (q_local + 2 * kv_local), q_local * h]
+    if not moe:
+        shapes += [h * f_local * (2 if a.gated_linear_unit else 1), f_local * h]
     return sum(cluster.gemm_seconds(2 * tokens * weights, fp8) for weights in shapes)
 
 
@@ -95,7 +111,8 @@ def _attention(arch: Architecture, lay: Layout, cluster: Cluster) -> tuple:
     return gemms + cluster.memory_seconds(6 * scores, 4), 2 * gemms + cluster.memory_seconds(10 * scores, 6)
 
 
-def _elementwise_forward(arch: Architecture, lay: Layout, cluster: Cluster, tokens: float, fp8: bool = False) -> float:
+def _elementwise_forward(arch: Architecture, lay: Layout, cluster: Cluster, tokens: float, fp8: bool = False,
+                         moe: bool = False) -> float:
     """Norms, RoPE, the activation, residual adds and dropout: bytes read and written (with FP8,
     also each linear's input read in bf16 and written in FP8; backward, at twice the forward's
     elementwise traffic, covers the gradients' casts)."""
@@ -106,7 +123,10 @@ def _elementwise_forward(arch: Architecture, lay: Layout, cluster: Cluster, toke
     f_local = arch.ffn_hidden_size // lay.tp
     nbytes = 2 * 2 * e * h * norm_tokens + 2 * 3 * e * h * norm_tokens  # two norms, two residual adds
     nbytes += 2 * e * tokens * (q_local + kv_local) if arch.rope else 0
-    nbytes += 3 * e * tokens * f_local
+    if moe:  # the router, permutation and experts' activation are never compiled
+        nbytes += moe_time.elementwise_bytes(arch, lay) / (3 if not lay.fused_elementwise else 1)
+    else:
+        nbytes += 3 * e * tokens * f_local
     if arch.hidden_dropout > 0:
         nbytes += 2 * (2 * e + 1) * h * norm_tokens
     kernels = 8
@@ -118,15 +138,17 @@ def _elementwise_forward(arch: Architecture, lay: Layout, cluster: Cluster, toke
     return cluster.memory_seconds(nbytes, kernels)
 
 
-def _tp_comm(arch: Architecture, lay: Layout, cluster: Cluster, tokens: float) -> float:
-    """Seconds of one direction's tensor-parallel collectives of one layer."""
+def _tp_comm(arch: Architecture, lay: Layout, cluster: Cluster, tokens: float, moe: bool = False) -> float:
+    """Seconds of one direction's tensor-parallel collectives of one layer (a mixture-of-experts
+    layer: the attention's, and the shared experts' when there are some)."""
     if lay.tp == 1:
         return 0.0
     nbytes = lay.compute_bytes * tokens * arch.hidden_size
     bandwidth = cluster.link_bandwidth(lay.tp)
+    blocks = 2 if not moe or arch.moe_shared_expert_size else 1
     if lay.sp:
-        return 2 * _gather(nbytes, lay.tp, bandwidth) + 2 * _gather(nbytes, lay.tp, bandwidth)
-    return 2 * _all_reduce(nbytes, lay.tp, bandwidth)
+        return blocks * (_gather(nbytes, lay.tp, bandwidth) + _gather(nbytes, lay.tp, bandwidth))
+    return blocks * _all_reduce(nbytes, lay.tp, bandwidth)
 
 
 def _cp_comm(arch: Architecture, lay: Layout, cluster: Cluster, tokens: float, attention: tuple) -> tuple:
@@ -146,12 +168,19 @@ def _cp_comm(arch: Architecture, lay: Layout, cluster: Cluster, tokens: float, a
     return max(0.0, exchange - attention[0]), max(0.0, 2 * exchange - attention[1])  # the ring overlaps
 
 
-def layer_time(arch: Architecture, lay: Layout, cluster: Cluster, fp8: bool = False) -> LayerTime:
+def layer_time(arch: Architecture, lay: Layout, cluster: Cluster, fp8: bool = False, moe: bool = False) -> LayerTime:
+    """One layer's times; `moe`: a mixture-of-experts layer."""
     tokens = lay.micro_batch_size * lay.seq_length / lay.cp
     attention = _attention(arch, lay, cluster)
     cp = _cp_comm(arch, lay, cluster, tokens, attention)
     fsdp = 0.0
-    gemm = _gemm_forward(arch, lay, cluster, tokens, fp8)
+    gemm = _gemm_forward(arch, lay, cluster, tokens, fp8, moe)
+    exchange = block = 0.0
+    if moe:
+        exchange = moe_time.dispatch_seconds(arch, lay, cluster)
+        experts = moe_time.gemm_forward_seconds(arch, lay, cluster)
+        block = experts + exchange + cluster.memory_seconds(moe_time.elementwise_bytes(arch, lay), 12)
+        gemm += experts
     if lay.fsdp2:  # gather the layer's weights (forward, backward), reduce-scatter its gradients
         shards = lay.dp * lay.cp
         weights = layer_parameters(arch, lay.tp)
@@ -159,19 +188,21 @@ def layer_time(arch: Architecture, lay: Layout, cluster: Cluster, fp8: bool = Fa
         moved = 2 * _gather(lay.compute_bytes * weights, shards, bandwidth)
         moved += _gather((2 if lay.grad_reduce_in_bf16 else 4) * weights, shards, bandwidth)
         fsdp = max(0.0, moved - 3 * gemm)
+    tp = _tp_comm(arch, lay, cluster, tokens, moe)
     return LayerTime(gemm_forward=gemm, attention_forward=attention[0], attention_backward=attention[1],
-                     elementwise_forward=_elementwise_forward(arch, lay, cluster, tokens, fp8),
-                     tp_forward=_tp_comm(arch, lay, cluster, tokens), tp_backward=_tp_comm(arch, lay, cluster, tokens),
-                     cp_forward=cp[0], cp_backward=cp[1], fsdp_exposed=fsdp)
+                     elementwise_forward=_elementwise_forward(arch, lay, cluster, tokens, fp8, moe),
+                     tp_forward=tp, tp_backward=tp, cp_forward=cp[0], cp_backward=cp[1], fsdp_exposed=fsdp,
+                     ep_exchange=exchange, moe_block_forward=block)
 
 
-def _recompute_seconds(lay: Layout, layer: LayerTime, layers: int) -> float:
+def _recompute_seconds(lay: Layout, times: list) -> float:
+    """Seconds of one micro-batch's recomputation over a stage's layers (their LayerTimes, in order)."""
     if lay.recompute_granularity == "selective":
-        return layers * layer.attention_forward
-    if lay.recompute_granularity != "full":
-        return 0.0
-    count = layers if lay.recompute_method == "uniform" else min(lay.recompute_num_layers or 1, layers)
-    return count * layer.forward
+        return sum(layer.attention_forward for layer in times)
+    if lay.recompute_granularity == "full":
+        count = len(times) if lay.recompute_method == "uniform" else min(lay.recompute_num_layers or 1, len(times))
+        return sum(layer.forward for layer in times[:count])
+    return sum(layer.moe_block_forward for layer in times) if lay.moe_layer_recompute else 0.0
 
 
 def _head_seconds(arch: Architecture, lay: Layout, cluster: Cluster) -> tuple:
@@ -200,36 +231,53 @@ def _stage_microbatch(arch: Architecture, lay: Layout, cluster: Cluster, stage: 
     first_layer = sum(lay.layers_per_stage(arch.num_layers)[:stage])
     fp8_count = fp8_layers(arch, lay)
     skipped = (arch.num_layers - fp8_count) // 2 if lay.fp8 and fp8_count < arch.num_layers else 0
-    fp8_here = sum(1 for index in range(first_layer, first_layer + layers)
-                   if lay.fp8 and skipped <= index < skipped + fp8_count)
-    plain = layer_time(arch, lay, cluster, fp8=False)
-    quantized = layer_time(arch, lay, cluster, fp8=True) if fp8_here else plain
-    forward = fp8_here * quantized.forward + (layers - fp8_here) * plain.forward
-    backward = fp8_here * quantized.backward + (layers - fp8_here) * plain.backward
-    recompute = _recompute_seconds(lay, plain, layers)
+    kinds = {}
+    times = []
+    for index in range(first_layer, first_layer + layers):
+        kind = (lay.fp8 and skipped <= index < skipped + fp8_count, arch.is_moe and arch.moe_layers[index] == 1)
+        if kind not in kinds:
+            kinds[kind] = layer_time(arch, lay, cluster, fp8=kind[0], moe=kind[1])
+        times.append(kinds[kind])
+    forward = sum(layer.forward for layer in times)
+    backward = sum(layer.backward for layer in times)
+    recompute = _recompute_seconds(lay, times)
     if stage == lay.pp - 1:
         head = _head_seconds(arch, lay, cluster)
         forward, backward = forward + head[0], backward + head[1]
-    return {"forward": forward, "backward": backward, "recompute": recompute, "fsdp": layers * plain.fsdp_exposed}
+    return {"forward": forward, "backward": backward, "recompute": recompute,
+            "fsdp": sum(layer.fsdp_exposed for layer in times)}
+
+
+def _reduction(lay: Layout, n: float, shards: int, bandwidth: float) -> tuple:
+    """(gradient reduction, parameter gather) seconds of `n` parameters replicated over `shards` ranks."""
+    if shards == 1 or not n:
+        return 0.0, 0.0
+    grad_bytes = (2 if lay.grad_reduce_in_bf16 else 4) * n
+    if lay.distributed_optimizer:
+        return _gather(grad_bytes, shards, bandwidth), _gather(lay.compute_bytes * n, shards, bandwidth)
+    return _all_reduce(grad_bytes, shards, bandwidth), 0.0
 
 
 def _data_parallel_seconds(arch: Architecture, lay: Layout, cluster: Cluster, stage: int, layers: int,
                            microbatch: dict) -> tuple:
-    """(exposed gradient reduction, exposed parameter gather, optimizer step) seconds of one stage."""
-    n = stage_parameters(arch, lay.tp, layers, first=stage == 0, last=stage == lay.pp - 1, pp=lay.pp)
+    """(exposed gradient reduction, exposed parameter gather, optimizer step) seconds of one stage:
+    the dense parameters over the data- and context-parallel ranks, the routed experts' over the
+    expert-data-parallel ranks (both groups span the stage's TP x CP x DP ranks)."""
+    first_layer = sum(lay.layers_per_stage(arch.num_layers)[:stage])
+    n = stage_parameters(arch, lay.tp, layers, first=stage == 0, last=stage == lay.pp - 1, pp=lay.pp,
+                         first_layer=first_layer)
+    experts = stage_expert_parameters(arch, lay.ep, lay.etp, layers, first_layer) if arch.is_moe else 0
     shards = lay.dp * lay.cp
-    stepped = n / shards if (lay.distributed_optimizer or lay.fsdp2) else n
+    sharded = lay.distributed_optimizer or lay.fsdp2
+    stepped = (n / shards + experts / lay.edp) if sharded else n + experts
     optimizer = cluster.memory_seconds(32 * stepped, 4)
-    if lay.fsdp2 or shards == 1:
+    if lay.fsdp2:
         return 0.0, 0.0, optimizer
     bandwidth = cluster.link_bandwidth(lay.tp * lay.cp * lay.dp)
-    grad_bytes = (2 if lay.grad_reduce_in_bf16 else 4) * n
-    buckets = max(1, n // BUCKET_ELEMENTS)
-    if lay.distributed_optimizer:
-        reduce = _gather(grad_bytes, shards, bandwidth)
-        gather = _gather(lay.compute_bytes * n, shards, bandwidth)
-    else:
-        reduce, gather = _all_reduce(grad_bytes, shards, bandwidth), 0.0
+    dense = _reduction(lay, n, shards, bandwidth)
+    expert = _reduction(lay, experts, lay.edp, bandwidth)
+    reduce, gather = dense[0] + expert[0], dense[1] + expert[1]
+    buckets = max(1, (n + experts) // BUCKET_ELEMENTS)
     if lay.overlap_grad_reduce:
         reduce = max(reduce / buckets, reduce - microbatch["backward"])
     if lay.overlap_param_gather:
