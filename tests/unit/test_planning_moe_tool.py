@@ -160,3 +160,53 @@ def test_a_moe_plan_that_does_not_fit_names_the_expert_flags():
     hints = reducing_flags(plan_for_flags(config, 151936, 8, cluster("h100-80gb")))
     assert hints[0] == "--expert-model-parallel-size 4"  # the experts' state is most of the memory
     assert "--use-distributed-optimizer" in hints and not any("fsdp2" in hint for hint in hints)
+
+
+def _fp8_cache_bytes(chunks) -> tuple:
+    """(dense, routed experts) bytes of the FP8 weight casts the built model holds after a step."""
+    from megatron.core.transformer.fp8 import FP8Linear
+
+    seen, totals = set(), {"dense": 0, "experts": 0}
+
+    def count(linear, kind):
+        for tensor in (t for pair in (linear._weight or {}).values() for t in pair):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                totals[kind] += storage.nbytes()
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            fp8 = getattr(module, "fp8", None)
+            if isinstance(fp8, FP8Linear):
+                count(fp8, "dense")
+            elif isinstance(fp8, dict):  # the routed experts: one FP8Linear per expert and stacked weight
+                for experts in fp8.values():
+                    for linear in experts.linears:
+                        count(linear, "experts")
+    return totals["dense"], totals["experts"]
+
+
+def test_fp8_weight_copies_are_the_casts_the_built_run_caches():
+    """With FP8 the plan counts each weight's cast and its transpose (1 byte each), the routed
+    experts' as their own term; after a training step the built model holds that many bytes."""
+    import pretrain_gpt
+    from megatron.training.data import build_loader
+    from megatron.core.datasets.mock_dataset import MockGPTDataset
+    from megatron.training.planning.layout import layout_from_config
+    from megatron.training.planning.memory import memory_per_stage
+    from megatron.training.training import setup, train_step
+    from tests.unit.test_memory_estimate import TINY
+
+    config = parse_args(TINY + ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--bf16", "--fp8-format",
+                                "hybrid", "--fp8-recipe", "tensorwise", "--disable-bias-linear"])
+    run = setup(config, pretrain_gpt.forward_step, 255)
+    dataset = MockGPTDataset(run.global_batch_size, 16, 255, seed=1)
+    train_step(run, [iter(build_loader(dataset, 0, 2, run.groups, 0))])
+    dense, experts = _fp8_cache_bytes(run.chunks)
+    lay = layout_from_config(config, run.model_config, 1)
+    terms = memory_per_stage(architecture(run.model_config), lay)[0].terms
+    # the casts hold a 4-byte scale each besides the 1-byte elements the plan counts (< 0.1% here)
+    assert experts > 0 and abs(terms["expert FP8 weight copies"] / experts - 1) < 0.001
+    # the dense term also counts the layers' norms and routers, which are never cast (a few % here)
+    assert 0.999 * dense <= terms["FP8 weight copies"] <= 1.05 * dense

@@ -127,12 +127,12 @@ def layer_parameters(arch: Architecture, tp: int, moe: bool = False) -> int:
     return 2 * _norm_parameters(a, h) + qkv + proj + qk_norms + mlp
 
 
-def expert_layer_parameters(arch: Architecture, ep: int, etp: int) -> int:
+def expert_layer_parameters(arch: Architecture, ep: int, etp: int, weights_only: bool = False) -> int:
     """Elements of one layer's routed experts on one rank: E/EP experts, each MLP split over ETP
-    (fc2's bias whole on every expert-tensor-parallel rank)."""
+    (fc2's bias whole on every expert-tensor-parallel rank; `weights_only`: the GEMMs' weights, no bias)."""
     f, h = arch.moe_ffn_hidden_size, arch.hidden_size
     fc1_out = (2 if arch.gated_linear_unit else 1) * f // etp
-    one = h * fc1_out + f // etp * h + ((fc1_out + h) if arch.add_bias_linear else 0)
+    one = h * fc1_out + f // etp * h + ((fc1_out + h) if arch.add_bias_linear and not weights_only else 0)
     return arch.num_experts // ep * one
 
 
@@ -157,10 +157,11 @@ def stage_parameters(arch: Architecture, tp: int, num_layers: int, *, first: boo
     return total
 
 
-def stage_expert_parameters(arch: Architecture, ep: int, etp: int, num_layers: int, first_layer: int = 0) -> int:
+def stage_expert_parameters(arch: Architecture, ep: int, etp: int, num_layers: int, first_layer: int = 0,
+                            weights_only: bool = False) -> int:
     """Elements of the routed experts of a stage's layers on one rank."""
     moe = arch.moe_layer_count(first_layer, num_layers)
-    return moe * expert_layer_parameters(arch, ep, etp) if moe else 0
+    return moe * expert_layer_parameters(arch, ep, etp, weights_only) if moe else 0
 
 
 def total_parameters(arch: Architecture) -> int:

@@ -200,8 +200,13 @@ def expert_terms(arch: Architecture, lay: Layout, layers: int, first_layer: int 
     moments = 2 if lay.optimizer == "adam" else (1 if lay.sgd_momentum else 0)
     masters = FP32 if lay.compute_bytes != FP32 else 0
     state = (masters + FP32 * moments) * n
-    return {"expert weights": lay.compute_bytes * n, "expert gradients": (2 if lay.grad_reduce_in_bf16 else FP32) * n,
-            "expert optimizer state": state / lay.edp if lay.distributed_optimizer else state}
+    terms = {"expert weights": lay.compute_bytes * n, "expert gradients": (2 if lay.grad_reduce_in_bf16 else FP32) * n,
+             "expert optimizer state": state / lay.edp if lay.distributed_optimizer else state}
+    fp8 = fp8_layers(arch, lay)
+    if fp8:  # each local expert's quantized weights and their transposes, cached per optimizer step
+        cast = stage_expert_parameters(arch, lay.ep, lay.etp, layers, first_layer, weights_only=True)
+        terms["expert FP8 weight copies"] = 2 * cast * min(1.0, fp8 / arch.num_layers)
+    return terms
 
 
 def stage_memory(arch: Architecture, lay: Layout, stage: int, layers: int) -> StageMemory:

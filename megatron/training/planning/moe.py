@@ -126,10 +126,11 @@ def dispatch_seconds(arch, lay, cluster) -> float:
     return moved
 
 
-def gemm_forward_seconds(arch, lay, cluster) -> float:
+def gemm_forward_seconds(arch, lay, cluster, fp8: bool = False) -> float:
     """Forward GEMMs of the router, the routed experts and the shared experts. With
     --moe-grouped-gemm the local experts' rows run as one grouped GEMM per linear, at the
-    throughput of one GEMM of their total work; without, one GEMM per local expert and linear."""
+    throughput of one GEMM of their total work; without, one GEMM per local expert and linear.
+    `fp8`: the experts' and shared experts' GEMMs at the FP8 rate (the router stays in bf16)."""
     h, T = arch.hidden_size, tokens_in(lay)
     local_experts = arch.num_experts // lay.ep
     rows = rows_computed(arch, lay) / local_experts
@@ -137,26 +138,29 @@ def gemm_forward_seconds(arch, lay, cluster) -> float:
     fc1 = (2 if arch.gated_linear_unit else 1) * f
     seconds = cluster.gemm_seconds(2 * T * h * arch.num_experts)
     if arch.moe_grouped_gemm:
-        seconds += cluster.gemm_seconds(2 * local_experts * rows * h * fc1) + cluster.gemm_seconds(
-            2 * local_experts * rows * f * h)
+        seconds += cluster.gemm_seconds(2 * local_experts * rows * h * fc1, fp8) + cluster.gemm_seconds(
+            2 * local_experts * rows * f * h, fp8)
     else:
-        seconds += local_experts * (cluster.gemm_seconds(2 * rows * h * fc1) + cluster.gemm_seconds(2 * rows * f * h))
+        seconds += local_experts * (cluster.gemm_seconds(2 * rows * h * fc1, fp8)
+                                    + cluster.gemm_seconds(2 * rows * f * h, fp8))
     if arch.moe_shared_expert_size:
         # the shared experts see the whole sequence of the TP group (gathered like the dense MLP)
         tokens = T * lay.tp if lay.sp else T
         shared = arch.moe_shared_expert_size / lay.tp
         sfc1 = (2 if arch.gated_linear_unit else 1) * shared
-        seconds += cluster.gemm_seconds(2 * tokens * h * sfc1) + cluster.gemm_seconds(2 * tokens * shared * h)
+        seconds += cluster.gemm_seconds(2 * tokens * h * sfc1, fp8) + cluster.gemm_seconds(2 * tokens * shared * h, fp8)
     return seconds
 
 
-def elementwise_bytes(arch, lay) -> float:
+def elementwise_bytes(arch, lay, fp8: bool = False) -> float:
     """Bytes the router's softmax and top-k, the permutation, the experts' activation and the
-    weighting and un-permutation, and the shared experts' activation read and write in one forward."""
+    weighting and un-permutation, and the shared experts' activation read and write in one forward
+    (`fp8`: also each expert linear's input read in bf16 and written in FP8)."""
     e, h, T = lay.compute_bytes, arch.hidden_size, tokens_in(lay)
     n, f = rows_computed(arch, lay), arch.moe_ffn_hidden_size / lay.etp
     router = 3 * FP32 * T * arch.num_experts
     permutation = 2 * e * rows_sent(arch, lay) * h * (2 if arch.moe_dispatcher == "alltoall" else 1)
     experts = 3 * e * n * f + 3 * e * n * h  # activation (gate, up -> product), weighting by the probabilities
     shared = 3 * e * (T * lay.tp if lay.sp else T) * arch.moe_shared_expert_size / lay.tp
-    return router + 2 * permutation + experts + shared
+    casts = (e + 1) * n * (h + f) if fp8 else 0.0
+    return router + 2 * permutation + experts + shared + casts

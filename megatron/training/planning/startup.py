@@ -10,7 +10,7 @@ from megatron.training.planning.memory import GIB, memory_per_stage
 from megatron.training.planning.plan import format_plan, plan_for_flags, reducing_flags
 
 PERSISTENT = ("weights", "gradients", "optimizer state", "FP8 weight copies", "expert weights", "expert gradients",
-              "expert optimizer state")
+              "expert optimizer state", "expert FP8 weight copies")
 
 
 def dry_run_cluster(config, world_size: int):

@@ -124,7 +124,7 @@ def _elementwise_forward(arch: Architecture, lay: Layout, cluster: Cluster, toke
     nbytes = 2 * 2 * e * h * norm_tokens + 2 * 3 * e * h * norm_tokens  # two norms, two residual adds
     nbytes += 2 * e * tokens * (q_local + kv_local) if arch.rope else 0
     if moe:  # the router, permutation and experts' activation are never compiled
-        nbytes += moe_time.elementwise_bytes(arch, lay) / (3 if not lay.fused_elementwise else 1)
+        nbytes += moe_time.elementwise_bytes(arch, lay, fp8) / (3 if not lay.fused_elementwise else 1)
     else:
         nbytes += 3 * e * tokens * f_local
     if arch.hidden_dropout > 0:
@@ -178,8 +178,8 @@ def layer_time(arch: Architecture, lay: Layout, cluster: Cluster, fp8: bool = Fa
     exchange = block = 0.0
     if moe:
         exchange = moe_time.dispatch_seconds(arch, lay, cluster)
-        experts = moe_time.gemm_forward_seconds(arch, lay, cluster)
-        block = experts + exchange + cluster.memory_seconds(moe_time.elementwise_bytes(arch, lay), 12)
+        experts = moe_time.gemm_forward_seconds(arch, lay, cluster, fp8)
+        block = experts + exchange + cluster.memory_seconds(moe_time.elementwise_bytes(arch, lay, fp8), 12)
         gemm += experts
     if lay.fsdp2:  # gather the layer's weights (forward, backward), reduce-scatter its gradients
         shards = lay.dp * lay.cp
