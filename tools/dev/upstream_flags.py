@@ -12,7 +12,10 @@ Megatron-LM's `ArgumentGroupFactory` generates from a config dataclass (its rule
 a field `x_y` is `--x-y`; a bool is `store_true`, or `--no-x-y`/`--disable-x-y` with `store_false`
 when it defaults to True; `Optional[T]` is T; `list[T]` takes `nargs='+'`; a Literal or an Enum
 gives the choices; the field's `argparse_meta` overrides). A value that is not a literal in the
-source (a default computed by a function) is stored as its source text.
+source (a default computed by a function) is stored as its source text. An integer flag that
+upstream's `validate_args` bounds (`assert args.x > N` or `>= N`) gets `validated`: the lowest value
+accepted and the source of the `if` tests the assert sits under (null when it runs on every start),
+so that a test knows which zero and negative values upstream accepts.
 
 To follow upstream: change a commit in SOURCES, rerun, and commit the JSON with the registry entries
 (megatron/training/megatron_lm/registry.py) for the flags that the coverage test names.
@@ -250,6 +253,48 @@ def _factory_group(constructor: ast.Call, build: ast.Call, factory: Factory, exc
     return factory.group(class_name, _value(title), exclude)
 
 
+def _minimum(statement: ast.stmt):
+    """(dest, lowest integer accepted) of `assert args.X > N` or `assert args.X >= N`, N a literal."""
+    test = statement.test if isinstance(statement, ast.Assert) else None
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Gt, ast.GtE))):
+        return None
+    left, value = test.left, _value(test.comparators[0])
+    if not (isinstance(left, ast.Attribute) and isinstance(left.value, ast.Name) and left.value.id == "args"
+            and type(value) is int):
+        return None
+    return left.attr, value + 1 if isinstance(test.ops[0], ast.Gt) else value
+
+
+def _bounds(statements: list, conditions: tuple = ()) -> list:
+    """(dest, lowest integer accepted, condition) of every such assert in `statements`, nested ones
+    included; the condition is the source of the `if` tests around it (None if it runs on every start)."""
+    found = []
+    for statement in statements:
+        bound = _minimum(statement)
+        if bound is not None:
+            found.append((*bound, " and ".join(conditions) or None))
+        if isinstance(statement, ast.If):
+            test = f"({ast.unparse(statement.test)})"
+            found += _bounds(statement.body, conditions + (test,))
+            found += _bounds(statement.orelse, conditions + (f"not {test}",))
+        elif isinstance(statement, (ast.For, ast.While, ast.With, ast.Try)):
+            for name in ("body", "orelse", "finalbody"):
+                found += _bounds(getattr(statement, name, []), conditions)
+            for handler in getattr(statement, "handlers", []):
+                found += _bounds(handler.body, conditions)
+    return found
+
+
+def _minimums(function: ast.FunctionDef) -> dict:
+    """{dest: {"minimum": N, "when": condition}} from the asserts of upstream's `validate_args`; an
+    unconditional bound wins over a conditional one, then the highest."""
+    chosen = {}
+    for dest, lowest, when in _bounds(function.body):
+        if dest not in chosen or (chosen[dest][1] is not None, -chosen[dest][0]) > (when is not None, -lowest):
+            chosen[dest] = (lowest, when)
+    return {dest: {"minimum": lowest, "when": when} for dest, (lowest, when) in chosen.items()}
+
+
 def read_parser(git_dir: str, commit: str) -> list:
     tree = Tree(git_dir, commit)
     module = tree.parse(PARSER_FILE)
@@ -262,6 +307,11 @@ def read_parser(git_dir: str, commit: str) -> list:
     for name in _called(entry):
         if name in functions:
             flags += _group_flags(functions[name], factory)
+    minimums = _minimums(functions["validate_args"]) if "validate_args" in functions else {}
+    for flag in flags:
+        dest = flag["dest"] or flag["name"][2:].replace("-", "_")
+        if flag["type"] == "int" and dest in minimums:
+            flag["validated"] = minimums[dest]
     return flags
 
 
@@ -288,7 +338,7 @@ def main(argv=None) -> int:
         parser.error(f"give the git directory of {', '.join(missing)} (e.g. {missing[0]}=/path/to/clone/.git)")
     per_source = {name: read_parser(dirs[name], commit) for name, (commit, _) in SOURCES.items()}
     flags = merge(per_source)
-    keys = ("name", "group", "action", "type", "choices", "nargs", "default", "dest", "sources")
+    keys = ("name", "group", "action", "type", "choices", "nargs", "default", "dest", "sources", "validated")
     document = {
         "generated_by": "python tools/dev/upstream_flags.py " + " ".join(f"{n}=GIT_DIR" for n in SOURCES),
         "sources": {name: {"commit": commit, "what": what, "file": PARSER_FILE} for name, (commit, what) in SOURCES.items()},
@@ -297,7 +347,8 @@ def main(argv=None) -> int:
     with open(OUTPUT, "w") as handle:  # one flag per line, so that a regeneration diffs by flag
         header = {key: value for key, value in document.items() if key != "flags"}
         handle.write(json.dumps(header, indent=1)[:-2] + ',\n "flags": [\n')
-        handle.write(",\n".join(json.dumps(flag, default=str) for flag in document["flags"]))
+        handle.write(",\n".join(json.dumps({k: v for k, v in flag.items() if k != "validated" or v}, default=str)
+                                 for flag in document["flags"]))
         handle.write("\n ]\n}\n")
     counts = {name: len({f["name"] for f in flags_}) for name, flags_ in per_source.items()}
     print(f"wrote {OUTPUT}: {len(flags)} flags ({', '.join(f'{n} {c}' for n, c in counts.items())})")

@@ -33,6 +33,7 @@ class MegatronFlag:
     choices: Optional[tuple] = None  # upstream's choices
     default: object = None
     sources: tuple = ()      # the upstream parsers that define it ("NVIDIA", "ROCm"); () for older versions'
+    validated: Optional[dict] = None  # upstream validate_args' bound: {"minimum": N, "when": condition or None}
 
 
 def _arity(entry: dict) -> str:
@@ -77,7 +78,7 @@ def megatron_flags() -> list:
         group = older[entry["name"]][0] if entry["name"] in older else entry["group"]
         choices = tuple(entry["choices"]) if isinstance(entry["choices"], list) else None
         flags.append(MegatronFlag(entry["name"], group, _arity(entry), entry["type"], choices, entry["default"],
-                                  tuple(entry["sources"])))
+                                  tuple(entry["sources"]), entry.get("validated")))
     known = {flag.name for flag in flags}
     flags += [MegatronFlag(name, group, arity) for name, (group, arity) in older.items() if name not in known]
     return flags
