@@ -2,7 +2,8 @@
 framework does not define are treated (`registry.py`), and their place in the command line.
 
 The flags come from `upstream_flags.json`, generated from the upstream argument parsers at pinned
-commits by `python tools/dev/upstream_flags.py` (its docstring says how to regenerate it), and from
+commits (NVIDIA's main, the ROCm fork's rocm_dev, and the fork's newest parser file) by
+`python tools/dev/upstream_flags.py` (its docstring says how to regenerate it), and from
 `pretrain_gpt_flags.txt`, the flags of earlier Megatron-LM versions that the current parsers dropped
 (kept so that older launch scripts still parse).
 
@@ -37,7 +38,8 @@ class MegatronFlag:
 
 
 def _arity(entry: dict) -> str:
-    if entry["action"] in ("store_true", "store_false", "store_const"):
+    if entry["action"] in ("store_true", "store_false", "store_const") or str(entry["action"]).endswith(
+            "BooleanOptionalAction"):
         return "switch"
     if entry["nargs"] == "?":
         return "optional"

@@ -507,6 +507,17 @@ FLAGS = {
     "--standalone-embedding-stage": error("a pipeline stage holding only the embedding is not built; use "
                                           "--decoder-first-pipeline-num-layers"),
     "--renormalize-blend-weights": note("blend weights are normalized to sum to 1, as Megatron-Core does"),
+    "--fused-padded-mla-attention": note("a multi-latent attention kernel choice (the fork's fused CK kernel); "
+                                         "multi-latent attention is not built (--multi-latent-attention is an "
+                                         "error), so no effect"),
+    "--attention-sink-k": only("0", text="attention sink tokens are not built"),
+    "--keep_fp8_weight_transpose_cache": note("the fork's deprecated spelling of --keep-fp8-weight-transpose-cache-te: "
+                                              "the FP8 weight and its transpose are cached once per optimizer step, "
+                                              "always"),
+    "--tokenizer-hf-use-fast": note("Hugging Face tokenizers load with the fast (tokenizers) library, as this flag "
+                                    "asks"),
+    "--tokenizer-hf-include-special-tokens": note("Hugging Face tokenizers encode with their special tokens "
+                                                  "(tokenizer(text).input_ids), as this flag asks"),
     "--s3-cache-path": error("object-storage data is not built; data paths are local files"),
     # Transformer Engine
     "--te-rng-tracker": note("the framework's own tensor-parallel RNG tracker runs"),
