@@ -6,7 +6,7 @@ import pytest
 
 from megatron.training import megatron_lm
 from megatron.training.arguments import build_parser, parse_args
-from megatron.training.megatron_lm.registry import INTEGER_MINIMUMS
+from megatron.training.megatron_lm.integer_bounds import INTEGER_MINIMUMS
 from megatron.training.validation import ConfigError, validate
 
 MINIMAL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--micro-batch-size", "2",
