@@ -178,10 +178,9 @@ def shrink(args: list) -> tuple:
 
 def describe(repository: str, commit: str, path: str, launches: list, last_line: str) -> dict:
     entry = {"repository": REPOSITORIES[repository], "commit": commit, "path": path}
-    for launch in launches:
-        program, args, world = _program(launch)
-        if program is None:
-            continue
+    programs = [_program(launch) for launch in launches]
+    programs = [p for p in programs if p[0] is not None]  # a program file first, then `python -c/-m`
+    for program, args, world in sorted(programs, key=lambda p: p[0].startswith("-")):
         entry["entry_point"] = program if program.startswith("-") else os.path.basename(program)
         if entry["entry_point"] == "pretrain_gpt.py":
             entry["argv"], entry["world_size"] = shrink(args)
