@@ -45,6 +45,10 @@ def test_the_upstream_flag_file_is_pinned_and_complete():
     assert flags["--keep-fp8-weight-transpose-cache-te"].sources == ("ROCm-dbdea573",)
     assert flags["--fused-single-qkv-rope"].sources == ()  # passed by the fork's script, defined by no parser read
     assert flags["--rl-partial-rollouts"].arity == flags["--no-rl-partial-rollouts"].arity == "switch"
+    # the fork's pretrain_gpt.py adds its PAI-Megatron-Patch group, which also offers --optimizer hybridadam
+    assert flags["--max-padding-length"].group == "patch" and flags["--max-padding-length"].sources == (
+        "ROCm-dbdea573",)
+    assert "hybridadam" in flags["--optimizer"].choices
     assert flags["--dataloader-type"].choices == ("single", "cyclic", "external")
     assert flags["--eval-iters"].default == 100 and flags["--eval-iters"].type == "int"
 

@@ -11,7 +11,9 @@ commit (FILE@COMMIT: e.g. `curl -o /tmp/arguments.py https://raw.githubuserconte
 keep it out of the repository). Nothing is imported or run from either. A file source has no tree
 around it, so the argument groups that its parser generates from config dataclasses in other files
 are listed in the data file (`unread_groups`) instead of read; the explicit `add_argument` calls are
-read in full. The parser source (megatron/training/arguments.py) is read with `ast`: every `add_argument` call of every `_add_*_args` function that
+read in full, and so are the extra-argument functions that the source's pretrain_gpt.py adds
+(EXTRA_PROVIDERS, with the choices they append to other flags). The parser source
+(megatron/training/arguments.py) is read with `ast`: every `add_argument` call of every `_add_*_args` function that
 `add_megatron_arguments` (or, in older versions, `parse_args`) calls, and every argument group that
 Megatron-LM's `ArgumentGroupFactory` generates from a config dataclass (its rules reproduced here:
 a field `x_y` is `--x-y`; a bool is `store_true`, or `--no-x-y`/`--disable-x-y` with `store_false`
@@ -44,6 +46,9 @@ SOURCES = {
                       "ROCm/Megatron-LM, the newest megatron/training/arguments.py of the public code index", "file"),
 }
 ENTRY_POINTS = ("add_megatron_arguments", "parse_args")
+# Functions of the parser file that the source's pretrain_gpt.py also passes as extra_args_provider:
+# the ROCm fork's pretrain_gpt.py (45deea22) adds get_patch_args ("patch" group) to every run.
+EXTRA_PROVIDERS = {"ROCm-dbdea573": ("get_patch_args",)}
 
 
 class FileTree:
@@ -324,8 +329,23 @@ def _minimums(function: ast.FunctionDef) -> dict:
     return {dest: {"minimum": lowest, "when": when} for dest, (lowest, when) in chosen.items()}
 
 
-def read_parser(tree) -> tuple:
-    """(flags, generated groups not read) of the parser of a Tree or FileTree."""
+def _added_choices(function: ast.FunctionDef) -> dict:
+    """{flag: [values]} that a provider appends to flags defined elsewhere, written as
+    `if "--flag" in action.option_strings: action.choices.append(VALUE)`."""
+    added = {}
+    for node in ast.walk(function):
+        if not (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+                and isinstance(node.test.ops[0], ast.In) and "option_strings" in ast.unparse(node.test)):
+            continue
+        flag = _value(node.test.left)
+        for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+            if ast.unparse(call.func).endswith("choices.append") and call.args:
+                added.setdefault(flag, []).append(_value(call.args[0]))
+    return added
+
+
+def read_parser(tree, source: str = "") -> tuple:
+    """(flags, generated groups not read, {flag: choices added}) of the parser of a Tree or FileTree."""
     commit = tree.commit
     module = tree.parse(PARSER_FILE)
     functions = _functions(module)
@@ -337,16 +357,21 @@ def read_parser(tree) -> tuple:
     for name in _called(entry):
         if name in functions:
             flags += _group_flags(functions[name], factory)
+    added = {}
+    for name in EXTRA_PROVIDERS.get(source, ()):
+        flags += _group_flags(functions[name], factory)
+        added.update(_added_choices(functions[name]))
     minimums = _minimums(functions["validate_args"]) if "validate_args" in functions else {}
     for flag in flags:
         dest = flag["dest"] or flag["name"][2:].replace("-", "_")
         if flag["type"] == "int" and dest in minimums:
             flag["validated"] = minimums[dest]
-    return flags, factory.unread
+    return flags, factory.unread, added
 
 
-def merge(per_source: dict) -> list:
-    """One entry per flag: the first source's description, and every source that defines it."""
+def merge(per_source: dict, added_choices: dict) -> list:
+    """One entry per flag: the first source's description, every source that defines it, and the
+    choices that a later source's extra-argument provider appends (values that parser accepts)."""
     merged = {}
     for source, flags in per_source.items():
         for flag in flags:
@@ -355,6 +380,11 @@ def merge(per_source: dict) -> list:
                 entry["sources"].append(source)
             if source != next(iter(per_source)) and entry["sources"] == [source]:
                 entry.update(flag)
+    for choices in added_choices.values():
+        for name, values in choices.items():
+            if name in merged and isinstance(merged[name]["choices"], list):
+                merged[name]["choices"] = merged[name]["choices"] + [v for v in values
+                                                                     if v not in merged[name]["choices"]]
     return list(merged.values())
 
 
@@ -383,9 +413,9 @@ def main(argv=None) -> int:
                         help=f"one per source: {', '.join(SOURCES)}")
     args = parser.parse_args(argv)
     trees = _trees(parser, dict(item.split("=", 1) for item in args.sources))
-    read = {name: read_parser(tree) for name, tree in trees.items()}
-    per_source = {name: flags for name, (flags, _) in read.items()}
-    flags = merge(per_source)
+    read = {name: read_parser(tree, name) for name, tree in trees.items()}
+    per_source = {name: flags for name, (flags, _, _) in read.items()}
+    flags = merge(per_source, {name: added for name, (_, _, added) in read.items()})
     keys = ("name", "group", "action", "type", "choices", "nargs", "default", "dest", "sources", "validated")
     document = {
         "generated_by": "python tools/dev/upstream_flags.py " + " ".join(
