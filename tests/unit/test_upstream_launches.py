@@ -1,6 +1,7 @@
 """Every example script of Megatron-LM (NVIDIA d98e8a64) and of Megatron-LM for ROCm (rocm_dev
-2b855baf), as data: tests/functional/upstream_scripts/launches.json, written by
-`python tools/dev/upstream_scripts.py` (sizes shrunk, paths replaced). Each launch of pretrain_gpt.py
+2b855baf, and the fork's newer scripts in the public code index, each at its own commit), as data:
+tests/functional/upstream_scripts/launches.json, written by `python tools/dev/upstream_scripts.py`
+(sizes shrunk, paths replaced; an index script not saved for the regeneration is listed as not read). Each launch of pretrain_gpt.py
 parses and validates here at its world size, or is refused with the reason listed below, which is
 the registry's documented reason or what Megatron-LM itself does with the same command line; every
 other script names the entry point it launches (out of scope: BERT, T5, multimodal, inference,
@@ -26,50 +27,55 @@ def _flag_error(flag: str) -> str:
 
 
 _SC21 = "the following arguments are required: --num-layers"  # CONFIG.sh ships with <placeholders>
-# (repository, path) -> the text the one-line refusal holds, and why that is right
+# (source, path) -> the text the one-line refusal holds, and why that is right
 REFUSED = {
-    ("NVIDIA/Megatron-LM", "examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh"):
+    ("NVIDIA", "examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh"):
         _flag_error("--use-megatron-fsdp"),
-    ("NVIDIA/Megatron-LM", "examples/post_training/modelopt/train.sh"):
+    ("NVIDIA", "examples/post_training/modelopt/train.sh"):
         f"--tokenizer-type SFTTokenizer is not supported: {REFUSED_VALUES['--tokenizer-type']['SFTTokenizer']}",
     # the unquoted schedule splits into words: Megatron-LM's parser stops at them too
-    ("NVIDIA/Megatron-LM", "examples/gpt3/train_gpt3_175b_distributed.sh"):
+    ("NVIDIA", "examples/gpt3/train_gpt3_175b_distributed.sh"):
         "unrecognized arguments: 2.4B:320 4.8B:624",
     # --rampup-batch-size with --train-iters: Megatron-LM asserts 'expected no batch-size rampup for
     # iteration-based training' too
-    ("ROCm/Megatron-LM", "examples/gpt3/train_gpt3_175b_distributed.sh"):
+    ("ROCm", "examples/gpt3/train_gpt3_175b_distributed.sh"):
         "--rampup-batch-size needs sample-based training",
     # flags of Megatron-LM's model-optimizer extension (megatron/post_training), which pretrain_gpt.py
     # adds only with nvidia-modelopt installed; the parsers read for upstream_flags.json do not define them
-    ("NVIDIA/Megatron-LM", "examples/gptoss/02_train.sh"):
+    ("NVIDIA", "examples/gptoss/02_train.sh"):
         "unrecognized arguments: --export-force-local-attention --enable-gpt-oss",
-    **{(repository, f"examples/academic_paper_scripts/sc21/{name}.sh"): _SC21
-       for repository in ("NVIDIA/Megatron-LM", "ROCm/Megatron-LM")
+    # the fork's DeepSeek V3 script: its tokenizer is the first thing refused (multi-latent attention,
+    # --multi-latent-attention, would be the next)
+    ("ROCm-index", "examples/deepseek_v3/train_deepseekv3.sh"):
+        f"--tokenizer-type DeepSeekV3Tokenizer is not supported: "
+        f"{REFUSED_VALUES['--tokenizer-type']['DeepSeekV3Tokenizer']}",
+    **{(source, f"examples/academic_paper_scripts/sc21/{name}.sh"): _SC21
+       for source in ("NVIDIA", "ROCm")
        for name in ["SBATCH", "SRUN", "run_table_1"] + [f"run_figure_{n}" for n in range(11, 19)]},
 }
 
 
 def test_every_script_of_both_repositories_is_listed_once():
-    keys = [(s["repository"], s["path"]) for s in SCRIPTS]
+    keys = [(s["source"], s["path"]) for s in SCRIPTS]
     assert len(keys) == len(set(keys))
-    by_repository = {r: sum(1 for s in SCRIPTS if s["repository"] == r) for r in {s["repository"] for s in SCRIPTS}}
-    assert by_repository["NVIDIA/Megatron-LM"] > 100 and by_repository["ROCm/Megatron-LM"] > 40
-    assert {s["commit"] for s in SCRIPTS} == {"d98e8a64ddf34856e74b24714e3bedb2f5a39553",
-                                               "2b855bafe238ab0949d49609131d2da87fb09000"}
-    assert set(REFUSED) <= {(s["repository"], s["path"]) for s in GPT}
+    by_source = {r: sum(1 for s in SCRIPTS if s["source"] == r) for r in {s["source"] for s in SCRIPTS}}
+    assert by_source["NVIDIA"] > 100 and by_source["ROCm"] > 40 and by_source["ROCm-index"] == 51
+    assert {s["commit"] for s in SCRIPTS if s["source"] != "ROCm-index"} == {
+        "d98e8a64ddf34856e74b24714e3bedb2f5a39553", "2b855bafe238ab0949d49609131d2da87fb09000"}
+    assert set(REFUSED) <= {(s["source"], s["path"]) for s in GPT}
 
 
 def test_every_other_script_names_its_entry_point_or_why_it_launches_nothing():
     for script in SCRIPTS:
         if script["entry_point"] is None:
-            assert script["why"].startswith("launches no Python program"), script
+            assert script["why"].startswith(("launches no Python program", "not read: ")), script
         elif script["entry_point"] != "pretrain_gpt.py":
             assert "argv" not in script and script["why"].startswith(f"launches {script['entry_point']}, not "), script
 
 
-@pytest.mark.parametrize("script", GPT, ids=[f"{s['repository'].split('/')[0]}:{s['path']}" for s in GPT])
+@pytest.mark.parametrize("script", GPT, ids=[f"{s['source']}:{s['path']}" for s in GPT])
 def test_a_pretrain_gpt_launch_is_a_valid_configuration_or_refused_with_its_reason(script, capsys):
-    expected = REFUSED.get((script["repository"], script["path"]))
+    expected = REFUSED.get((script["source"], script["path"]))
     try:
         validate(parse_args(script["argv"]), script["world_size"])
     except SystemExit:

@@ -370,8 +370,8 @@ def read_parser(tree, source: str = "") -> tuple:
 
 
 def merge(per_source: dict, added_choices: dict) -> list:
-    """One entry per flag: the first source's description, every source that defines it, and the
-    choices that a later source's extra-argument provider appends (values that parser accepts)."""
+    """One entry per flag: the first source's description, every source that defines it, and every
+    choice any source offers (its own list, or what its extra-argument provider appends)."""
     merged = {}
     for source, flags in per_source.items():
         for flag in flags:
@@ -380,6 +380,8 @@ def merge(per_source: dict, added_choices: dict) -> list:
                 entry["sources"].append(source)
             if source != next(iter(per_source)) and entry["sources"] == [source]:
                 entry.update(flag)
+            elif isinstance(entry["choices"], list) and isinstance(flag["choices"], list):
+                entry["choices"] = entry["choices"] + [c for c in flag["choices"] if c not in entry["choices"]]
     for choices in added_choices.values():
         for name, values in choices.items():
             if name in merged and isinstance(merged[name]["choices"], list):

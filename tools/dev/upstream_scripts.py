@@ -3,7 +3,12 @@ upstream repositories at the commits pinned in SOURCES, the entry point it launc
 vector it passes, as data (not the scripts' text): shell variables expanded with the script's own
 defaults, model and batch sizes shrunk to tiny ones (the parallel layout kept), paths replaced.
 
-    python tools/dev/upstream_scripts.py NVIDIA=NVIDIA_GIT_DIR ROCm=ROCM_GIT_DIR
+    python tools/dev/upstream_scripts.py NVIDIA=NVIDIA_GIT_DIR ROCm=ROCM_GIT_DIR ROCm-index=SCRIPTS_DIR
+
+The ROCm fork's newer scripts (ROCM_INDEX below: each path at the commit where the public code index
+holds it) are no commit of one git directory: SCRIPTS_DIR holds each saved at its commit under its
+path (`curl -o SCRIPTS_DIR/PATH --create-dirs https://raw.githubusercontent.com/ROCm/Megatron-LM/COMMIT/PATH`;
+keep it out of the repository). A listed script missing there is listed as not read.
 
 Each script runs with bash in a scratch copy of its commit's tree (from the root, then from its own
 folder if that launched nothing), with stand-ins first on
@@ -27,7 +32,44 @@ SOURCES = {  # repository -> commit
     "NVIDIA": "d98e8a64ddf34856e74b24714e3bedb2f5a39553",
     "ROCm": "2b855bafe238ab0949d49609131d2da87fb09000",
 }
-REPOSITORIES = {"NVIDIA": "NVIDIA/Megatron-LM", "ROCm": "ROCm/Megatron-LM"}
+REPOSITORIES = {"NVIDIA": "NVIDIA/Megatron-LM", "ROCm": "ROCm/Megatron-LM", "ROCm-index": "ROCm/Megatron-LM"}
+# The ROCm fork's examples/**/*.sh in the public code index: {path: commit}
+ROCM_INDEX = {
+    "examples/deepseek_v2/train_deepseekv2.sh": "02b8aa76d2fc0f99e0077ee932b771397db9c415",
+    "examples/deepseek_v3/proxy_mi355x_deepseekv3_671B.sh": "6f6bfd4984b226b5485b1e4df97f0f9b943275fb",
+    "examples/deepseek_v3/run_deepseekv3_compare_perf.sh": "d43e55980704db0bd3c59f5eb3350f271c5b43bd",
+    "examples/deepseek_v3/run_deepseekv3_single_gpu_test.sh": "a8c52909611420d35413b4fde2f3ee2210dde7b5",
+    "examples/deepseek_v3/train_deepseek_v3_slurm.sh": "8a0515597c087df3e6595b08b724435dd4e809ac",
+    "examples/deepseek_v3/train_deepseekv3.sh": "430335a6f0426c98342bef35cafb0baef9922f30",
+    "examples/deepseek_v4/train_deepseekv4_smoke.sh": "f877c8d1b2b15b34d88b1081853a9be38c5e0d3d",
+    **{f"examples/export/ptq_and_trtllm_export/ptq_trtllm_{name}.sh": "7a6a17ecf38d60ea7c8b3ebf3813373a3f634ad9"
+       for name in ("llama2_7b", "llama3_1_8b", "llama3_8b", "minitron_8b", "mistral_12b", "mixtral_8x7b")},
+    **{f"examples/kosmos/{name}.sh": "ee637485800da92e9b0227986842afd2aab407c5" for name in (
+        "config", "deps/numa_bind", "lib/common", "run_all", "steps/a2a", "steps/micro", "steps/scale", "steps/setup",
+        "tools/deepep", "tools/gen_scripts", "tools/megamoe_shim", "tools/moe_run", "tools/routing_stats")},
+    **{f"examples/kosmos/{name}.sh": "bc4a530dc60843414ff9b4809c028cadfbcac894" for name in (
+        "steps/collect", "steps/manual", "steps/tpsp", "tools/llama_run", "tools/primus_run")},
+    "examples/llama/run_pretrain_llama2_7b_native.sh": "5d7cd29f169b87d0e82f3a9d0b7323a8d57e96fb",
+    "examples/llama/train_llama2.sh": "bb3bcb6512c1cf225c3f00050bbd03fdd027811e",
+    "examples/llama/train_llama2_slurm.sh": "488cccffc77db3364928af05e88b8a5fec8327dc",
+    "examples/llama/train_llama3.sh": "32d5d428a90abab0583999bdbc85bd653332ce26",
+    "examples/llama/train_llama3_8b_h100_fp8.sh": "eeef074a5a583fd5086f974d60c629b1edb819cd",
+    "examples/llama/train_llama_slurm.sh": "f9b53e2fe3118c1ef3c112877fc077d4e3dd5dfe",
+    "examples/mixtral/train_mixtral_8x22B_slurm.sh": "2ae5e0ef250eb05ea770ccaecd828779cafc97e6",
+    "examples/mixtral/train_mixtral_8x7B_slurm.sh": "890bd39ed285980558178918fdbcd83e699b1328",
+    "examples/mixtral/train_mixtral_8x7b_distributed.sh": "4835f41922812ce064a38ba29f9a89f491cc2c2d",
+    "examples/mixtral/train_mixtral_moe.sh": "bedee295cb191bd6fa7df0d1b1c47faff20eeac8",
+    "examples/qwen/train_qwen.sh": "18d9910cd06d774ca41ad3321aa47b753fb390ea",
+    "examples/qwen/train_qwen2.sh": "addbda20af0f9aaaadee5c237c62cd6116ffda75",
+    "examples/qwen/train_qwen_moe.sh": "bc13dffac7ff5b9740cd61501548129f1c69b48c",
+    "examples/qwen/train_qwen_slurm.sh": "18d9910cd06d774ca41ad3321aa47b753fb390ea",
+    "examples/qwen2/train_qwen2.sh": "5d7cd29f169b87d0e82f3a9d0b7323a8d57e96fb",
+    "examples/qwen3/1P1G_AAI_proxy_mi355x_qwen3_235B_A22B.sh": "28603d50c23175ed209fc8b9bd567346b76bb412",
+    "examples/qwen3/proxy_mi355x_qwen3_235B_A22B.sh": "2f2806ab85f6a3dbf2ce2bf40fe95345528d79df",
+    "examples/qwen3/run_qwen3_perf_compare.sh": "d43e55980704db0bd3c59f5eb3350f271c5b43bd",
+    "examples/qwen3/run_qwen3_single_gpu_test.sh": "a8c52909611420d35413b4fde2f3ee2210dde7b5",
+    "examples/qwen3/train_qwen3.sh": "d026b78209a090d77755ea4cbc1898f5bb5596db",
+}
 # Arguments some scripts need before they launch anything: {path or folder/: argv}
 SCRIPT_ARGS = {"examples/gptoss/02_train.sh": ["--checkpoint-path", "{scratch}/ckpt"],
                "examples/post_training/modelopt/": ["meta-llama/Llama-3.2-1B-Instruct"]}
@@ -38,6 +80,7 @@ STAND_IN = r"""#!/bin/bash
 name=$(basename "$0")
 case "$name" in
   torchrun|python|python3|deepspeed)
+    [ "$1" = -c ] && [[ "$2" == *device_count* ]] && echo 8  # a probe for the GPUs per node
     n=$(ls "$LAUNCH_RECORDS" | wc -l); printf '%s\0' "$name" "$@" > "$LAUNCH_RECORDS/$(printf %04d "$n")"; exit 0;;
   uv) [ "$1" = run ] && shift && exec "$@"; exit 0;;
   nsys) shift; while [ $# -gt 0 ] && [[ "$1" == -* || "$1" == *=* ]]; do shift; [[ "$1" != -* ]] && shift; done
@@ -177,7 +220,7 @@ def shrink(args: list) -> tuple:
 
 
 def describe(repository: str, commit: str, path: str, launches: list, last_line: str) -> dict:
-    entry = {"repository": REPOSITORIES[repository], "commit": commit, "path": path}
+    entry = {"source": repository, "repository": REPOSITORIES[repository], "commit": commit, "path": path}
     programs = [_program(launch) for launch in launches]
     programs = [p for p in programs if p[0] is not None]  # a program file first, then `python -c/-m`
     for program, args, world in sorted(programs, key=lambda p: p[0].startswith("-")):
@@ -193,42 +236,66 @@ def describe(repository: str, commit: str, path: str, launches: list, last_line:
     return entry
 
 
+def _stand_ins(scratch: str) -> None:
+    os.makedirs(os.path.join(scratch, "bin"))
+    for tool in RECORDERS + QUIET + ("uv", "nsys", "srun", "sbatch", "mpirun"):
+        with open(os.path.join(scratch, "bin", tool), "w") as handle:
+            handle.write(STAND_IN)
+        os.chmod(os.path.join(scratch, "bin", tool), 0o755)
+
+
+def _describe_all(name: str, scripts: dict, scratch: str) -> list:
+    """describe() of each {path: commit} run in the scratch tree."""
+    entries = []
+    for path, commit in sorted(scripts.items()):
+        try:
+            launches, last_line = _run(path, scratch)
+        except subprocess.TimeoutExpired:
+            launches, last_line = [], "did not finish in 60 s"
+        entries.append(describe(name, commit, path, launches, last_line))
+    return entries
+
+
 def read_repository(name: str, git_dir: str) -> list:
     commit = SOURCES[name]
     listing = subprocess.run(["git", "--git-dir", git_dir, "ls-tree", "-r", "--name-only", commit, "examples"],
                              check=True, capture_output=True, text=True).stdout.split()
-    entries = []
     with tempfile.TemporaryDirectory() as scratch:
         archive = subprocess.run(["git", "--git-dir", git_dir, "archive", commit], check=True,
                                  capture_output=True).stdout
         os.makedirs(os.path.join(scratch, "tree"))
         subprocess.run(["tar", "-x", "-C", os.path.join(scratch, "tree")], input=archive, check=True)
-        os.makedirs(os.path.join(scratch, "bin"))
-        for tool in RECORDERS + QUIET + ("uv", "nsys", "srun", "sbatch", "mpirun"):
-            with open(os.path.join(scratch, "bin", tool), "w") as handle:
-                handle.write(STAND_IN)
-            os.chmod(os.path.join(scratch, "bin", tool), 0o755)
-        for path in sorted(p for p in listing if p.endswith(".sh")):
-            try:
-                launches, last_line = _run(path, scratch)
-            except subprocess.TimeoutExpired:
-                launches, last_line = [], "did not finish in 60 s"
-            entries.append(describe(name, commit, path, launches, last_line))
-    return entries
+        _stand_ins(scratch)
+        return _describe_all(name, {p: commit for p in listing if p.endswith(".sh")}, scratch)
+
+
+def read_saved(name: str, directory: str) -> list:
+    """The ROCM_INDEX scripts saved under `directory`; those not saved there are listed as not read."""
+    saved = {p: c for p, c in ROCM_INDEX.items() if os.path.isfile(os.path.join(directory, p))}
+    with tempfile.TemporaryDirectory() as scratch:
+        shutil.copytree(directory, os.path.join(scratch, "tree"))
+        _stand_ins(scratch)
+        entries = _describe_all(name, saved, scratch)
+    entries += [{"source": name, "repository": REPOSITORIES[name], "commit": c, "path": p, "entry_point": None,
+                 "why": "not read: not saved from the public code index for this regeneration"}
+                for p, c in ROCM_INDEX.items() if p not in saved]
+    return sorted(entries, key=lambda e: e["path"])
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("git_dirs", nargs="+", metavar="NAME=GIT_DIR", help=f"one per source: {', '.join(SOURCES)}")
+    parser.add_argument("git_dirs", nargs="+", metavar="NAME=DIR",
+                        help=f"one per source: {', '.join(SOURCES)} (git directories), ROCm-index (saved scripts)")
     args = parser.parse_args(argv)
     dirs = dict(item.split("=", 1) for item in args.git_dirs)
-    missing = [name for name in SOURCES if name not in dirs]
+    missing = [name for name in list(SOURCES) + ["ROCm-index"] if name not in dirs]
     if missing:
-        parser.error(f"give the git directory of {', '.join(missing)}")
+        parser.error(f"give the git directory of {', '.join(missing)} (ROCm-index: the folder of saved scripts)")
     entries = [entry for name in SOURCES for entry in read_repository(name, dirs[name])]
+    entries += read_saved("ROCm-index", dirs["ROCm-index"])
     with open(OUTPUT, "w") as handle:  # one script per line, so that a regeneration diffs by script
         handle.write('{\n "generated_by": "python tools/dev/upstream_scripts.py '
-                     + " ".join(f"{n}=GIT_DIR" for n in SOURCES) + '",\n "scripts": [\n')
+                     + " ".join(f"{n}=GIT_DIR" for n in SOURCES) + ' ROCm-index=SCRIPTS_DIR",\n "scripts": [\n')
         handle.write(",\n".join(json.dumps(entry) for entry in entries))
         handle.write("\n ]\n}\n")
     launched = sum(1 for e in entries if e["entry_point"] == "pretrain_gpt.py")

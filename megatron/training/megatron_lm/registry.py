@@ -591,11 +591,15 @@ REFUSED_VALUES = {
         **{name: "BERT WordPiece tokenizers are for BERT models, which are not built"
            for name in ("BertWordPieceLowerCase", "BertWordPieceCase")},
         "GPTSentencePieceTokenizer": "use SentencePieceTokenizer or Llama2Tokenizer with the same --tokenizer-model",
+        **{name: "the ROCm fork's DeepSeek tokenizers are not built; use HuggingFaceTokenizer with the model's "
+                 "tokenizer.json" for name in ("DeepSeekV2Tokenizer", "DeepSeekV3Tokenizer")},
         "TikTokenizer": "tiktoken tokenizers are not built; use HuggingFaceTokenizer with the model's "
                         "tokenizer.json",
         **{name: "multimodal and fine-tuning tokenizers are not built" for name in (
             "MultimodalTokenizer", "NullMultimodalTokenizer", "SFTTokenizer")},
     },
+    "--moe-token-dispatcher-type": {"alltoall_seq": "the sequence-sharded all-to-all dispatcher was deprecated and "
+                                                    "removed from Megatron-Core; use alltoall"},
     "--transformer-impl": {"inference_optimized": "an inference implementation; pretraining runs local or "
                                                   "transformer_engine"},
     "--dataloader-type": {"external": "Megatron-LM's pass-through of a user's own data loader; pretrain_gpt.py "
