@@ -147,7 +147,8 @@ FLAGS = {
     "--relative-attention-max-distance": note("relative position embeddings are not built; no effect"),
     "--use-rotary-position-embeddings": alias("Megatron-LM's older spelling of --position-embedding-type rope",
                                               position_embedding_type="rope"),
-    "--rotary-seq-len-interpolation-factor": error("RoPE sequence-length interpolation is not built"),
+    "--rotary-seq-len-interpolation-factor": only("1", text="RoPE sequence-length interpolation is not built; a "
+                                                            "factor of 1 (positions unchanged) is what runs"),
     "--no-rope-freq": error("skipping RoPE on some layers is not built"),
     "--no-position-embedding": note("rotary embeddings have no learned position table; Megatron-LM accepts this "
                                     "flag only with --position-embedding-type rope, and so does this framework"),
@@ -502,6 +503,8 @@ FLAGS = {
     # ROCm fork's own flags
     "--disable-te-fused-rope": note(_FUSION),
     "--fused-single-qkv-rope": note(_FUSION),
+    "--log-batch-size-to-tensorboard": note("the batch size is written to TensorBoard at every log, as Megatron-LM "
+                                            "does since it dropped this switch"),
     "--use-contiguous-parameters-in-local-ddp": note("gradients and parameters always live in contiguous buckets"),
     "--encoder-tensor-model-parallel-size": error("encoder-decoder models are not built"),
     "--encoder-pipeline-model-parallel-size": error("encoder-decoder models are not built"),
