@@ -88,7 +88,8 @@ def render() -> str:
         if flag.name in INTEGER_MINIMUMS:
             lowest, reason = INTEGER_MINIMUMS[flag.name]
             text += f" Values below {lowest} are refused: {reason}."
-        origin = "" if "NVIDIA" in flag.sources else (" *(ROCm)*" if flag.sources else " *(older)*")
+        rocm = flag.sources or flag.group == "ROCm fork"  # the hand list's fork section: passed by its scripts
+        origin = "" if "NVIDIA" in flag.sources else (" *(ROCm)*" if rocm else " *(older)*")
         rows.setdefault(flag.group, []).append(f"| `{flag.name}`{origin} | {status} | {_cell(text)} |")
     sources = megatron_lm.upstream_sources()
     lines = [HEADER.rstrip("\n"), "", "| parser | commit | file |", "|---|---|---|"]
