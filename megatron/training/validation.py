@@ -219,7 +219,9 @@ def _validate_checkpointing(config: Config, notes: list) -> None:
     if c.ckpt_format in ("torch", "torch_dcp"):
         notes.append(f"--ckpt-format {c.ckpt_format}: checkpoints are written in the one format of this framework "
                      "(torch_dist: torch.distributed.checkpoint, layout-independent)")
-    for flag, value in (("--save-interval", c.save_interval), ("--ckpt-keep-latest", c.ckpt_keep_latest)):
+    # Megatron-LM checks --save-interval only with --save: without it, any value saves nothing
+    for flag, value in (("--save-interval", c.save_interval if c.save else None),
+                        ("--ckpt-keep-latest", c.ckpt_keep_latest)):
         _require(value is None or value > 0, f"{flag} must be positive, got {value}")
     for flag, value in (("--exit-interval", t.exit_interval), ("--exit-duration-in-mins", t.exit_duration_in_mins)):
         _require(value is None or value >= 0, f"{flag} must be >= 0 (0 turns it off), got {value}")
@@ -388,7 +390,8 @@ def _validate_data(config: Config, notes: list) -> None:
         _require(d.vocab_size is not None,
                  "--mock-data without --tokenizer-type needs --vocab-size (or --tokenizer-type NullTokenizer --vocab-size N)")
     if d.tokenizer_type == "NullTokenizer":
-        _require(d.vocab_size is not None and d.vocab_size > 1, "--tokenizer-type NullTokenizer needs --vocab-size N")
+        _require(d.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size N")
+        _require(d.vocab_size > 1, f"--vocab-size must be above 1 with --tokenizer-type NullTokenizer, got {d.vocab_size}")
     if d.tokenizer_type == "GPT2BPETokenizer":
         _require(d.vocab_file is not None and d.merge_file is not None,
                  "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
@@ -435,6 +438,8 @@ def _validate_schedule(config: Config, notes: list) -> None:
         notes.append(f"--eval-iters {t.eval_iters}: no evaluation (as in Megatron-LM, where 0 or a negative number "
                      "turns it off)")
     _require(config.logging.log_interval > 0, f"--log-interval must be positive, got {config.logging.log_interval}")
+    for flag, value in (("--lr-decay-iters", o.lr_decay_iters), ("--lr-decay-samples", o.lr_decay_samples)):
+        _require(value is None or value >= 0, f"{flag} must be >= 0 (0: the length of training), got {value}")
     unit = "iters" if t.train_samples is None else "samples"
     decay = (o.lr_decay_iters or t.train_iters) if unit == "iters" else (o.lr_decay_samples or t.train_samples)
     warmup = o.lr_warmup_iters if unit == "iters" else o.lr_warmup_samples
@@ -456,6 +461,8 @@ def check_expert_layout(*, num_experts: int, expert_ffn: int, tp: int, ep: int, 
                         sequence_parallel: bool, fsdp2: bool) -> None:
     """The expert layout's rules (start-up validation and the planner's layout search): raises
     ConfigError naming the flags. `stage_ranks`: TP x CP x DP, the ranks EP x ETP is folded from."""
+    _require(ep >= 1 and etp >= 1,
+             f"--expert-model-parallel-size ({ep}) and --expert-tensor-parallel-size ({etp}) must be >= 1")
     _require(num_experts % ep == 0, f"--num-experts ({num_experts}) must be divisible by "
                                     f"--expert-model-parallel-size ({ep})")
     try:

@@ -29,14 +29,26 @@ def _ours() -> set:
 
 
 def test_the_upstream_flag_file_is_pinned_and_complete():
-    """Both parsers, each at a full commit; every flag says which parser defines it."""
+    """The three parsers, each at a full commit; every flag says which parser defines it. The ROCm
+    fork's newest parser is read from its file alone, so the groups it generates from dataclasses in
+    other files are named as not read."""
     sources = megatron_lm.upstream_sources()
-    assert set(sources) == {"NVIDIA", "ROCm"}
+    assert set(sources) == {"NVIDIA", "ROCm", "ROCm-dbdea573"}
     assert all(re.fullmatch(r"[0-9a-f]{40}", info["commit"]) for info in sources.values())
+    assert sources["ROCm-dbdea573"]["read_from"] == "file"
+    assert {"group": "transformer configuration", "class": "TransformerConfig"} in sources["ROCm-dbdea573"][
+        "unread_groups"]
     flags = {f.name: f for f in megatron_lm.megatron_flags()}
     upstream = [f for f in flags.values() if f.sources]
     assert len(upstream) > 800 and all(set(f.sources) <= set(sources) for f in upstream)
-    assert flags["--disable-te-fused-rope"].sources == ("ROCm",)  # the fork's own
+    assert flags["--disable-te-fused-rope"].sources == ("ROCm", "ROCm-dbdea573")  # the fork's own
+    assert flags["--keep-fp8-weight-transpose-cache-te"].sources == ("ROCm-dbdea573",)
+    assert flags["--fused-single-qkv-rope"].sources == ()  # passed by the fork's script, defined by no parser read
+    assert flags["--rl-partial-rollouts"].arity == flags["--no-rl-partial-rollouts"].arity == "switch"
+    # the fork's pretrain_gpt.py adds its PAI-Megatron-Patch group, which also offers --optimizer hybridadam
+    assert flags["--max-padding-length"].group == "patch" and flags["--max-padding-length"].sources == (
+        "ROCm-dbdea573",)
+    assert "hybridadam" in flags["--optimizer"].choices
     assert flags["--dataloader-type"].choices == ("single", "cyclic", "external")
     assert flags["--eval-iters"].default == 100 and flags["--eval-iters"].type == "int"
 

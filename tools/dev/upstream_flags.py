@@ -2,17 +2,27 @@
 NVIDIA Megatron-LM and of Megatron-LM for ROCm define, with its argument group, type, choices,
 nargs, default and action, and the repositories and commits that define it.
 
-    python tools/dev/upstream_flags.py NVIDIA=PATH_TO_NVIDIA_GIT ROCm=PATH_TO_ROCM_GIT
+    python tools/dev/upstream_flags.py NVIDIA=NVIDIA_GIT_DIR ROCm=ROCM_GIT_DIR \
+        ROCm-dbdea573=ARGUMENTS_PY@dbdea57365399cd88fd84605e74191f6a932ee16
 
-Each PATH is a git directory (a clone, or `git clone --bare`) holding the commit pinned in SOURCES
-below; nothing is imported or run from it. The parser source (megatron/training/arguments.py) is
-read with `ast`: every `add_argument` call of every `_add_*_args` function that
+A source is either a git directory (a clone, or `git clone --bare`) holding the commit pinned in
+SOURCES below, or, for a source SOURCES marks as a file, the parser file itself saved at its pinned
+commit (FILE@COMMIT: e.g. `curl -o /tmp/arguments.py https://raw.githubusercontent.com/ROCm/Megatron-LM/COMMIT/megatron/training/arguments.py`;
+keep it out of the repository). Nothing is imported or run from either. A file source has no tree
+around it, so the argument groups that its parser generates from config dataclasses in other files
+are listed in the data file (`unread_groups`) instead of read; the explicit `add_argument` calls are
+read in full, and so are the extra-argument functions that the source's pretrain_gpt.py adds
+(EXTRA_PROVIDERS, with the choices they append to other flags). The parser source
+(megatron/training/arguments.py) is read with `ast`: every `add_argument` call of every `_add_*_args` function that
 `add_megatron_arguments` (or, in older versions, `parse_args`) calls, and every argument group that
 Megatron-LM's `ArgumentGroupFactory` generates from a config dataclass (its rules reproduced here:
 a field `x_y` is `--x-y`; a bool is `store_true`, or `--no-x-y`/`--disable-x-y` with `store_false`
 when it defaults to True; `Optional[T]` is T; `list[T]` takes `nargs='+'`; a Literal or an Enum
 gives the choices; the field's `argparse_meta` overrides). A value that is not a literal in the
-source (a default computed by a function) is stored as its source text.
+source (a default computed by a function) is stored as its source text. An integer flag that
+upstream's `validate_args` bounds (`assert args.x > N` or `>= N`) gets `validated`: the lowest value
+accepted and the source of the `if` tests the assert sits under (null when it runs on every start),
+so that a test knows which zero and negative values upstream accepts.
 
 To follow upstream: change a commit in SOURCES, rerun, and commit the JSON with the registry entries
 (megatron/training/megatron_lm/registry.py) for the flags that the coverage test names.
@@ -27,12 +37,33 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OUTPUT = os.path.join(ROOT, "megatron", "training", "megatron_lm", "upstream_flags.json")
 PARSER_FILE = "megatron/training/arguments.py"
-# repository -> (commit, what it is)
+# source -> (commit, what it is, "git" (a git directory) or "file" (the parser file at that commit))
 SOURCES = {
-    "NVIDIA": ("d98e8a64ddf34856e74b24714e3bedb2f5a39553", "NVIDIA/Megatron-LM main, 2026-08-22"),
-    "ROCm": ("2b855bafe238ab0949d49609131d2da87fb09000", "ROCm/Megatron-LM rocm_dev (its default branch), 2024-10-22"),
+    "NVIDIA": ("d98e8a64ddf34856e74b24714e3bedb2f5a39553", "NVIDIA/Megatron-LM main, 2026-08-22", "git"),
+    "ROCm": ("2b855bafe238ab0949d49609131d2da87fb09000", "ROCm/Megatron-LM rocm_dev (its default branch), 2024-10-22",
+             "git"),
+    "ROCm-dbdea573": ("dbdea57365399cd88fd84605e74191f6a932ee16",
+                      "ROCm/Megatron-LM, the newest megatron/training/arguments.py of the public code index", "file"),
 }
 ENTRY_POINTS = ("add_megatron_arguments", "parse_args")
+# Functions of the parser file that the source's pretrain_gpt.py also passes as extra_args_provider:
+# the ROCm fork's pretrain_gpt.py (45deea22) adds get_patch_args ("patch" group) to every run.
+EXTRA_PROVIDERS = {"ROCm-dbdea573": ("get_patch_args",)}
+
+
+class FileTree:
+    """One parser file saved at a commit, with no tree around it: no other class can be found."""
+
+    def __init__(self, path: str, commit: str):
+        self.commit = commit
+        with open(path) as handle:
+            self._module = ast.parse(handle.read())
+
+    def parse(self, path: str) -> ast.Module:
+        return self._module
+
+    def find_class(self, name: str):
+        return None, None
 
 
 class Tree:
@@ -99,14 +130,17 @@ def _explicit(call: ast.Call, group: str) -> list:
              "default": _value(kwargs.get("default")), "dest": _value(kwargs.get("dest"))}
     if entry["action"] is None and kwargs.get("action") is not None:
         entry["action"] = ast.unparse(kwargs["action"])
+    if str(entry["action"]).endswith("BooleanOptionalAction"):  # argparse adds the --no- spelling
+        names += ["--no-" + name[2:] for name in names if name.startswith("--")]
     return [dict(entry, name=name) for name in names if name.startswith("--")]
 
 
 class Factory:
     """Megatron-LM's ArgumentGroupFactory, read from the dataclass source instead of run."""
 
-    def __init__(self, tree: Tree):
+    def __init__(self, tree):
         self.tree = tree
+        self.unread = []  # file sources: the generated groups whose dataclass is in another file
 
     def fields(self, class_name: str) -> list:
         """(name, annotation, default node, field metadata node, init) of a dataclass and its bases, bases first."""
@@ -247,11 +281,72 @@ def _factory_group(constructor: ast.Call, build: ast.Call, factory: Factory, exc
     exclude = _keywords(constructor).get("exclude")
     exclude = exclusions.get(exclude.id, []) if isinstance(exclude, ast.Name) else (_value(exclude) or [])
     title = _keywords(build).get("title", build.args[1] if len(build.args) > 1 else None)
+    if factory.tree.find_class(class_name)[1] is None and isinstance(factory.tree, FileTree):
+        factory.unread.append({"group": _value(title), "class": class_name})
+        return []
     return factory.group(class_name, _value(title), exclude)
 
 
-def read_parser(git_dir: str, commit: str) -> list:
-    tree = Tree(git_dir, commit)
+def _minimum(statement: ast.stmt):
+    """(dest, lowest integer accepted) of `assert args.X > N` or `assert args.X >= N`, N a literal."""
+    test = statement.test if isinstance(statement, ast.Assert) else None
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Gt, ast.GtE))):
+        return None
+    left, value = test.left, _value(test.comparators[0])
+    if not (isinstance(left, ast.Attribute) and isinstance(left.value, ast.Name) and left.value.id == "args"
+            and type(value) is int):
+        return None
+    return left.attr, value + 1 if isinstance(test.ops[0], ast.Gt) else value
+
+
+def _bounds(statements: list, conditions: tuple = ()) -> list:
+    """(dest, lowest integer accepted, condition) of every such assert in `statements`, nested ones
+    included; the condition is the source of the `if` tests around it (None if it runs on every start)."""
+    found = []
+    for statement in statements:
+        bound = _minimum(statement)
+        if bound is not None:
+            found.append((*bound, " and ".join(conditions) or None))
+        if isinstance(statement, ast.If):
+            test = f"({ast.unparse(statement.test)})"
+            found += _bounds(statement.body, conditions + (test,))
+            found += _bounds(statement.orelse, conditions + (f"not {test}",))
+        elif isinstance(statement, (ast.For, ast.While, ast.With, ast.Try)):
+            for name in ("body", "orelse", "finalbody"):
+                found += _bounds(getattr(statement, name, []), conditions)
+            for handler in getattr(statement, "handlers", []):
+                found += _bounds(handler.body, conditions)
+    return found
+
+
+def _minimums(function: ast.FunctionDef) -> dict:
+    """{dest: {"minimum": N, "when": condition}} from the asserts of upstream's `validate_args`; an
+    unconditional bound wins over a conditional one, then the highest."""
+    chosen = {}
+    for dest, lowest, when in _bounds(function.body):
+        if dest not in chosen or (chosen[dest][1] is not None, -chosen[dest][0]) > (when is not None, -lowest):
+            chosen[dest] = (lowest, when)
+    return {dest: {"minimum": lowest, "when": when} for dest, (lowest, when) in chosen.items()}
+
+
+def _added_choices(function: ast.FunctionDef) -> dict:
+    """{flag: [values]} that a provider appends to flags defined elsewhere, written as
+    `if "--flag" in action.option_strings: action.choices.append(VALUE)`."""
+    added = {}
+    for node in ast.walk(function):
+        if not (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+                and isinstance(node.test.ops[0], ast.In) and "option_strings" in ast.unparse(node.test)):
+            continue
+        flag = _value(node.test.left)
+        for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+            if ast.unparse(call.func).endswith("choices.append") and call.args:
+                added.setdefault(flag, []).append(_value(call.args[0]))
+    return added
+
+
+def read_parser(tree, source: str = "") -> tuple:
+    """(flags, generated groups not read, {flag: choices added}) of the parser of a Tree or FileTree."""
+    commit = tree.commit
     module = tree.parse(PARSER_FILE)
     functions = _functions(module)
     entry = next((functions[name] for name in ENTRY_POINTS if name in functions and _called(functions[name])), None)
@@ -262,11 +357,21 @@ def read_parser(git_dir: str, commit: str) -> list:
     for name in _called(entry):
         if name in functions:
             flags += _group_flags(functions[name], factory)
-    return flags
+    added = {}
+    for name in EXTRA_PROVIDERS.get(source, ()):
+        flags += _group_flags(functions[name], factory)
+        added.update(_added_choices(functions[name]))
+    minimums = _minimums(functions["validate_args"]) if "validate_args" in functions else {}
+    for flag in flags:
+        dest = flag["dest"] or flag["name"][2:].replace("-", "_")
+        if flag["type"] == "int" and dest in minimums:
+            flag["validated"] = minimums[dest]
+    return flags, factory.unread, added
 
 
-def merge(per_source: dict) -> list:
-    """One entry per flag: the first source's description, and every source that defines it."""
+def merge(per_source: dict, added_choices: dict) -> list:
+    """One entry per flag: the first source's description, every source that defines it, and every
+    choice any source offers (its own list, or what its extra-argument provider appends)."""
     merged = {}
     for source, flags in per_source.items():
         for flag in flags:
@@ -275,29 +380,58 @@ def merge(per_source: dict) -> list:
                 entry["sources"].append(source)
             if source != next(iter(per_source)) and entry["sources"] == [source]:
                 entry.update(flag)
+            elif isinstance(entry["choices"], list) and isinstance(flag["choices"], list):
+                entry["choices"] = entry["choices"] + [c for c in flag["choices"] if c not in entry["choices"]]
+    for choices in added_choices.values():
+        for name, values in choices.items():
+            if name in merged and isinstance(merged[name]["choices"], list):
+                merged[name]["choices"] = merged[name]["choices"] + [v for v in values
+                                                                     if v not in merged[name]["choices"]]
     return list(merged.values())
+
+
+def _trees(parser: argparse.ArgumentParser, given: dict) -> dict:
+    """{source: Tree or FileTree} in SOURCES' order, from NAME=GIT_DIR or NAME=FILE@COMMIT."""
+    missing = [name for name in SOURCES if name not in given]
+    if missing:
+        parser.error(f"give every source: missing {', '.join(missing)} (a git directory, or for a file source "
+                     f"the parser file at its commit: NAME=/tmp/arguments.py@COMMIT)")
+    trees = {}
+    for name, (commit, _, kind) in SOURCES.items():
+        location = given[name]
+        if kind == "git":
+            trees[name] = Tree(location, commit)
+            continue
+        path, _, at = location.rpartition("@")
+        if not path or not at or not commit.startswith(at):
+            parser.error(f"{name}: give the parser file saved at commit {commit} as {name}=FILE@{commit[:8]}")
+        trees[name] = FileTree(path, commit)
+    return trees
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("git_dirs", nargs="+", metavar="NAME=GIT_DIR", help=f"one per source: {', '.join(SOURCES)}")
+    parser.add_argument("sources", nargs="+", metavar="NAME=GIT_DIR|NAME=FILE@COMMIT",
+                        help=f"one per source: {', '.join(SOURCES)}")
     args = parser.parse_args(argv)
-    dirs = dict(item.split("=", 1) for item in args.git_dirs)
-    missing = sorted(set(SOURCES) - set(dirs))
-    if missing:
-        parser.error(f"give the git directory of {', '.join(missing)} (e.g. {missing[0]}=/path/to/clone/.git)")
-    per_source = {name: read_parser(dirs[name], commit) for name, (commit, _) in SOURCES.items()}
-    flags = merge(per_source)
-    keys = ("name", "group", "action", "type", "choices", "nargs", "default", "dest", "sources")
+    trees = _trees(parser, dict(item.split("=", 1) for item in args.sources))
+    read = {name: read_parser(tree, name) for name, tree in trees.items()}
+    per_source = {name: flags for name, (flags, _, _) in read.items()}
+    flags = merge(per_source, {name: added for name, (_, _, added) in read.items()})
+    keys = ("name", "group", "action", "type", "choices", "nargs", "default", "dest", "sources", "validated")
     document = {
-        "generated_by": "python tools/dev/upstream_flags.py " + " ".join(f"{n}=GIT_DIR" for n in SOURCES),
-        "sources": {name: {"commit": commit, "what": what, "file": PARSER_FILE} for name, (commit, what) in SOURCES.items()},
+        "generated_by": "python tools/dev/upstream_flags.py " + " ".join(
+            f"{n}=GIT_DIR" if kind == "git" else f"{n}=FILE@{commit}" for n, (commit, _, kind) in SOURCES.items()),
+        "sources": {name: dict({"commit": commit, "what": what, "file": PARSER_FILE, "read_from": kind},
+                               **({"unread_groups": read[name][1]} if read[name][1] else {}))
+                    for name, (commit, what, kind) in SOURCES.items()},
         "flags": [{key: flag.get(key) for key in keys} for flag in flags],
     }
     with open(OUTPUT, "w") as handle:  # one flag per line, so that a regeneration diffs by flag
         header = {key: value for key, value in document.items() if key != "flags"}
         handle.write(json.dumps(header, indent=1)[:-2] + ',\n "flags": [\n')
-        handle.write(",\n".join(json.dumps(flag, default=str) for flag in document["flags"]))
+        handle.write(",\n".join(json.dumps({k: v for k, v in flag.items() if k != "validated" or v}, default=str)
+                                 for flag in document["flags"]))
         handle.write("\n ]\n}\n")
     counts = {name: len({f["name"] for f in flags_}) for name, flags_ in per_source.items()}
     print(f"wrote {OUTPUT}: {len(flags)} flags ({', '.join(f'{n} {c}' for n, c in counts.items())})")

@@ -2,7 +2,8 @@
 framework does not define are treated (`registry.py`), and their place in the command line.
 
 The flags come from `upstream_flags.json`, generated from the upstream argument parsers at pinned
-commits by `python tools/dev/upstream_flags.py` (its docstring says how to regenerate it), and from
+commits (NVIDIA's main, the ROCm fork's rocm_dev, and the fork's newest parser file) by
+`python tools/dev/upstream_flags.py` (its docstring says how to regenerate it), and from
 `pretrain_gpt_flags.txt`, the flags of earlier Megatron-LM versions that the current parsers dropped
 (kept so that older launch scripts still parse).
 
@@ -33,10 +34,12 @@ class MegatronFlag:
     choices: Optional[tuple] = None  # upstream's choices
     default: object = None
     sources: tuple = ()      # the upstream parsers that define it ("NVIDIA", "ROCm"); () for older versions'
+    validated: Optional[dict] = None  # upstream validate_args' bound: {"minimum": N, "when": condition or None}
 
 
 def _arity(entry: dict) -> str:
-    if entry["action"] in ("store_true", "store_false", "store_const"):
+    if entry["action"] in ("store_true", "store_false", "store_const") or str(entry["action"]).endswith(
+            "BooleanOptionalAction"):
         return "switch"
     if entry["nargs"] == "?":
         return "optional"
@@ -77,7 +80,7 @@ def megatron_flags() -> list:
         group = older[entry["name"]][0] if entry["name"] in older else entry["group"]
         choices = tuple(entry["choices"]) if isinstance(entry["choices"], list) else None
         flags.append(MegatronFlag(entry["name"], group, _arity(entry), entry["type"], choices, entry["default"],
-                                  tuple(entry["sources"])))
+                                  tuple(entry["sources"]), entry.get("validated")))
     known = {flag.name for flag in flags}
     flags += [MegatronFlag(name, group, arity) for name, (group, arity) in older.items() if name not in known]
     return flags

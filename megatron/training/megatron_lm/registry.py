@@ -75,6 +75,8 @@ GROUPS = {
     "straggler": note("per-rank throughput is not reported"),
     "workload inspector": note("the on-demand profiling server is not built; use --profile"),
     "Transformer-Engine": error(_TE_FP8),
+    "patch": error("a flag of the PAI-Megatron-Patch group that the ROCm fork's pretrain_gpt.py adds "
+                   "(get_patch_args), for PAI's own models and data, which are not built here"),
     "rerun engine": note("the re-run state machine is not built: a step whose gradients are not finite is "
                          "skipped and counted in the log line"),
 }
@@ -146,7 +148,8 @@ FLAGS = {
     "--relative-attention-max-distance": note("relative position embeddings are not built; no effect"),
     "--use-rotary-position-embeddings": alias("Megatron-LM's older spelling of --position-embedding-type rope",
                                               position_embedding_type="rope"),
-    "--rotary-seq-len-interpolation-factor": error("RoPE sequence-length interpolation is not built"),
+    "--rotary-seq-len-interpolation-factor": only("1", text="RoPE sequence-length interpolation is not built; a "
+                                                            "factor of 1 (positions unchanged) is what runs"),
     "--no-rope-freq": error("skipping RoPE on some layers is not built"),
     "--no-position-embedding": note("rotary embeddings have no learned position table; Megatron-LM accepts this "
                                     "flag only with --position-embedding-type rope, and so does this framework"),
@@ -501,6 +504,8 @@ FLAGS = {
     # ROCm fork's own flags
     "--disable-te-fused-rope": note(_FUSION),
     "--fused-single-qkv-rope": note(_FUSION),
+    "--log-batch-size-to-tensorboard": note("the batch size is written to TensorBoard at every log, as Megatron-LM "
+                                            "does since it dropped this switch"),
     "--use-contiguous-parameters-in-local-ddp": note("gradients and parameters always live in contiguous buckets"),
     "--encoder-tensor-model-parallel-size": error("encoder-decoder models are not built"),
     "--encoder-pipeline-model-parallel-size": error("encoder-decoder models are not built"),
@@ -508,7 +513,58 @@ FLAGS = {
     "--standalone-embedding-stage": error("a pipeline stage holding only the embedding is not built; use "
                                           "--decoder-first-pipeline-num-layers"),
     "--renormalize-blend-weights": note("blend weights are normalized to sum to 1, as Megatron-Core does"),
+    "--fused-padded-mla-attention": note("a multi-latent attention kernel choice (the fork's fused CK kernel); "
+                                         "multi-latent attention is not built (--multi-latent-attention is an "
+                                         "error), so no effect"),
+    "--attention-sink-k": only("0", text="attention sink tokens are not built"),
+    "--keep_fp8_weight_transpose_cache": note("the fork's deprecated spelling of --keep-fp8-weight-transpose-cache-te: "
+                                              "the FP8 weight and its transpose are cached once per optimizer step, "
+                                              "always"),
+    "--tokenizer-hf-use-fast": note("Hugging Face tokenizers load with the fast (tokenizers) library, as this flag "
+                                    "asks"),
+    "--tokenizer-hf-include-special-tokens": note("Hugging Face tokenizers encode with their special tokens "
+                                                  "(tokenizer(text).input_ids), as this flag asks"),
     "--s3-cache-path": error("object-storage data is not built; data paths are local files"),
+    # the PAI-Megatron-Patch group the ROCm fork's pretrain_gpt.py adds (the others: GROUPS["patch"])
+    **{name: note("a text-generation or evaluation setting of the PAI patch: no effect on pretraining")
+       for name in ("--text-generate-input-file", "--text-generate-output-file", "--text-generate-gt-file",
+                    "--time", "--eval-dev", "--input-len", "--generation-length", "--top-p", "--top-k",
+                    "--out-seq-length", "--temperature", "--repetition_penalty", "--repetition-penalty",
+                    "--task-list", "--verbosity", "--adaptive-seq-len", "--eval-fp32", "--num-fewshot")},
+    **{name: note("a multimodal setting of the PAI patch: GPT pretraining does not read it")
+       for name in ("--mm-use-im-start-end", "--mm-use-im-patch-token", "--tune-mm-mlp-adapter",
+                    "--freeze-clip-vision-tower", "--freeze-llm", "--image-folder", "--mm-vision-select-layer",
+                    "--vision-tower", "--image-aspect-ratio", "--version", "--mm-projector-type", "--image-size",
+                    "--patch-size", "--cvcuda-image-processing")},
+    "--train-mode": only("pretrain", text="pretrain_gpt.py pretrains (the PAI patch's finetune mode is not built)"),
+    "--transformer-type": only("megatron", text="the one transformer here is Megatron's"),
+    "--extra-vocab-size": only("0", text="extra vocabulary entries for the PAI patch's tokenizers are not built"),
+    "--max-padding-length": note("the PAI patch's padding length for fine-tuning samples; pretraining samples are "
+                                 "--seq-length tokens without padding"),
+    "--dataset": note("the PAI patch's dataset name; pretrain_gpt.py reads --data-path or --mock-data"),
+    "--enable-shared-expert": note("the PAI patch's shared-expert switch: shared experts come from "
+                                   "--moe-shared-expert-intermediate-size"),
+    "--num-shared-experts": note("the PAI patch's shared-expert count: shared experts come from "
+                                 "--moe-shared-expert-intermediate-size"),
+    "--shared-moe-ffn-hidden-size": error("the PAI patch's spelling: use --moe-shared-expert-intermediate-size"),
+    "--n-head-kv": error("the PAI patch's spelling: use --group-query-attention --num-query-groups N"),
+    "--intermediate-size": error("the PAI patch's spelling: use --ffn-hidden-size"),
+    "--use-llama2-rotary-position-embeddings": error("the PAI patch's spelling: use --position-embedding-type rope"),
+    "--use-mistral-rotary-position-embeddings": error("the PAI patch's spelling: use --position-embedding-type rope"),
+    "--epochs": error("epoch-based fine-tuning (PAI patch) is not built; use --train-iters or --train-samples"),
+    "--sliding-window": error("sliding-window attention is not built"),
+    "--use-alibi-mask": error("ALiBi attention biases are not built"),
+    "--z-loss-weight": only("0", "0.0", text="the z-loss is not built"),
+    "--attention-head-type": only("multihead", text="the PAI patch's multi-query spelling is not built; use "
+                                                    "--group-query-attention --num-query-groups 1"),
+    "--qk-nope-head-dim": error("multi-latent attention is not built"),
+    "--qk-rope-head-dim": error("multi-latent attention is not built"),
+    "--transformer-timers": note("per-layer timers are not built; the iteration time is in the log line"),
+    "--convert-checkpoint-from-megatron-to-transformers": note("a switch of the PAI conversion tools: no effect on "
+                                                               "pretraining (convert with tools/checkpoint/convert.py)"),
+    "--optimizer-offload-policy": note("only with --optimizer hybridadam, which is not built: no effect"),
+    "--optimizer-offload-auto-threshold": note("only with --optimizer hybridadam, which is not built: no effect"),
+    "--optimizer-offload-chunk-size": note("only with --optimizer hybridadam, which is not built: no effect"),
     # Transformer Engine
     "--te-rng-tracker": note("the framework's own tensor-parallel RNG tracker runs"),
     "--inference-rng-tracker": note("the framework's own tensor-parallel RNG tracker runs"),
@@ -531,17 +587,23 @@ REFUSED_VALUES = {
         "mrope": "multimodal RoPE is not built",
         "relative": "relative position embeddings (T5) are not built",
     },
-    "--optimizer": {name: "the optimizers built are adam and sgd" for name in (
+    "--optimizer": {**{name: "the optimizers built are adam and sgd" for name in (
         "muon", "dist_muon", "lion", "soap", "adaptive_muon")},
+        "hybridadam": "the PAI patch's CPU-offloading HybridAdam is not built; use adam (with "
+                      "--use-distributed-optimizer to shard its state)"},
     "--tokenizer-type": {
         **{name: "BERT WordPiece tokenizers are for BERT models, which are not built"
            for name in ("BertWordPieceLowerCase", "BertWordPieceCase")},
         "GPTSentencePieceTokenizer": "use SentencePieceTokenizer or Llama2Tokenizer with the same --tokenizer-model",
+        **{name: "the ROCm fork's DeepSeek tokenizers are not built; use HuggingFaceTokenizer with the model's "
+                 "tokenizer.json" for name in ("DeepSeekV2Tokenizer", "DeepSeekV3Tokenizer")},
         "TikTokenizer": "tiktoken tokenizers are not built; use HuggingFaceTokenizer with the model's "
                         "tokenizer.json",
         **{name: "multimodal and fine-tuning tokenizers are not built" for name in (
             "MultimodalTokenizer", "NullMultimodalTokenizer", "SFTTokenizer")},
     },
+    "--moe-token-dispatcher-type": {"alltoall_seq": "the sequence-sharded all-to-all dispatcher was deprecated and "
+                                                    "removed from Megatron-Core; use alltoall"},
     "--transformer-impl": {"inference_optimized": "an inference implementation; pretraining runs local or "
                                                   "transformer_engine"},
     "--dataloader-type": {"external": "Megatron-LM's pass-through of a user's own data loader; pretrain_gpt.py "
