@@ -30,6 +30,8 @@ and re-runs one block at a time in backward.
 """
 import math
 
+from megatron.training.planning.architecture import expert_layer_parameters
+
 FP32, INT64 = 4, 8
 
 
@@ -150,6 +152,14 @@ def gemm_forward_seconds(arch, lay, cluster, fp8: bool = False) -> float:
         sfc1 = (2 if arch.gated_linear_unit else 1) * shared
         seconds += cluster.gemm_seconds(2 * tokens * h * sfc1, fp8) + cluster.gemm_seconds(2 * tokens * shared * h, fp8)
     return seconds
+
+
+def grad_accumulation_seconds(arch, lay, cluster) -> float:
+    """The routed experts' weight gradients per micro-batch: autograd's GEMM writes them in the
+    compute dtype and the gradient hook adds them into the fp32 main_grad (not fused into the GEMM
+    as the dense linears' are): written and read in the compute dtype, main_grad read and written."""
+    weights = expert_layer_parameters(arch, lay.ep, lay.etp, weights_only=True)
+    return cluster.memory_seconds((2 * lay.compute_bytes + 2 * FP32) * weights, 2)
 
 
 def elementwise_bytes(arch, lay, fp8: bool = False) -> float:

@@ -71,6 +71,7 @@ class LayerTime:
     fsdp_exposed: float
     ep_exchange: float = 0.0    # a mixture-of-experts layer's token exchange, each direction (exposed)
     moe_block_forward: float = 0.0  # its router, experts and exchange (what --moe-layer-recompute re-runs)
+    expert_grad_accumulation: float = 0.0  # the experts' weight gradients added into main_grad
 
     @property
     def forward(self) -> float:
@@ -81,7 +82,8 @@ class LayerTime:
     def backward(self) -> float:
         wgrad = self.gemm_forward  # the weight-gradient GEMMs hide the input gradient's reduction
         return (2 * self.gemm_forward + self.attention_backward + 2 * self.elementwise_forward
-                + max(0.0, self.tp_backward - wgrad) + self.cp_backward + self.ep_exchange)
+                + max(0.0, self.tp_backward - wgrad) + self.cp_backward + self.ep_exchange
+                + self.expert_grad_accumulation)
 
 
 def _gemm_forward(arch: Architecture, lay: Layout, cluster: Cluster, tokens: float, fp8: bool,
@@ -175,8 +177,9 @@ def layer_time(arch: Architecture, lay: Layout, cluster: Cluster, fp8: bool = Fa
     cp = _cp_comm(arch, lay, cluster, tokens, attention)
     fsdp = 0.0
     gemm = _gemm_forward(arch, lay, cluster, tokens, fp8, moe)
-    exchange = block = 0.0
+    exchange = block = accumulation = 0.0
     if moe:
+        accumulation = moe_time.grad_accumulation_seconds(arch, lay, cluster)
         exchange = moe_time.dispatch_seconds(arch, lay, cluster)
         experts = moe_time.gemm_forward_seconds(arch, lay, cluster, fp8)
         block = experts + exchange + cluster.memory_seconds(moe_time.elementwise_bytes(arch, lay, fp8), 12)
@@ -192,7 +195,7 @@ def layer_time(arch: Architecture, lay: Layout, cluster: Cluster, fp8: bool = Fa
     return LayerTime(gemm_forward=gemm, attention_forward=attention[0], attention_backward=attention[1],
                      elementwise_forward=_elementwise_forward(arch, lay, cluster, tokens, fp8, moe),
                      tp_forward=tp, tp_backward=tp, cp_forward=cp[0], cp_backward=cp[1], fsdp_exposed=fsdp,
-                     ep_exchange=exchange, moe_block_forward=block)
+                     ep_exchange=exchange, moe_block_forward=block, expert_grad_accumulation=accumulation)
 
 
 def _recompute_seconds(lay: Layout, times: list) -> float:
