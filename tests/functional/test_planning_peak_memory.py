@@ -9,7 +9,8 @@ dispatcher and the distributed optimizer, EP 2 with allgather, shared experts an
   pipeline stage within 5%.
 - The log line: its peak memory (on CPU the process's peak resident set), less that of a minimal
   run of the same layout (the interpreter, PyTorch, gloo's groups), is within 15% of the plan's
-  total with its margin (the allocator's slack, which the verdict budgets for).
+  total (the allocator's slack over the tensors stays inside that; on a GPU the verdict's margin
+  also covers the CUDA context and communication buffers, which a CPU run does not have).
 
 The model (45M parameters, 32k vocabulary, fp32) is large enough that its memory dwarfs the
 variation of the process's own.
@@ -84,5 +85,5 @@ def test_peak_memory_of_short_runs_is_the_plan(layout):
         planned = plan.stages[rank // ranks_per_stage].total
         assert abs(peak / planned - 1) <= 0.05, (rank, peak, planned)
     _, baseline = run(nproc, MINIMAL + (MINIMAL_MOE if moe else []) + extra)
-    with_margin = plan.stages[-1].total / (1 - plan.margin)  # the log line is printed by the last stage
-    assert abs((logged - baseline) / with_margin - 1) <= 0.15, (logged, baseline, with_margin)
+    planned = plan.stages[-1].total  # the log line is printed by the last stage
+    assert abs((logged - baseline) / planned - 1) <= 0.15, (logged, baseline, planned)
