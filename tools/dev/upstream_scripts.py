@@ -8,7 +8,9 @@ defaults, model and batch sizes shrunk to tiny ones (the parallel layout kept), 
 The ROCm fork's newer scripts (ROCM_INDEX below: each path at the commit where the public code index
 holds it) are no commit of one git directory: SCRIPTS_DIR holds each saved at its commit under its
 path (`curl -o SCRIPTS_DIR/PATH --create-dirs https://raw.githubusercontent.com/ROCm/Megatron-LM/COMMIT/PATH`;
-keep it out of the repository). A listed script missing there is listed as not read.
+keep it out of the repository). A listed script missing there is listed as not read. They run in a copy
+of SCRIPTS_DIR, where an empty stand-in takes the place of each repository-root file that some of them
+check for before launching it (ROOT_FILES: the fork's pretrain_gpt.py).
 
 Each script runs with bash in a scratch copy of its commit's tree (from the root, then from its own
 folder if that launched nothing), with stand-ins first on
@@ -70,6 +72,8 @@ ROCM_INDEX = {
     "examples/qwen3/run_qwen3_single_gpu_test.sh": "a8c52909611420d35413b4fde2f3ee2210dde7b5",
     "examples/qwen3/train_qwen3.sh": "d026b78209a090d77755ea4cbc1898f5bb5596db",
 }
+# Files of the fork's repository root that saved scripts test for (`[ -f pretrain_gpt.py ]`) before launching
+ROOT_FILES = ("pretrain_gpt.py",)
 # Arguments some scripts need before they launch anything: {path or folder/: argv}
 SCRIPT_ARGS = {"examples/gptoss/02_train.sh": ["--checkpoint-path", "{scratch}/ckpt"],
                "examples/post_training/modelopt/": ["meta-llama/Llama-3.2-1B-Instruct"]}
@@ -274,6 +278,8 @@ def read_saved(name: str, directory: str) -> list:
     saved = {p: c for p, c in ROCM_INDEX.items() if os.path.isfile(os.path.join(directory, p))}
     with tempfile.TemporaryDirectory() as scratch:
         shutil.copytree(directory, os.path.join(scratch, "tree"))
+        for root_file in ROOT_FILES:
+            open(os.path.join(scratch, "tree", root_file), "a").close()
         _stand_ins(scratch)
         entries = _describe_all(name, saved, scratch)
     entries += [{"source": name, "repository": REPOSITORIES[name], "commit": c, "path": p, "entry_point": None,
