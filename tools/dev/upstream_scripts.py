@@ -16,8 +16,10 @@ Each script runs with bash in a scratch copy of its commit's tree (from the root
 folder if that launched nothing), with stand-ins first on
 PATH: `torchrun`, `python`, `python3`, `deepspeed` record their command line and exit; `uv run`,
 `nsys`, `srun` and `sbatch` run what they wrap; network and device tools (`pip`, `wget`, `curl`,
-`git`, `nvidia-smi`, `rocm-smi`, `docker`, `huggingface-cli`) do nothing. A script that launches no
-Python program (a config fragment, a helper, or one that stops first) is listed with the reason.
+`git`, `nvidia-smi`, `rocm-smi`, `huggingface-cli`) do nothing, and so do the container tools
+(`docker`, `podman`), which note a `run` or `exec`: a script that starts its training in a container
+is listed as such. A script that launches no Python program (a config fragment, a helper, or one
+that stops first) is listed with the reason.
 tests/unit/test_upstream_launches.py reads the file.
 """
 import argparse
@@ -78,7 +80,7 @@ ROOT_FILES = ("pretrain_gpt.py",)
 SCRIPT_ARGS = {"examples/gptoss/02_train.sh": ["--checkpoint-path", "{scratch}/ckpt"],
                "examples/post_training/modelopt/": ["meta-llama/Llama-3.2-1B-Instruct"]}
 RECORDERS = ("torchrun", "python", "python3", "deepspeed")
-QUIET = ("pip", "pip3", "wget", "curl", "git", "nvidia-smi", "rocm-smi", "docker", "huggingface-cli", "hf",
+QUIET = ("pip", "pip3", "wget", "curl", "git", "nvidia-smi", "rocm-smi", "huggingface-cli", "hf",
          "apt-get", "sudo", "conda")
 STAND_IN = r"""#!/bin/bash
 name=$(basename "$0")
@@ -87,6 +89,7 @@ case "$name" in
     [ "$1" = -c ] && [[ "$2" == *device_count* ]] && echo 8  # a probe for the GPUs per node
     n=$(ls "$LAUNCH_RECORDS" | wc -l); printf '%s\0' "$name" "$@" > "$LAUNCH_RECORDS/$(printf %04d "$n")"; exit 0;;
   uv) [ "$1" = run ] && shift && exec "$@"; exit 0;;
+  docker|podman) case "$1" in run|exec) echo "$name $1" >> "$CONTAINER_RECORDS";; esac; exit 0;;
   nsys) shift; while [ $# -gt 0 ] && [[ "$1" == -* || "$1" == *=* ]]; do shift; [[ "$1" != -* ]] && shift; done
         exec "$@";;
   srun|sbatch|mpirun) while [ $# -gt 0 ]; do
@@ -111,22 +114,25 @@ def _script_args(path: str, scratch: str) -> list:
 
 
 def _run(path: str, scratch: str) -> tuple:
-    """(the recorded command lines, the script's last output line) of one script run: from the
-    repository's root, then, if that launched nothing, from the script's own folder."""
+    """(the recorded command lines, the script's last output line, the container commands it ran,
+    e.g. "docker exec") of one script run: from the repository's root, then, if that launched
+    nothing, from the script's own folder."""
     for cwd in (os.path.join(scratch, "tree"), os.path.join(scratch, "tree", os.path.dirname(path))):
-        launches, last_line = _run_in(path, scratch, cwd)
+        launches, last_line, containers = _run_in(path, scratch, cwd)
         if launches:
             break
-    return launches, last_line
+    return launches, last_line, containers
 
 
 def _run_in(path: str, scratch: str, cwd: str) -> tuple:
-    records = os.path.join(scratch, "records")
+    records, containers = os.path.join(scratch, "records"), os.path.join(scratch, "containers")
     shutil.rmtree(records, ignore_errors=True)
     os.makedirs(records)
+    if os.path.exists(containers):
+        os.remove(containers)
     os.makedirs(os.path.join(scratch, "ckpt"), exist_ok=True)
     env = dict(PATH=os.path.join(scratch, "bin") + os.pathsep + "/usr/bin:/bin", HOME=scratch,
-               LAUNCH_RECORDS=records, TMPDIR=scratch)
+               LAUNCH_RECORDS=records, CONTAINER_RECORDS=containers, TMPDIR=scratch)
     result = subprocess.run(["bash", os.path.join(scratch, "tree", path), *_script_args(path, scratch)], cwd=cwd,
                             env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     launches = []
@@ -135,7 +141,11 @@ def _run_in(path: str, scratch: str, cwd: str) -> tuple:
             launches.append(handle.read().decode().split("\0")[:-1])
     output = (result.stdout + result.stderr).replace(os.path.join(scratch, "tree") + "/", "").replace(
         scratch, "SCRATCH").strip().splitlines()
-    return launches, output[-1] if output else f"exit status {result.returncode}"
+    ran = []
+    if os.path.exists(containers):
+        with open(containers) as handle:
+            ran = list(dict.fromkeys(handle.read().split("\n")[:-1]))
+    return launches, output[-1] if output else f"exit status {result.returncode}", ran
 
 
 def _program(launch: list) -> tuple:
@@ -223,7 +233,7 @@ def shrink(args: list) -> tuple:
     return [word for option in options for word in option], tp * pp * cp * dp
 
 
-def describe(repository: str, commit: str, path: str, launches: list, last_line: str) -> dict:
+def describe(repository: str, commit: str, path: str, launches: list, last_line: str, containers: list = ()) -> dict:
     entry = {"source": repository, "repository": REPOSITORIES[repository], "commit": commit, "path": path}
     programs = [_program(launch) for launch in launches]
     programs = [p for p in programs if p[0] is not None]  # a program file first, then `python -c/-m`
@@ -236,13 +246,17 @@ def describe(repository: str, commit: str, path: str, launches: list, last_line:
             entry["why"] = f"launches {entry['entry_point']}, not pretrain_gpt.py: out of scope here"
         return entry
     entry["entry_point"] = None
-    entry["why"] = f"launches no Python program (its last output: {last_line[:160]!r})"
+    if containers:  # e.g. `docker exec NAME bash -c "... bash examples/llama/train_llama2.sh"`
+        entry["why"] = (f"launches no Python program here: it starts its training in a container "
+                        f"({', '.join(containers)}), which is not run")
+    else:
+        entry["why"] = f"launches no Python program (its last output: {last_line[:160]!r})"
     return entry
 
 
 def _stand_ins(scratch: str) -> None:
     os.makedirs(os.path.join(scratch, "bin"))
-    for tool in RECORDERS + QUIET + ("uv", "nsys", "srun", "sbatch", "mpirun"):
+    for tool in RECORDERS + QUIET + ("uv", "nsys", "srun", "sbatch", "mpirun", "docker", "podman"):
         with open(os.path.join(scratch, "bin", tool), "w") as handle:
             handle.write(STAND_IN)
         os.chmod(os.path.join(scratch, "bin", tool), 0o755)
@@ -253,10 +267,10 @@ def _describe_all(name: str, scripts: dict, scratch: str) -> list:
     entries = []
     for path, commit in sorted(scripts.items()):
         try:
-            launches, last_line = _run(path, scratch)
+            launches, last_line, containers = _run(path, scratch)
         except subprocess.TimeoutExpired:
-            launches, last_line = [], "did not finish in 60 s"
-        entries.append(describe(name, commit, path, launches, last_line))
+            launches, last_line, containers = [], "did not finish in 60 s", []
+        entries.append(describe(name, commit, path, launches, last_line, containers))
     return entries
 
 
