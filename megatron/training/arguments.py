@@ -169,7 +169,10 @@ def parse_args(argv: Optional[list] = None) -> Config:
                 action.required = False
     namespace = parser.parse_args(argv)
     values = vars(namespace)
-    megatron_lm.apply_aliases(megatron_lm.given(namespace), values)
+    try:
+        megatron_lm.apply_aliases(megatron_lm.given(namespace), values)
+    except ValueError as error:
+        parser.error(str(error))
     sections = {section: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
                 for section, cls in SECTIONS.items()}
     return Config(**sections, megatron_lm_flags=megatron_lm.given(namespace))

@@ -30,14 +30,18 @@ def _ours() -> set:
 
 def test_the_upstream_flag_file_is_pinned_and_complete():
     """The three parsers, each at a full commit; every flag says which parser defines it. The ROCm
-    fork's newest parser is read from its file alone, so the groups it generates from dataclasses in
-    other files are named as not read."""
+    fork's newest parser is read from its file and the files of the config dataclasses it generates
+    groups from (each at its own full commit); the groups whose file is missing are named as not read."""
     sources = megatron_lm.upstream_sources()
     assert set(sources) == {"NVIDIA", "ROCm", "ROCm-dbdea573"}
     assert all(re.fullmatch(r"[0-9a-f]{40}", info["commit"]) for info in sources.values())
-    assert sources["ROCm-dbdea573"]["read_from"] == "file"
-    assert {"group": "transformer configuration", "class": "TransformerConfig"} in sources["ROCm-dbdea573"][
-        "unread_groups"]
+    fork = sources["ROCm-dbdea573"]
+    assert fork["read_from"] == "file"
+    files = {f["file"]: f["commit"] for f in fork["dataclass_files"]}
+    assert {"megatron/core/transformer/transformer_config.py", "megatron/training/training_config.py"} <= set(files)
+    assert all(re.fullmatch(r"[0-9a-f]{40}", commit) for commit in files.values())
+    unread = {g["class"] for g in fork["unread_groups"]}
+    assert unread == {"StragglerDetectionConfig", "RerunStateMachineConfig"} and fork["unread_files"]
     flags = {f.name: f for f in megatron_lm.megatron_flags()}
     upstream = [f for f in flags.values() if f.sources]
     assert len(upstream) > 800 and all(set(f.sources) <= set(sources) for f in upstream)
@@ -51,6 +55,11 @@ def test_the_upstream_flag_file_is_pinned_and_complete():
     assert "hybridadam" in flags["--optimizer"].choices
     assert flags["--dataloader-type"].choices == ("single", "cyclic", "external")
     assert flags["--eval-iters"].default == 100 and flags["--eval-iters"].type == "int"
+    # read from the fork's TransformerConfig, LoggerConfig and CheckpointConfig (its dataclass files)
+    assert flags["--moe-mori-max-tokens-per-rank"].sources == ("ROCm-dbdea573",)
+    assert "mori" in flags["--moe-flex-dispatcher-backend"].choices
+    assert "ROCm-dbdea573" in flags["--num-layers"].sources and "ROCm-dbdea573" in flags["--log-interval"].sources
+    assert flags["--save-interval"].sources == ("NVIDIA", "ROCm", "ROCm-dbdea573")
 
 
 def test_every_megatron_flag_is_implemented_or_treated():
@@ -135,6 +144,27 @@ def test_older_spellings_set_what_megatron_lm_sets():
     assert config.training.recompute_granularity == "selective"
     assert config.model.position_embedding_type == "rope"
     assert not [n for n in validate(config, 1) if n.startswith("--recompute-activations")]
+
+
+def test_the_rocm_forks_transformer_config_spellings_set_what_megatron_lm_sets(capsys):
+    """The fork's TransformerConfig spells two pipeline options after their fields; each sets the
+    option that NVIDIA's spelling sets, the value one with the given value (a bad one is one line)."""
+    pipeline = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage",
+                "1"]
+    config = parse_args(_without_layers(MINIMAL) + pipeline + ["--overlap-p2p-comm-warmup-flush",
+                                                               "--microbatch-group-size-per-vp-stage", "3"])
+    assert config.parallel.overlap_p2p_comm_warmup_flush is True
+    assert config.parallel.microbatch_group_size_per_vp_stage == 3
+    assert parse_args(MINIMAL).parallel.microbatch_group_size_per_vp_stage is None
+    with pytest.raises(SystemExit):
+        parse_args(MINIMAL + ["--microbatch-group-size-per-vp-stage", "three"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "argument --microbatch-group-size-per-vp-stage: invalid int value: 'three'" in err[0] and len(err) == 2
+
+
+def _without_layers(argv: list) -> list:
+    at = argv.index("--num-layers")
+    return argv[:at] + argv[at + 2:]
 
 
 def test_the_disable_spelling_is_the_same_switch():

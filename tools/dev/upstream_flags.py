@@ -3,16 +3,24 @@ NVIDIA Megatron-LM and of Megatron-LM for ROCm define, with its argument group, 
 nargs, default and action, and the repositories and commits that define it.
 
     python tools/dev/upstream_flags.py NVIDIA=NVIDIA_GIT_DIR ROCm=ROCM_GIT_DIR \
-        ROCm-dbdea573=ARGUMENTS_PY@dbdea57365399cd88fd84605e74191f6a932ee16
+        ROCm-dbdea573=ARGUMENTS_PY@dbdea573 \
+        ROCm-dbdea573:megatron/core/transformer/transformer_config.py=TRANSFORMER_CONFIG_PY@e6f97367 \
+        ROCm-dbdea573:megatron/core/model_parallel_config.py=MODEL_PARALLEL_CONFIG_PY@5c34c4cf \
+        ROCm-dbdea573:megatron/core/transformer/enums.py=ENUMS_PY@b5103b78 \
+        ROCm-dbdea573:megatron/training/training_config.py=TRAINING_CONFIG_PY@2c665460 \
+        ROCm-dbdea573:megatron/training/common_config.py=COMMON_CONFIG_PY@5b976d27
 
 A source is either a git directory (a clone, or `git clone --bare`) holding the commit pinned in
 SOURCES below, or, for a source SOURCES marks as a file, the parser file itself saved at its pinned
-commit (FILE@COMMIT: e.g. `curl -o /tmp/arguments.py https://raw.githubusercontent.com/ROCm/Megatron-LM/COMMIT/megatron/training/arguments.py`;
-keep it out of the repository). Nothing is imported or run from either. A file source has no tree
-around it, so the argument groups that its parser generates from config dataclasses in other files
-are listed in the data file (`unread_groups`) instead of read; the explicit `add_argument` calls are
-read in full, and so are the extra-argument functions that the source's pretrain_gpt.py adds
-(EXTRA_PROVIDERS, with the choices they append to other flags). The parser source
+commit (NAME=FILE@COMMIT: e.g. `curl -o /tmp/arguments.py https://raw.githubusercontent.com/ROCm/Megatron-LM/COMMIT/megatron/training/arguments.py`;
+keep it out of the repository) plus the files that hold the config dataclasses its parser generates
+argument groups from (NAME:PATH=FILE@COMMIT, one per file DATACLASS_FILES pins for the source: PATH
+is the file's path in the repository, COMMIT the one it was saved at). Nothing is imported or run
+from any of them. A group whose dataclass is in none of the given files (DATACLASS_FILES lists the
+files the fork imports that could not be had, under `unread_files`) is listed in the data file
+(`unread_groups`) instead of read; the explicit `add_argument` calls are read in full, and so are the
+extra-argument functions that the source's pretrain_gpt.py adds (EXTRA_PROVIDERS, with the choices
+they append to other flags). The parser source
 (megatron/training/arguments.py) is read with `ast`: every `add_argument` call of every `_add_*_args` function that
 `add_megatron_arguments` (or, in older versions, `parse_args`) calls, and every argument group that
 Megatron-LM's `ArgumentGroupFactory` generates from a config dataclass (its rules reproduced here:
@@ -24,8 +32,9 @@ upstream's `validate_args` bounds (`assert args.x > N` or `>= N`) gets `validate
 accepted and the source of the `if` tests the assert sits under (null when it runs on every start),
 so that a test knows which zero and negative values upstream accepts.
 
-To follow upstream: change a commit in SOURCES, rerun, and commit the JSON with the registry entries
-(megatron/training/megatron_lm/registry.py) for the flags that the coverage test names.
+To follow upstream: change a commit in SOURCES (and DATACLASS_FILES), rerun, and commit the JSON with
+the registry entries (megatron/training/megatron_lm/registry.py) for the flags that the coverage test
+names.
 """
 import argparse
 import ast
@@ -49,21 +58,47 @@ ENTRY_POINTS = ("add_megatron_arguments", "parse_args")
 # Functions of the parser file that the source's pretrain_gpt.py also passes as extra_args_provider:
 # the ROCm fork's pretrain_gpt.py (45deea22) adds get_patch_args ("patch" group) to every run.
 EXTRA_PROVIDERS = {"ROCm-dbdea573": ("get_patch_args",)}
+# A file source's dataclass files: {path in the repository: commit}. The public code index holds one
+# version of each, not always at the parser's commit: these are the commits it holds (written to the
+# data file beside the parser's). `unread_files`: files the parser imports from that it does not hold.
+DATACLASS_FILES = {
+    "ROCm-dbdea573": {
+        "files": {
+            "megatron/core/transformer/transformer_config.py": "e6f97367979b84315baccbde57c383cba296fdf8",
+            "megatron/core/model_parallel_config.py": "5c34c4cfe41dc304ff51c686358cf039621c7cb1",
+            "megatron/core/transformer/enums.py": "b5103b78c435e6d384cb24581b388493ea4c9eac",
+            "megatron/training/training_config.py": "2c665460ad228a5e9c166801319addce224e74c7",
+            "megatron/training/common_config.py": "5b976d2780f892c0ff24a93daea0ea97a7231974",
+        },
+        "unread_files": {"megatron/training/resilience_config.py": "not in the public code index"},
+    },
+}
 
 
 class FileTree:
-    """One parser file saved at a commit, with no tree around it: no other class can be found."""
+    """One parser file saved at a commit, and the dataclass files given with it ({path: local file}):
+    a class is found in those files only."""
 
-    def __init__(self, path: str, commit: str):
+    def __init__(self, path: str, commit: str, dataclass_files: dict = None):
         self.commit = commit
-        with open(path) as handle:
-            self._module = ast.parse(handle.read())
+        self._module = _parse_file(path)
+        self._dataclass_modules = [_parse_file(local) for local in (dataclass_files or {}).values()]
 
     def parse(self, path: str) -> ast.Module:
         return self._module
 
     def find_class(self, name: str):
+        """(module, ClassDef) of the top-level class `name` in the first dataclass file defining it."""
+        for module in self._dataclass_modules:
+            for node in module.body:
+                if isinstance(node, ast.ClassDef) and node.name == name:
+                    return module, node
         return None, None
+
+
+def _parse_file(path: str) -> ast.Module:
+    with open(path) as handle:
+        return ast.parse(handle.read(), filename=path)
 
 
 class Tree:
@@ -390,28 +425,56 @@ def merge(per_source: dict, added_choices: dict) -> list:
     return list(merged.values())
 
 
+def _saved(parser: argparse.ArgumentParser, label: str, location: str, commit: str) -> str:
+    """The local path of FILE@COMMIT, checked against the pinned commit."""
+    path, _, at = location.rpartition("@")
+    if not path or not at or not commit.startswith(at):
+        parser.error(f"{label}: give the file saved at commit {commit} as {label}=FILE@{commit[:8]}")
+    return path
+
+
 def _trees(parser: argparse.ArgumentParser, given: dict) -> dict:
-    """{source: Tree or FileTree} in SOURCES' order, from NAME=GIT_DIR or NAME=FILE@COMMIT."""
-    missing = [name for name in SOURCES if name not in given]
+    """{source: Tree or FileTree} in SOURCES' order, from NAME=GIT_DIR, or NAME=FILE@COMMIT and
+    NAME:PATH=FILE@COMMIT for each dataclass file of a file source."""
+    wanted = [name for name in SOURCES] + [f"{name}:{path}" for name, pinned in DATACLASS_FILES.items()
+                                           for path in pinned["files"]]
+    missing = [name for name in wanted if name not in given]
     if missing:
         parser.error(f"give every source: missing {', '.join(missing)} (a git directory, or for a file source "
-                     f"the parser file at its commit: NAME=/tmp/arguments.py@COMMIT)")
+                     f"the parser file at its commit, NAME=/tmp/arguments.py@COMMIT, and each of its dataclass "
+                     f"files at the commit DATACLASS_FILES pins, NAME:PATH=FILE@COMMIT)")
+    unknown = [name for name in given if name not in wanted]
+    if unknown:
+        parser.error(f"unknown source {', '.join(unknown)}: the sources are {', '.join(wanted)}")
     trees = {}
     for name, (commit, _, kind) in SOURCES.items():
-        location = given[name]
         if kind == "git":
-            trees[name] = Tree(location, commit)
+            trees[name] = Tree(given[name], commit)
             continue
-        path, _, at = location.rpartition("@")
-        if not path or not at or not commit.startswith(at):
-            parser.error(f"{name}: give the parser file saved at commit {commit} as {name}=FILE@{commit[:8]}")
-        trees[name] = FileTree(path, commit)
+        files = {path: _saved(parser, f"{name}:{path}", given[f"{name}:{path}"], file_commit)
+                 for path, file_commit in DATACLASS_FILES.get(name, {"files": {}})["files"].items()}
+        trees[name] = FileTree(_saved(parser, name, given[name], commit), commit, files)
     return trees
+
+
+def _source_entry(name: str, unread_groups: list) -> dict:
+    """The data file's description of one source: its parser's commit and, for a file source, the
+    commit of each dataclass file read and the files not read."""
+    commit, what, kind = SOURCES[name]
+    entry = {"commit": commit, "what": what, "file": PARSER_FILE, "read_from": kind}
+    pinned = DATACLASS_FILES.get(name)
+    if pinned:
+        entry["dataclass_files"] = [{"file": path, "commit": file_commit} for path, file_commit in
+                                    pinned["files"].items()]
+        entry["unread_files"] = pinned["unread_files"]
+    if unread_groups:
+        entry["unread_groups"] = unread_groups
+    return entry
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sources", nargs="+", metavar="NAME=GIT_DIR|NAME=FILE@COMMIT",
+    parser.add_argument("sources", nargs="+", metavar="NAME=GIT_DIR|NAME=FILE@COMMIT|NAME:PATH=FILE@COMMIT",
                         help=f"one per source: {', '.join(SOURCES)}")
     args = parser.parse_args(argv)
     trees = _trees(parser, dict(item.split("=", 1) for item in args.sources))
@@ -421,10 +484,10 @@ def main(argv=None) -> int:
     keys = ("name", "group", "action", "type", "choices", "nargs", "default", "dest", "sources", "validated")
     document = {
         "generated_by": "python tools/dev/upstream_flags.py " + " ".join(
-            f"{n}=GIT_DIR" if kind == "git" else f"{n}=FILE@{commit}" for n, (commit, _, kind) in SOURCES.items()),
-        "sources": {name: dict({"commit": commit, "what": what, "file": PARSER_FILE, "read_from": kind},
-                               **({"unread_groups": read[name][1]} if read[name][1] else {}))
-                    for name, (commit, what, kind) in SOURCES.items()},
+            [f"{n}=GIT_DIR" if kind == "git" else f"{n}=FILE@{commit}" for n, (commit, _, kind) in SOURCES.items()]
+            + [f"{n}:{path}=FILE@{commit}" for n, pinned in DATACLASS_FILES.items()
+               for path, commit in pinned["files"].items()]),
+        "sources": {name: _source_entry(name, read[name][1]) for name in SOURCES},
         "flags": [{key: flag.get(key) for key in keys} for flag in flags],
     }
     with open(OUTPUT, "w") as handle:  # one flag per line, so that a regeneration diffs by flag

@@ -8,14 +8,18 @@ defaults, model and batch sizes shrunk to tiny ones (the parallel layout kept), 
 The ROCm fork's newer scripts (ROCM_INDEX below: each path at the commit where the public code index
 holds it) are no commit of one git directory: SCRIPTS_DIR holds each saved at its commit under its
 path (`curl -o SCRIPTS_DIR/PATH --create-dirs https://raw.githubusercontent.com/ROCm/Megatron-LM/COMMIT/PATH`;
-keep it out of the repository). A listed script missing there is listed as not read.
+keep it out of the repository). A listed script missing there is listed as not read. They run in a copy
+of SCRIPTS_DIR, where an empty stand-in takes the place of each repository-root file that some of them
+check for before launching it (ROOT_FILES: the fork's pretrain_gpt.py).
 
 Each script runs with bash in a scratch copy of its commit's tree (from the root, then from its own
 folder if that launched nothing), with stand-ins first on
 PATH: `torchrun`, `python`, `python3`, `deepspeed` record their command line and exit; `uv run`,
 `nsys`, `srun` and `sbatch` run what they wrap; network and device tools (`pip`, `wget`, `curl`,
-`git`, `nvidia-smi`, `rocm-smi`, `docker`, `huggingface-cli`) do nothing. A script that launches no
-Python program (a config fragment, a helper, or one that stops first) is listed with the reason.
+`git`, `nvidia-smi`, `rocm-smi`, `huggingface-cli`) do nothing, and so do the container tools
+(`docker`, `podman`), which note a `run` or `exec`: a script that starts its training in a container
+is listed as such. A script that launches no Python program (a config fragment, a helper, or one
+that stops first) is listed with the reason.
 tests/unit/test_upstream_launches.py reads the file.
 """
 import argparse
@@ -70,11 +74,13 @@ ROCM_INDEX = {
     "examples/qwen3/run_qwen3_single_gpu_test.sh": "a8c52909611420d35413b4fde2f3ee2210dde7b5",
     "examples/qwen3/train_qwen3.sh": "d026b78209a090d77755ea4cbc1898f5bb5596db",
 }
+# Files of the fork's repository root that saved scripts test for (`[ -f pretrain_gpt.py ]`) before launching
+ROOT_FILES = ("pretrain_gpt.py",)
 # Arguments some scripts need before they launch anything: {path or folder/: argv}
 SCRIPT_ARGS = {"examples/gptoss/02_train.sh": ["--checkpoint-path", "{scratch}/ckpt"],
                "examples/post_training/modelopt/": ["meta-llama/Llama-3.2-1B-Instruct"]}
 RECORDERS = ("torchrun", "python", "python3", "deepspeed")
-QUIET = ("pip", "pip3", "wget", "curl", "git", "nvidia-smi", "rocm-smi", "docker", "huggingface-cli", "hf",
+QUIET = ("pip", "pip3", "wget", "curl", "git", "nvidia-smi", "rocm-smi", "huggingface-cli", "hf",
          "apt-get", "sudo", "conda")
 STAND_IN = r"""#!/bin/bash
 name=$(basename "$0")
@@ -83,6 +89,7 @@ case "$name" in
     [ "$1" = -c ] && [[ "$2" == *device_count* ]] && echo 8  # a probe for the GPUs per node
     n=$(ls "$LAUNCH_RECORDS" | wc -l); printf '%s\0' "$name" "$@" > "$LAUNCH_RECORDS/$(printf %04d "$n")"; exit 0;;
   uv) [ "$1" = run ] && shift && exec "$@"; exit 0;;
+  docker|podman) case "$1" in run|exec) echo "$name $1" >> "$CONTAINER_RECORDS";; esac; exit 0;;
   nsys) shift; while [ $# -gt 0 ] && [[ "$1" == -* || "$1" == *=* ]]; do shift; [[ "$1" != -* ]] && shift; done
         exec "$@";;
   srun|sbatch|mpirun) while [ $# -gt 0 ]; do
@@ -107,22 +114,25 @@ def _script_args(path: str, scratch: str) -> list:
 
 
 def _run(path: str, scratch: str) -> tuple:
-    """(the recorded command lines, the script's last output line) of one script run: from the
-    repository's root, then, if that launched nothing, from the script's own folder."""
+    """(the recorded command lines, the script's last output line, the container commands it ran,
+    e.g. "docker exec") of one script run: from the repository's root, then, if that launched
+    nothing, from the script's own folder."""
     for cwd in (os.path.join(scratch, "tree"), os.path.join(scratch, "tree", os.path.dirname(path))):
-        launches, last_line = _run_in(path, scratch, cwd)
+        launches, last_line, containers = _run_in(path, scratch, cwd)
         if launches:
             break
-    return launches, last_line
+    return launches, last_line, containers
 
 
 def _run_in(path: str, scratch: str, cwd: str) -> tuple:
-    records = os.path.join(scratch, "records")
+    records, containers = os.path.join(scratch, "records"), os.path.join(scratch, "containers")
     shutil.rmtree(records, ignore_errors=True)
     os.makedirs(records)
+    if os.path.exists(containers):
+        os.remove(containers)
     os.makedirs(os.path.join(scratch, "ckpt"), exist_ok=True)
     env = dict(PATH=os.path.join(scratch, "bin") + os.pathsep + "/usr/bin:/bin", HOME=scratch,
-               LAUNCH_RECORDS=records, TMPDIR=scratch)
+               LAUNCH_RECORDS=records, CONTAINER_RECORDS=containers, TMPDIR=scratch)
     result = subprocess.run(["bash", os.path.join(scratch, "tree", path), *_script_args(path, scratch)], cwd=cwd,
                             env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     launches = []
@@ -131,7 +141,11 @@ def _run_in(path: str, scratch: str, cwd: str) -> tuple:
             launches.append(handle.read().decode().split("\0")[:-1])
     output = (result.stdout + result.stderr).replace(os.path.join(scratch, "tree") + "/", "").replace(
         scratch, "SCRATCH").strip().splitlines()
-    return launches, output[-1] if output else f"exit status {result.returncode}"
+    ran = []
+    if os.path.exists(containers):
+        with open(containers) as handle:
+            ran = list(dict.fromkeys(handle.read().split("\n")[:-1]))
+    return launches, output[-1] if output else f"exit status {result.returncode}", ran
 
 
 def _program(launch: list) -> tuple:
@@ -219,7 +233,7 @@ def shrink(args: list) -> tuple:
     return [word for option in options for word in option], tp * pp * cp * dp
 
 
-def describe(repository: str, commit: str, path: str, launches: list, last_line: str) -> dict:
+def describe(repository: str, commit: str, path: str, launches: list, last_line: str, containers: list = ()) -> dict:
     entry = {"source": repository, "repository": REPOSITORIES[repository], "commit": commit, "path": path}
     programs = [_program(launch) for launch in launches]
     programs = [p for p in programs if p[0] is not None]  # a program file first, then `python -c/-m`
@@ -232,13 +246,17 @@ def describe(repository: str, commit: str, path: str, launches: list, last_line:
             entry["why"] = f"launches {entry['entry_point']}, not pretrain_gpt.py: out of scope here"
         return entry
     entry["entry_point"] = None
-    entry["why"] = f"launches no Python program (its last output: {last_line[:160]!r})"
+    if containers:  # e.g. `docker exec NAME bash -c "... bash examples/llama/train_llama2.sh"`
+        entry["why"] = (f"launches no Python program here: it starts its training in a container "
+                        f"({', '.join(containers)}), which is not run")
+    else:
+        entry["why"] = f"launches no Python program (its last output: {last_line[:160]!r})"
     return entry
 
 
 def _stand_ins(scratch: str) -> None:
     os.makedirs(os.path.join(scratch, "bin"))
-    for tool in RECORDERS + QUIET + ("uv", "nsys", "srun", "sbatch", "mpirun"):
+    for tool in RECORDERS + QUIET + ("uv", "nsys", "srun", "sbatch", "mpirun", "docker", "podman"):
         with open(os.path.join(scratch, "bin", tool), "w") as handle:
             handle.write(STAND_IN)
         os.chmod(os.path.join(scratch, "bin", tool), 0o755)
@@ -249,10 +267,10 @@ def _describe_all(name: str, scripts: dict, scratch: str) -> list:
     entries = []
     for path, commit in sorted(scripts.items()):
         try:
-            launches, last_line = _run(path, scratch)
+            launches, last_line, containers = _run(path, scratch)
         except subprocess.TimeoutExpired:
-            launches, last_line = [], "did not finish in 60 s"
-        entries.append(describe(name, commit, path, launches, last_line))
+            launches, last_line, containers = [], "did not finish in 60 s", []
+        entries.append(describe(name, commit, path, launches, last_line, containers))
     return entries
 
 
@@ -274,6 +292,8 @@ def read_saved(name: str, directory: str) -> list:
     saved = {p: c for p, c in ROCM_INDEX.items() if os.path.isfile(os.path.join(directory, p))}
     with tempfile.TemporaryDirectory() as scratch:
         shutil.copytree(directory, os.path.join(scratch, "tree"))
+        for root_file in ROOT_FILES:
+            open(os.path.join(scratch, "tree", root_file), "a").close()
         _stand_ins(scratch)
         entries = _describe_all(name, saved, scratch)
     entries += [{"source": name, "repository": REPOSITORIES[name], "commit": c, "path": p, "entry_point": None,

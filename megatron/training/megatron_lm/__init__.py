@@ -2,7 +2,8 @@
 framework does not define are treated (`registry.py`), and their place in the command line.
 
 The flags come from `upstream_flags.json`, generated from the upstream argument parsers at pinned
-commits (NVIDIA's main, the ROCm fork's rocm_dev, and the fork's newest parser file) by
+commits (NVIDIA's main, the ROCm fork's rocm_dev, and the fork's newest parser file with the config
+dataclass files it generates argument groups from) by
 `python tools/dev/upstream_flags.py` (its docstring says how to regenerate it), and from
 `pretrain_gpt_flags.txt`, the flags of earlier Megatron-LM versions that the current parsers dropped
 (kept so that older launch scripts still parse).
@@ -153,9 +154,16 @@ def check(flags: dict) -> list:
 def apply_aliases(flags: dict, values: dict) -> None:
     """Sets in `values` ({field: value} of the parsed flags) what each given older spelling in
     `flags` stands for, as Megatron-LM does (e.g. --recompute-activations is --recompute-granularity
-    selective)."""
+    selective); raises ValueError naming the flag when its value is not of the field's type."""
     by_name = {flag.name: flag for flag in megatron_flags()}
-    for name in flags:
+    for name, given_value in flags.items():
         rule = treatment(by_name[name])
-        if rule is not None and rule.kind == "alias":
-            values.update(dict(rule.values))
+        if rule is None or rule.kind != "alias":
+            continue
+        for field, value in rule.values:
+            if isinstance(value, type):  # the flag's own value
+                try:
+                    value = value(given_value)
+                except (TypeError, ValueError):
+                    raise ValueError(f"argument {name}: invalid {value.__name__} value: {given_value!r}") from None
+            values[field] = value

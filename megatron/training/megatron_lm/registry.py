@@ -8,8 +8,8 @@ a flag gains that status as soon as a config field defines it. The others are:
 - only: accepted with the listed values, which are Megatron-LM's defaults and what runs here; any
   other value is an error naming the flag;
 - error: the flag would change the result and is not implemented; an error names it and the way out;
-- alias: an older spelling that Megatron-LM turns into another setting; it sets that setting here
-  too, so it counts as implemented.
+- alias: an older (or another parser's) spelling that Megatron-LM turns into another setting; it sets
+  that setting here too, so it counts as implemented.
 
 A flag without its own entry takes its name prefix's treatment (PREFIXES), else its argument
 group's (GROUPS).
@@ -25,7 +25,8 @@ class Treatment:
 
 
 def alias(text: str, **fields) -> Treatment:
-    """An older spelling that Megatron-LM still turns into another setting: implemented, as that."""
+    """An older spelling that Megatron-LM still turns into another setting: implemented, as that. A
+    type in place of a value (int) sets the field to the flag's own value, converted."""
     return Treatment("alias", text, tuple(fields.items()))
 
 
@@ -227,6 +228,7 @@ FLAGS = {
     "--no-pin-cpu-grads": note("optimizer offloading to CPU is not built; no effect"),
     "--no-pin-cpu-params": note("optimizer offloading to CPU is not built; no effect"),
     "--no-async-tensor-model-parallel-allreduce": note("deprecated and ignored in Megatron-LM; no effect"),
+    "--async-tensor-model-parallel-allreduce": note("deprecated and ignored in Megatron-LM; no effect"),
     "--no-persist-layer-norm": note(_FUSION),
     "--no-gradient-accumulation-fusion": note("weight gradients are accumulated by PyTorch's autograd into the "
                                               "fp32 gradient buffer (no fused kernel)"),
@@ -265,6 +267,7 @@ FLAGS = {
     "--non-persistent-local-ckpt-algo": error("non-persistent checkpoints are not built"),
     "--pretrained-checkpoint": error("use --load DIR --finetune"),
     "--no-initialization": note("weights are always initialized, then overwritten by --load"),
+    "--no-perform-initialization": note("weights are always initialized, then overwritten by --load"),
     "--use-mp-args-from-checkpoint-args": error("the parallel layout always comes from the flags; any layout "
                                                 "loads any checkpoint"),
     "--no-use-tokenizer-model-from-checkpoint-args": note("the tokenizer always comes from the flags"),
@@ -303,6 +306,12 @@ FLAGS = {
                                                                 "groups of the pipeline size"),
     "--no-overlap-p2p-communication": note("pipeline sends and receives of a step are batched together"),
     "--overlap-p2p-communication-warmup-flush": note("pipeline sends and receives of a step are batched together"),
+    # the ROCm fork's TransformerConfig spells these two after its fields
+    "--overlap-p2p-comm-warmup-flush": alias("the ROCm fork's spelling of --overlap-p2p-communication-warmup-flush",
+                                             overlap_p2p_comm_warmup_flush=True),
+    "--microbatch-group-size-per-vp-stage": alias("the ROCm fork's spelling of "
+                                                  "--microbatch-group-size-per-virtual-pipeline-stage",
+                                                  microbatch_group_size_per_vp_stage=int),
     "--distributed-timeout-seconds-after-init": error("a second timeout after start-up is not built; use "
                                                       "--distributed-timeout-minutes"),
     "--defer-embedding-wgrad-compute": note("the output layer's weight gradient is computed in each backward"),
@@ -502,6 +511,13 @@ FLAGS = {
                                                  "step, always"),
     "--use-transformer-engine-op-fuser": note(_FUSION),
     # ROCm fork's own flags
+    "--keep-fp8-weight-transpose-cache": note("the FP8 weight and its transpose are cached once per optimizer step, "
+                                              "always"),
+    "--use-fsdp2": note("ROCm Transformer Engine's FSDP2 mode for its own modules; the layers here shard under "
+                        "FSDP2 as they are, and FSDP2 itself is --use-torch-fsdp2"),
+    **{name: note("a setting of the fork's MORI expert-parallel dispatcher (--moe-flex-dispatcher-backend mori, "
+                  "which is refused): no effect") for name in ("--moe-mori-kernel-type",
+                                                               "--moe-mori-max-tokens-per-rank")},
     "--disable-te-fused-rope": note(_FUSION),
     "--fused-single-qkv-rope": note(_FUSION),
     "--log-batch-size-to-tensorboard": note("the batch size is written to TensorBoard at every log, as Megatron-LM "
