@@ -10,6 +10,7 @@
 
 Any failure is a ValueError naming the file (corrupt, truncated, or holding other objects).
 """
+import enum
 import io
 import os
 import pickle
@@ -67,8 +68,20 @@ def _numpy_globals() -> list:
     return allowed
 
 
+def member_by_name(cls, name: str):
+    """What `getattr(cls, name)` gives for an enum member pickled by name (Python 3.11.0-3.11.4
+    pickle enum members so), allowed only for an enum class or a Megatron stand-in: any other
+    attribute lookup is refused, so a file cannot reach methods or modules through it."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and name in cls.__members__:
+        return cls[name]
+    if isinstance(cls, type) and issubclass(cls, MegatronObject) and name.isidentifier():
+        return cls(name)
+    raise pickle.UnpicklingError(f"refusing getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}): "
+                                 "only enum members may be looked up by name")
+
+
 _SAFE_GLOBALS = [Namespace, SimpleNamespace, PosixPath, Signals, io.BytesIO, bytes, *_numpy_globals(),
-                 *_megatron_stand_ins()]
+                 *_megatron_stand_ins(), (member_by_name, "builtins.getattr"), (member_by_name, "__builtin__.getattr")]
 
 
 def load_pickled(path: str):
@@ -118,6 +131,8 @@ _DCP_METADATA_CLASSES = {
 
 class _DCPMetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
+        if module in ("builtins", "__builtin__") and name == "getattr":  # an enum member pickled by name
+            return member_by_name
         if name in _DCP_METADATA_CLASSES.get(module, ()):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
