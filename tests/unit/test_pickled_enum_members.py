@@ -1,6 +1,6 @@
-"""Enum members pickled by name, as Python 3.11.0-3.11.4 pickle them (`getattr(EnumClass, 'NAME')`):
-checkpoints written under such a Python (Debian 12's is 3.11.2) load, and the lookup stays limited
-to enum members, so a file cannot reach anything else through `getattr`."""
+"""Enum members pickled by name, as early Python 3.11 releases pickle them (`getattr(EnumClass,
+'NAME')`; 3.11.2, Debian 12's, among them): checkpoints written under such a Python load, and the
+lookup stays limited to enum members, so a file cannot reach anything else through `getattr`."""
 import enum
 import io
 import pickle

@@ -69,9 +69,10 @@ def _numpy_globals() -> list:
 
 
 def member_by_name(cls, name: str):
-    """What `getattr(cls, name)` gives for an enum member pickled by name (Python 3.11.0-3.11.4
-    pickle enum members so), allowed only for an enum class or a Megatron stand-in: any other
-    attribute lookup is refused, so a file cannot reach methods or modules through it."""
+    """What `getattr(cls, name)` gives for an enum member pickled by name (early Python 3.11
+    releases, 3.11.2 among them, pickle enum members so; 3.11.7 by value), allowed only for an enum
+    class or a Megatron stand-in: any other attribute lookup is refused, so a file cannot reach
+    methods or modules through it."""
     if isinstance(cls, type) and issubclass(cls, enum.Enum) and name in cls.__members__:
         return cls[name]
     if isinstance(cls, type) and issubclass(cls, MegatronObject) and name.isidentifier():
