@@ -23,7 +23,8 @@ included). The GPT-style legacy files use the Transformer Engine spec's paramete
 layer norms fused into linear_qkv / linear_fc1, `_extra_state` entries), renamed from the local
 spec by Megatron's own `sharded_state_dict_keys_map`, because Transformer Engine needs a GPU.
 
-Megatron-Core runs on CPU here with five shims, none of which changes any arithmetic:
+Megatron-Core runs on CPU here with five shims, none of which changes any arithmetic (and enum
+members are pickled by value on every Python, see `_cpu_megatron_core`):
 `torch.cuda.current_device` answers "cpu" (rotary frequencies are moved to it each forward),
 `torch.cuda.synchronize` is a no-op (called by the checkpoint writer), `Tensor.cuda` returns the
 tensor itself (the tied output layer of the last pipeline stage is moved to the GPU before its
@@ -94,7 +95,13 @@ def main():
 
 
 def _cpu_megatron_core():
+    import enum
+
     import torch
+    # Enum members pickled by value, as Python 3.11.7 and later pickle them: early 3.11 releases
+    # (3.11.2) pickle them by name through getattr, which Megatron-Core's own weights-only reload of
+    # its common.pt refuses.
+    enum.Enum.__reduce_ex__ = lambda self, protocol: (self.__class__, (self._value_,))
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
