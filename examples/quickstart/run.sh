@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The quickstart: build a real-text dataset from the Python standard library's sources, then train a
 # tiny Llama on it with 2 processes (data parallel, gloo on CPU; NCCL when a GPU is present) and print
-# the validation loss as it falls. About 2 minutes on 2 CPU cores.
+# the validation loss as it falls. About 1 minute on 2 CPU cores.
 #
 #   bash examples/quickstart/run.sh
 #
