@@ -17,7 +17,8 @@ from megatron.core.transformer.fp8 import INPUT, DelayedScaling, FP8Linear, FP8O
 from megatron.core.transformer.moe.experts import initialize_expert_param
 from megatron.core.transformer.moe.fp8_experts import padded_counts, real_rows
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from tests.unit.test_fp8_work import CountFP8Work
+from tests.unit.test_fp8 import train_on_arithmetic_sequences
+from tests.unit.test_fp8_work import CountFP8Work, micro_batch_step
 
 UNIT_ROUNDOFF = {torch.float8_e4m3fn: 2.0 ** -4, torch.float8_e5m2: 2.0 ** -3}
 EXPERTS = 4
@@ -151,14 +152,7 @@ def test_one_moe_training_step_casts_each_tensor_once(recipe):
     casts to FP8 per 3 GEMMs (the input and the output gradient once per micro-batch, the weight once
     per step). Casting the expert's input again in backward, or its weight every micro-batch, fails."""
     model, ddp, optimizer = _moe_model("hybrid", recipe, moe_router_force_load_balancing=True)
-    tokens = torch.randint(0, 64, (MICRO_BATCHES, 2, 16), generator=torch.Generator().manual_seed(3))
-
-    def step():
-        ddp.zero_grad_buffer()
-        for micro in tokens:
-            ddp(micro, torch.arange(16).expand_as(micro), labels=micro).mean().backward()
-        optimizer.step()
-
+    step = micro_batch_step(ddp, optimizer)
     step()
     counter = CountFP8Work()
     with counter:
@@ -185,19 +179,8 @@ def test_evaluation_forwards_leave_the_experts_amax_history_alone():
 
 
 def _train(fp8_format, recipe, steps):
-    model, ddp, optimizer = _moe_model(fp8_format, recipe)
-    generator = torch.Generator().manual_seed(11)
-    losses = []
-    for _ in range(steps):
-        start = torch.randint(0, 64, (8, 1), generator=generator)
-        stride = torch.randint(1, 4, (8, 1), generator=generator)
-        window = (start + stride * torch.arange(33)) % 64  # arithmetic sequences mod 64
-        ddp.zero_grad_buffer()
-        loss = ddp(window[:, :-1], torch.arange(32).expand(8, 32), labels=window[:, 1:]).mean()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    _, ddp, optimizer = _moe_model(fp8_format, recipe)
+    return train_on_arithmetic_sequences(ddp, optimizer, steps)
 
 
 @pytest.mark.parametrize("fp8_format, recipe", [("hybrid", "delayed"), ("e4m3", "tensorwise")])

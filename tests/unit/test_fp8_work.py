@@ -52,6 +52,11 @@ def _tiny_fp8_training(recipe):
     model.initialize_parameters(7)
     ddp = DistributedDataParallel(model, groups)
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=True), [ddp], groups)
+    return model, micro_batch_step(ddp, optimizer)
+
+
+def micro_batch_step(ddp, optimizer):
+    """One optimizer step over MICRO_BATCHES micro-batches of 2 x 16 tokens (the same tokens each call)."""
     tokens = torch.randint(0, 64, (MICRO_BATCHES, 2, 16), generator=torch.Generator().manual_seed(3))
 
     def step():
@@ -59,7 +64,7 @@ def _tiny_fp8_training(recipe):
         for micro in tokens:
             ddp(micro, torch.arange(16).expand_as(micro), labels=micro).mean().backward()
         optimizer.step()
-    return model, step
+    return step
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
