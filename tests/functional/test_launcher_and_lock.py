@@ -13,17 +13,9 @@ import subprocess
 import time
 
 from tests.functional.test_reliability import BASE, c10d, environment, torchrun, watchdog, _worker_pid
+from tests.unit.test_launcher_watch import _alive
 
 LONG = ["--train-iters", "100000", "--save-interval", "1"]
-
-
-def _alive(pid: int) -> bool:
-    """True while `pid` runs (a zombie, dead but not yet reaped by its new parent, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _checkpoints(directory) -> set:

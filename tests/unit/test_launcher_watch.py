@@ -26,6 +26,7 @@ time.sleep(600)
 
 
 def _alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, dead but not yet reaped by its new parent, counts as gone)."""
     try:
         with open(f"/proc/{pid}/stat") as handle:
             return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
