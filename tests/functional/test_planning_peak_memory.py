@@ -8,9 +8,17 @@ dispatcher and the distributed optimizer, EP 2 with allgather, shared experts an
   two iterations, the optimizer's state created in the first) is the plan's total for that rank's
   pipeline stage within 5%.
 - The log line: its peak memory (on CPU the process's peak resident set), less that of a minimal
-  run of the same layout (the interpreter, PyTorch, gloo's groups), is within 15% of the plan's
-  total (the allocator's slack over the tensors stays inside that; on a GPU the verdict's margin
-  also covers the CUDA context and communication buffers, which a CPU run does not have).
+  run of the same layout (the interpreter, PyTorch, gloo's groups), is within 10% of the plan's
+  total (recorded: 0.98-1.03 over the grid; the allocator's slack over the tensors stays inside
+  that; on a GPU the verdict's margin also covers the CUDA context and communication buffers,
+  which a CPU run does not have).
+
+The runs fix glibc's mmap threshold (MALLOC_MMAP_THRESHOLD_). Left to itself, glibc raises the
+threshold each time a large block is freed, after which blocks of up to 32 MiB come from the heap,
+whose freed pages it keeps: the resident set then measures the heap's fragmentation rather than
+the tensors (TP 2 with SP logged 1.17 of the plan in 4 runs of 5 while its live tensors were 1.01
+of it; with the threshold fixed, 1.03 in every run). A fixed threshold sends every block of 128 KiB
+or more to its own mapping, returned to the system when freed, as a GPU allocator's segments are.
 
 The model (45M parameters, 32k vocabulary, fp32) is large enough that its memory dwarfs the
 variation of the process's own.
@@ -65,7 +73,8 @@ def run(nproc: int, flags: list) -> tuple:
         command = [sys.executable, str(HERE / "live_peak.py")]
     else:
         command = pretrain_command(nproc)[:-1] + [str(HERE / "live_peak.py")]
-    result = subprocess.run(command + flags, capture_output=True, text=True, timeout=900, env=pretrain_env())
+    env = dict(pretrain_env(), MALLOC_MMAP_THRESHOLD_=str(128 * 1024))
+    result = subprocess.run(command + flags, capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     live = {int(rank): int(peak) for rank, peak in re.findall(r"live tensor peak \(rank (\d+)\): (\d+) bytes",
                                                               result.stdout)}
@@ -86,4 +95,4 @@ def test_peak_memory_of_short_runs_is_the_plan(layout):
         assert abs(peak / planned - 1) <= 0.05, (rank, peak, planned)
     _, baseline = run(nproc, MINIMAL + (MINIMAL_MOE if moe else []) + extra)
     planned = plan.stages[-1].total  # the log line is printed by the last stage
-    assert abs((logged - baseline) / planned - 1) <= 0.15, (logged, baseline, planned)
+    assert abs((logged - baseline) / planned - 1) <= 0.10, (logged, baseline, planned)
