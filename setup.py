@@ -1,8 +1,10 @@
-"""Builds the optional C++ index helper; everything else is declared in pyproject.toml.
+"""Builds the optional C++ index helper and sets the license metadata; everything else is declared
+in pyproject.toml.
 
 The extension is optional by design: if no C++ compiler or pybind11 is available the build
 still succeeds and the datasets fall back to their numpy twin (with a warning at run time).
 """
+import setuptools
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
@@ -38,4 +40,10 @@ def extensions():
     ]
 
 
-setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt})
+def license_metadata() -> dict:
+    """Apache-2.0 as an SPDX expression where setuptools reads one (77 and later), else as text."""
+    major = int(setuptools.__version__.split(".")[0])
+    return {"license_expression": "Apache-2.0"} if major >= 77 else {"license": "Apache-2.0"}
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt}, **license_metadata())
