@@ -277,9 +277,9 @@ def moe_step_parts(name: str, precision: str) -> dict:
     a, r, f = 2 * tokens * p["h"], 2 * tokens * (q + 2 * kv), 2 * rows * p["expert_f"]
     expert_weights = p["experts"] * 3 * p["h"] * p["expert_f"]
     glue_layer = (2 * a + 2 * r + 3 * a + 3 * f + 3 * a) + (3 * a + 2 * r + 5 * f + 2 * 3 * a)  # as glue_bytes
-    # The dispatch's passes over the routed rows; the experts' bf16 weight gradients (autograd's,
-    # not fused into the GEMM) added to the fp32 main_grad: 2 written, 2 read, 4 read, 4 written.
-    glue_layer += DISPATCH_PASSES * 2 * rows * p["h"] + 12 * expert_weights
+    # The dispatch's passes over the routed rows. The experts' weight gradients accumulate into the
+    # fp32 main_grad inside their GEMMs (one per expert, fp32 output), as the dense linears' do.
+    glue_layer += DISPATCH_PASSES * 2 * rows * p["h"]
     glue = m * layers * glue_layer
     loss = m * tokens * p["vocab"] * 6
     optimizer = moe_parameters(name) * 46
@@ -292,13 +292,13 @@ def moe_step_parts(name: str, precision: str) -> dict:
     }
     if precision == "fp8":
         # Per micro-batch and layer: each GEMM input and output gradient read for its amax, read and
-        # written with its transpose (6 bytes per element); the attention linears' bf16 weight
-        # gradients added to main_grad (12 bytes). Per step: each weight's amax, cast and transpose
+        # written with its transpose (6 bytes per element); the attention linears' and the experts'
+        # weight gradients, which FP8 GEMMs write in bf16, added to main_grad (12 bytes). Per step: each weight's amax, cast and transpose
         # (6 bytes). Balanced rows per expert are multiples of 16 here: no padding copies.
         attention_weights = p["h"] * (2 * q + 2 * kv)
         x = tokens * (p["h"] + q) + rows * (p["h"] + p["expert_f"])
         g = tokens * (q + 2 * kv + p["h"]) + rows * (2 * p["expert_f"] + p["h"])
-        casts = m * layers * (6 * (x + g) + 12 * attention_weights)
+        casts = m * layers * (6 * (x + g) + 12 * (attention_weights + expert_weights))
         casts += layers * 6 * (expert_weights + attention_weights)
         parts["FP8 casts"] = (casts / HBM, f"{casts / 1e9:.0f} GB")
     return parts

@@ -1,7 +1,9 @@
 """The experts' grouped GEMMs on the GPU (`pytest -m gpu`, run by bench/gpu_check.sh): the paths the
 CPU cannot run, each against the loop of GEMMs it replaces.
 
-- bf16: `torch._grouped_mm` (--moe-grouped-gemm) against the loop of F.linear, forward and backward.
+- bf16: `torch._grouped_mm` (--moe-grouped-gemm) against the loop of F.linear, forward and backward;
+  and with the weight gradients accumulated into an fp32 `main_grad` (one fp32-output GEMM per
+  expert onto what the buffer holds).
 - FP8: `torch._scaled_grouped_mm` (one cast per tensor for all experts, each expert's scale per
   row) against the loop of `torch._scaled_mm` with each expert's `FP8Linear`: the same FP8 values,
   so only the bf16 rounding of the results differs; and both within the FP8 bound of bf16.
@@ -50,6 +52,22 @@ def test_grouped_mm_experts_equal_the_loop():
            _run(lambda a, w: _looped_linear(a, w, COUNTS), x, weight, grad), "bf16 grouped")
 
 
+def test_grouped_mm_experts_accumulate_weight_gradients_into_main_grad():
+    from megatron.core.transformer.moe.experts import _ExpertsFunction, _grouped_mm_supported, _looped_linear
+
+    x, weight, grad = _data(2)
+    if not _grouped_mm_supported(x):
+        pytest.skip("torch._grouped_mm needs compute capability 9.0+ and this PyTorch")
+    want = _run(lambda a, w: _looped_linear(a, w, COUNTS), x, weight, grad)
+    fused = weight.clone().requires_grad_()
+    fused.main_grad = torch.full(weight.shape, 0.5, device="cuda")  # accumulated onto, not overwritten
+    inputs = x.clone().requires_grad_()
+    y = _ExpertsFunction.apply(inputs, fused, COUNTS, True, True)
+    y.backward(grad)
+    assert fused.grad is None
+    _close((y.detach().float(), inputs.grad.float(), fused.main_grad - 0.5), want, "bf16 grouped, fused")
+
+
 @pytest.mark.parametrize("fp8_format", ["e4m3", "hybrid"])
 def test_scaled_grouped_mm_fp8_experts_equal_the_loop(fp8_format):
     from megatron.core.transformer.fp8 import FP8Linear, FP8Options
@@ -63,7 +81,7 @@ def test_scaled_grouped_mm_fp8_experts_equal_the_loop(fp8_format):
     grouped = ExpertsFP8([FP8Linear(options, None) for _ in COUNTS])
     loop = [FP8Linear(options, None) for _ in COUNTS]
     got = _run(lambda a, w: grouped(a, w, COUNTS), x, weight, grad)
-    want = _run(lambda a, w: _ExpertsFP8Function.apply(a, w, COUNTS, loop), x, weight, grad)
+    want = _run(lambda a, w: _ExpertsFP8Function.apply(a, w, COUNTS, loop, False), x, weight, grad)
     _close(got, want, f"FP8 {fp8_format} grouped")
     bf16 = _run(lambda a, w: _looped_linear(a, w, COUNTS), x, weight, grad)
     grad_u = 2.0 ** -3 if fp8_format == "hybrid" else 2.0 ** -4

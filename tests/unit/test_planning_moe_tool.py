@@ -115,6 +115,28 @@ def test_token_exchange_time_is_its_definition():
     assert layer_time(arch_ag, allgather, target, moe=True).ep_exchange == pytest.approx(expected, rel=1e-9)
 
 
+def test_expert_weight_gradients_cost_time_only_where_their_gemm_does_not_accumulate():
+    """With --gradient-accumulation-fusion each expert's weight-gradient GEMM accumulates into the
+    fp32 main_grad (nothing beyond the GEMM, as for the dense linears); without it, under FP8 (the
+    GEMM's product in bf16) or FSDP2 (no main_grad buffer), each local expert weight costs 12 bytes
+    per micro-batch: bf16 written and read, fp32 main_grad read and written."""
+    arch = architecture_of(MIXTRAL_8X7B)
+    target = cluster("h100-80gb")
+    lay = Layout(tp=1, pp=1, cp=1, dp=8, micro_batch_size=1, global_batch_size=8, seq_length=4096, ep=8)
+    local_weights = 3 * 4096 * 14336  # one expert per rank at EP 8
+    unfused = target.memory_seconds(12 * local_weights, 2)
+    assert layer_time(arch, lay, target, moe=True).expert_grad_accumulation == 0.0
+    for other in (lay.replace(gradient_accumulation_fusion=False), lay.replace(fp8=True), lay.replace(fsdp2=True)):
+        assert layer_time(arch, other, target, moe=True).expert_grad_accumulation == pytest.approx(unfused, rel=1e-9)
+    from megatron.training.planning.plan import plan_for_flags
+
+    flags = [*MIXTRAL_8X7B, "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "0", "--train-iters", "1",
+             "--mock-data", "--expert-model-parallel-size", "8"]
+    for extra, fused in (([], True), (["--no-gradient-accumulation-fusion"], False)):
+        plan = plan_for_flags(parse_args(flags + extra), 32000, 8, target)
+        assert plan.layout.gradient_accumulation_fusion is fused
+
+
 def test_search_sizes_come_from_the_validation_rules():
     arch = architecture_of(QWEN3_30B_A3B)
     base = Layout(tp=1, pp=1, cp=1, dp=8, micro_batch_size=1, global_batch_size=64, seq_length=4096)

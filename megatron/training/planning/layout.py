@@ -36,6 +36,7 @@ class Layout:
     cp_comm_type: str = "p2p"               # context parallelism: p2p (ring), all_gather, a2a, a2a+p2p
     device: str = "gpu"                     # "cpu": PyTorch's CPU kernels save some tensors wider
     cross_entropy_fusion: bool = True
+    gradient_accumulation_fusion: bool = True  # weight-gradient GEMMs accumulate into main_grad
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     overlap_p2p_comm: bool = True           # pipeline sends/receives under compute (on by default here)
@@ -117,6 +118,7 @@ def layout_from_config(config, model_config, world_size: int) -> Layout:
         recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers,
         fp8=bool(run.fp8), fp8_layers=fp8_layers, fused_elementwise=not config.model.no_torch_compile,
         cross_entropy_fusion=run.cross_entropy_loss_fusion, cp_comm_type=p.cp_comm_type,
+        gradient_accumulation_fusion=run.gradient_accumulation_fusion,
         attention_kernel="math" if run.attention_backend in ("unfused", "local", "math") else "flash",
         overlap_grad_reduce=p.overlap_grad_reduce, overlap_p2p_comm=p.overlap_p2p_comm,
         overlap_param_gather=p.overlap_param_gather, first_stage_layers=p.decoder_first_pipeline_num_layers,

@@ -155,9 +155,14 @@ def gemm_forward_seconds(arch, lay, cluster, fp8: bool = False) -> float:
 
 
 def grad_accumulation_seconds(arch, lay, cluster) -> float:
-    """The routed experts' weight gradients per micro-batch: autograd's GEMM writes them in the
-    compute dtype and the gradient hook adds them into the fp32 main_grad (not fused into the GEMM
-    as the dense linears' are): written and read in the compute dtype, main_grad read and written."""
+    """The routed experts' weight gradients per micro-batch, beyond their GEMMs. With
+    --gradient-accumulation-fusion (and a main_grad buffer: not FSDP2) each expert's GEMM accumulates
+    into the fp32 main_grad itself, as the dense linears' do: nothing more. Under FP8, or without
+    the fusion, the GEMM writes its product in the compute dtype and it is added to main_grad: written
+    and read in the compute dtype, main_grad read and written (the FP8 loop's direct write on a
+    step's first micro-batch is not counted)."""
+    if lay.gradient_accumulation_fusion and not lay.fsdp2 and not lay.fp8:
+        return 0.0
     weights = expert_layer_parameters(arch, lay.ep, lay.etp, weights_only=True)
     return cluster.memory_seconds((2 * lay.compute_bytes + 2 * FP32) * weights, 2)
 

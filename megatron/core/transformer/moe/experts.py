@@ -8,7 +8,10 @@ the model's activation (SwiGLU or GeLU):
 
 Tokens arrive sorted by expert (`tokens_per_expert` rows each). With --moe-grouped-gemm on a GPU
 that has `torch._grouped_mm` (bf16, compute capability 9.0+) the experts run as two grouped GEMMs;
-elsewhere as a loop of GEMMs over the experts, the same arithmetic. Under FP8 (`attach_fp8`) the
+elsewhere as a loop of GEMMs over the experts, the same arithmetic. Either way each expert's
+weight gradient accumulates straight into the fp32 `main_grad` that data parallelism attaches, one
+GEMM per expert, as the dense linears' do (--gradient-accumulation-fusion): no stacked gradient in
+the weights' dtype is written, read back and added by the data-parallel hook. Under FP8 (`attach_fp8`) the
 experts' GEMMs run in FP8, each expert with its own scaling state, on rows padded per expert to a
 multiple of 16 (moe/fp8_experts.py). Expert-tensor parallelism splits
 the expert hidden size as the dense MLP's TP does (fc2's partial sums are added by the dispatcher).
@@ -26,7 +29,10 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import (
     Part,
     TPLayout,
+    accumulate_matmul_,
+    fuses_grad_accumulation,
     initial_values,
+    main_grad_ready,
     replicated_layout,
     set_layout,
 )
@@ -45,6 +51,7 @@ class GroupedMLP(torch.nn.Module):
         self.num_local_experts = num_local_experts
         self.expert_offset = expert_offset  # global index of local expert 0
         self.grouped_gemm = config.moe_grouped_gemm
+        self.gradient_accumulation_fusion = execution.gradient_accumulation_fusion
         self.fp8 = None  # {"fc1": ExpertsFP8, "fc2": ExpertsFP8}, set by `attach_fp8`
         ffn, hidden = config.moe_ffn_hidden_size, config.hidden_size
         local_ffn = divide(ffn, etp_size, "--moe-ffn-hidden-size by --expert-tensor-parallel-size")
@@ -109,17 +116,62 @@ class GroupedMLP(torch.nn.Module):
 
     def _linear(self, x: torch.Tensor, name: str, tokens_per_expert: list) -> torch.Tensor:
         weight = self.fc1_weight if name == "fc1" else self.fc2_weight
+        fuse_wgrad = fuses_grad_accumulation(weight, self.gradient_accumulation_fusion)
         if self.fp8 is not None:
-            return self.fp8[name](x, weight, tokens_per_expert)
-        if self.grouped_gemm and _grouped_mm_supported(x):
+            return self.fp8[name](x, weight, tokens_per_expert, fuse_wgrad)
+        grouped = self.grouped_gemm and _grouped_mm_supported(x)
+        if grouped and not fuse_wgrad:
             return _grouped_linear(x, weight, tokens_per_expert)
-        return _looped_linear(x, weight, tokens_per_expert)
+        return _ExpertsFunction.apply(x, weight, list(tokens_per_expert), grouped, fuse_wgrad)
 
     def _activate(self, h):
         if not self.gated:
             return self.activation(h)
         gate, up = h.chunk(2, dim=-1)
         return self.activation(gate) * up
+
+
+class _ExpertsFunction(torch.autograd.Function):
+    """Per expert e, rows_e @ weight[e]^T: one grouped GEMM (`grouped`) or a loop of GEMMs.
+    Backward: the input gradient rows_grad_e @ weight[e] (grouped or looped likewise), and the
+    weight gradient rows_grad_e^T rows_e either accumulated into `weight.main_grad[e]` (`fuse_wgrad`:
+    one GEMM per expert into the fp32 buffer where the device has one with an fp32 output, as
+    Transformer Engine's grouped linear accumulates per GEMM; the data-parallel hook is then told
+    once) or returned stacked [E, n, k] (the loop only: unfused grouped GEMMs run under autograd).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, counts, grouped, fuse_wgrad):
+        ctx.save_for_backward(x, weight)
+        ctx.counts, ctx.grouped, ctx.fuse_wgrad = counts, grouped, fuse_wgrad
+        return _grouped_linear(x, weight, counts) if grouped else _looped_linear(x, weight, counts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_input = None
+        if ctx.needs_input_grad[0] and ctx.grouped:
+            grad_input = torch._grouped_mm(grad, weight, offs=_offsets(ctx.counts, grad.device))
+        elif ctx.needs_input_grad[0]:
+            grad_input = _looped_linear(grad, weight.transpose(1, 2), ctx.counts)
+        if not ctx.needs_input_grad[1]:
+            return grad_input, None, None, None, None
+        pairs = list(zip(grad.split(ctx.counts), x.split(ctx.counts)))
+        if ctx.fuse_wgrad:
+            for index, (rows_grad, rows) in enumerate(pairs):
+                if rows.shape[0]:
+                    accumulate_matmul_(weight.main_grad[index], rows_grad.t(), rows)
+            weight.main_grad_empty = False
+            main_grad_ready(weight)
+            return grad_input, None, None, None, None
+        grad_weight = torch.empty_like(weight)
+        for index, (rows_grad, rows) in enumerate(pairs):
+            if rows.shape[0]:
+                torch.mm(rows_grad.t(), rows, out=grad_weight[index])
+            else:
+                grad_weight[index].zero_()
+        return grad_input, grad_weight, None, None, None
 
 
 def _looped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list) -> torch.Tensor:
@@ -130,9 +182,13 @@ def _looped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: lis
     return torch.cat(pieces)
 
 
+def _offsets(tokens_per_expert: list, device) -> torch.Tensor:
+    """The end row of each expert's group, as `torch._grouped_mm` takes them."""
+    return torch.tensor(tokens_per_expert, device=device).cumsum(0).to(torch.int32)
+
+
 def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list) -> torch.Tensor:
-    offsets = torch.tensor(tokens_per_expert, device=x.device).cumsum(0).to(torch.int32)
-    return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    return torch._grouped_mm(x, weight.transpose(1, 2), offs=_offsets(tokens_per_expert, x.device))
 
 
 def _grouped_mm_supported(x: torch.Tensor) -> bool:

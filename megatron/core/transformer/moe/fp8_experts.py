@@ -27,6 +27,7 @@ experts that received rows, each with its `FP8Linear`.
 """
 import torch
 
+from megatron.core.tensor_parallel.layers import main_grad_empty, main_grad_ready
 from megatron.core.transformer.fp8 import GRAD, INPUT, WEIGHT, quantize, scale_from_amax, scaled_mm
 
 FP8_ALIGNMENT = 16  # rows per expert are padded to a multiple of this (Megatron-Core's FP8 alignment)
@@ -57,7 +58,7 @@ class _ExpertsFP8Function(torch.autograd.Function):
     """y = per expert e, rows_e @ weight[e]^T, every GEMM in FP8 with expert e's `FP8Linear`."""
 
     @staticmethod
-    def forward(ctx, x, weight, counts, linears):
+    def forward(ctx, x, weight, counts, linears, fuse_wgrad):
         outputs, kept = [], []
         for index, rows in enumerate(x.split(counts)):
             if rows.shape[0] == 0:
@@ -69,13 +70,18 @@ class _ExpertsFP8Function(torch.autograd.Function):
         # Rowwise keeps the input rows themselves (it casts per GEMM axis); the other recipes keep
         # each expert's FP8 transpose and its scale.
         ctx.save_for_backward(weight, *kept)
-        ctx.counts, ctx.linears = counts, linears
+        ctx.counts, ctx.linears, ctx.fuse_wgrad = counts, linears, fuse_wgrad
         return torch.cat(outputs)
 
     @staticmethod
     def backward(ctx, grad):
         weight, *kept = ctx.saved_tensors
-        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        wgrad = ctx.needs_input_grad[1]
+        fused = wgrad and ctx.fuse_wgrad
+        # Fused: each expert's weight gradient goes into its slice of the fp32 main_grad, written by
+        # the GEMM itself while nothing is accumulated there yet this step, else added.
+        write_into = fused and main_grad_empty(weight) and ctx.linears[0].writes_into(weight.main_grad)
+        grad_weight = torch.zeros_like(weight) if wgrad and not fused else None
         grad_inputs, position = [], 0
         for index, rows_grad in enumerate(grad.split(ctx.counts)):
             if rows_grad.shape[0] == 0:
@@ -83,7 +89,7 @@ class _ExpertsFP8Function(torch.autograd.Function):
                 continue
             linear = ctx.linears[index]
             # The output gradient cast once, for both GEMMs.
-            grad_fp8 = linear.quantize_grad(rows_grad, transpose=grad_weight is not None)
+            grad_fp8 = linear.quantize_grad(rows_grad, transpose=wgrad)
             grad_inputs.append(linear.dgrad(rows_grad, weight[index], grad_fp8))
             if linear.rowwise:
                 expert_kept, input_rows = None, kept[position]
@@ -91,10 +97,17 @@ class _ExpertsFP8Function(torch.autograd.Function):
             else:
                 expert_kept, input_rows = tuple(kept[position:position + 2]), None
                 position += 2
-            if grad_weight is not None:
+            if write_into:
+                linear.wgrad(rows_grad, input_rows, grad_fp8, expert_kept, out=weight.main_grad[index])
+            elif fused:
+                weight.main_grad[index].add_(linear.wgrad(rows_grad, input_rows, grad_fp8, expert_kept))
+            elif wgrad:
                 grad_weight[index] = linear.wgrad(rows_grad, input_rows, grad_fp8, expert_kept)
+        if fused:
+            weight.main_grad_empty = False
+            main_grad_ready(weight)
         grad_input = torch.cat(grad_inputs) if ctx.needs_input_grad[0] else None
-        return grad_input, grad_weight, None, None
+        return grad_input, grad_weight, None, None, None
 
 
 def grouped_fp8_supported(x: torch.Tensor, rowwise: bool) -> bool:
@@ -128,12 +141,14 @@ class ExpertsFP8:
         self._weight_key = self._weight = None
         self._slots = {}  # role -> the experts' slots in the delayed-scaling state, as a device tensor
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, counts: list) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, counts: list, fuse_wgrad: bool = False) -> torch.Tensor:
         """x [N, k] (rows sorted by expert, `counts` each, every count a multiple of FP8_ALIGNMENT)
-        times weight [E, n, k] per expert -> [N, n] in x's dtype."""
+        times weight [E, n, k] per expert -> [N, n] in x's dtype. `fuse_wgrad`: the loop path puts
+        the weight gradient into `weight.main_grad` itself (the grouped kernel's bf16 product goes
+        through the data-parallel hook)."""
         if grouped_fp8_supported(x, self.rowwise):
             return _GroupedExpertsFP8Function.apply(x, weight, list(counts), self)
-        return _ExpertsFP8Function.apply(x, weight, list(counts), self.linears)
+        return _ExpertsFP8Function.apply(x, weight, list(counts), self.linears, fuse_wgrad)
 
     def scales(self, amaxes: torch.Tensor, role: int, dtype: torch.dtype) -> torch.Tensor:
         """Each expert's scale [E] for `role` (recording the amaxes under delayed scaling)."""

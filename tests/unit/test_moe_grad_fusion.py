@@ -1,0 +1,173 @@
+"""The routed experts' weight gradients go straight into data parallelism's `main_grad`
+(--gradient-accumulation-fusion), as the dense linears' do.
+
+Over three micro-batches (one expert receiving no rows in the second), with the experts as a loop of
+GEMMs and as grouped GEMMs (--moe-grouped-gemm), the fused path's `main_grad`
+equals a reference written here (plain `F.linear` per expert on leaf copies of the weights, the
+per-micro-batch gradients summed in fp32), and so does the unfused path's (a stacked `param.grad`
+added by the data-parallel hook). The fused backward makes no tensor of a stacked weight's shape
+(the unfused one makes one per weight and micro-batch: 2 + 2 + 4 + 4 bytes per weight element
+moved that the fused GEMM does not), leaves `param.grad` None, and tells the hook once per weight and
+backward. Under FP8 (tensorwise and delayed, the loop of per-expert `_scaled_mm`) the fused path
+writes a step's first weight gradient into fp32 `main_grad` with the GEMM itself and adds the
+others, and agrees with the unfused path within bf16's rounding.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron.core.distributed.ddp import DistributedDataParallel
+from megatron.core.parallel_state import single_process
+from megatron.core.transformer.config import ExecutionConfig
+from megatron.core.transformer.fp8 import DelayedScaling, FP8Linear, FP8Options
+from megatron.core.transformer.moe import experts as experts_module
+from megatron.core.transformer.moe.experts import GroupedMLP, initialize_expert_param
+from tests.unit.test_moe_layer import HIDDEN, config
+
+COUNTS = ([5, 3, 7, 4], [6, 0, 9, 4], [4, 4, 4, 4])  # rows per expert in each micro-batch
+GROUPED_MM = torch._grouped_mm
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def _micro_batches(dtype):
+    generator = torch.Generator().manual_seed(11)
+    out = []
+    for counts in COUNTS:
+        rows = sum(counts)
+        out.append((counts, torch.randn(rows, HIDDEN, generator=generator).to(dtype),
+                    torch.rand(rows, generator=generator).to(dtype), torch.randn(rows, HIDDEN, generator=generator).to(dtype)))
+    return out
+
+
+def _experts(dtype, fusion, fp8_recipe=None, grouped=False):
+    """Four local experts (SwiGLU, ffn 16: grouped GEMMs take strides of 16 bytes) under a one-process
+    DDP, so they have `main_grad`."""
+    execution = ExecutionConfig(params_dtype=dtype, gradient_accumulation_fusion=fusion)
+    experts = GroupedMLP(config(moe_grouped_gemm=grouped, moe_ffn_hidden_size=16), execution=execution, num_local_experts=4, expert_offset=0, etp_size=1, etp_rank=0,
+                         tp_size=1, tp_rank=0, device=torch.device("cpu"))
+    with torch.no_grad():
+        for name, param in experts.named_parameters():
+            initialize_expert_param(param, f"decoder.layers.0.mlp.experts.{name}", 3, 0.5, 2)
+    if fp8_recipe is not None:
+        options = FP8Options("hybrid", fp8_recipe, amax_history_len=2, amax_compute_algo="max")
+        scaling = DelayedScaling(options) if fp8_recipe == "delayed" else None
+        linears = experts.attach_fp8(lambda: FP8Linear(options, scaling))
+        if scaling is not None:
+            scaling.allocate("cpu")
+        for linear in linears:
+            linear.bind()
+    ddp = DistributedDataParallel(experts, single_process())
+    ddp.zero_grad_buffer()
+    return experts, ddp
+
+
+def _reference(experts, dtype):
+    """main_grad of both weights by plain autograd: per expert F.linear, SwiGLU, F.linear, x probs."""
+    fc1 = experts.fc1_weight.detach().clone().requires_grad_()
+    fc2 = experts.fc2_weight.detach().clone().requires_grad_()
+    main = [torch.zeros(fc1.shape), torch.zeros(fc2.shape)]
+    for counts, x, probs, grad in _micro_batches(dtype):
+        pieces = []
+        for index, rows in enumerate(x.split(counts)):
+            gate, up = F.linear(rows, fc1[index]).chunk(2, dim=-1)
+            pieces.append(F.linear(F.silu(gate) * up, fc2[index]))
+        (torch.cat(pieces) * probs.unsqueeze(-1)).backward(grad)
+        for total, weight in zip(main, (fc1, fc2)):
+            total += weight.grad.float()
+            weight.grad = None
+    return main
+
+
+class NewStacked(TorchDispatchMode):
+    """Counts the [E, n, k] tensors of a stacked weight's size that ops make in memory of their own
+    (not views or in-place results on the weights or their main_grad)."""
+
+    def __init__(self, experts):
+        super().__init__()
+        weights = (experts.fc1_weight, experts.fc2_weight)
+        self.sizes = {w.numel() for w in weights}
+        self.known = {t.untyped_storage().data_ptr() for w in weights for t in (w, w.main_grad)}
+        self.made = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if (isinstance(tensor, torch.Tensor) and tensor.dim() == 3 and tensor.numel() in self.sizes
+                    and tensor.untyped_storage().data_ptr() not in self.known):
+                self.made += 1
+        return out
+
+
+def _train(experts, ddp, dtype):
+    """Three micro-batches; returns how many stacked-size tensors the backwards made and the hook's
+    calls per weight."""
+    calls = {experts.fc1_weight: 0, experts.fc2_weight: 0}
+    original = ddp._on_grad_ready
+    for param in calls:
+        param.main_grad_hook = lambda p: (calls.__setitem__(p, calls[p] + 1), original(p))
+    made = 0
+    for counts, x, probs, grad in _micro_batches(dtype):
+        out = ddp(x.clone().requires_grad_(), counts, probs)
+        with NewStacked(experts) as stacked:
+            out.backward(grad)
+        made += stacked.made
+        assert experts.fc1_weight.grad is None and experts.fc2_weight.grad is None  # only main_grad
+    ddp.finish_grad_sync()
+    return made, calls
+
+
+@pytest.mark.parametrize("path", ["loop", "grouped"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_weight_gradients_accumulate_into_main_grad(dtype, path, monkeypatch):
+    if path == "grouped":  # PyTorch's CPU build runs torch._grouped_mm too (a reference kernel)
+        monkeypatch.setattr(experts_module, "_grouped_mm_supported", lambda x: True)
+        grouped = []
+        monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: grouped.append(1) or GROUPED_MM(*a, **k))
+    fused, fused_ddp = _experts(dtype, fusion=True, grouped=path == "grouped")
+    unfused, unfused_ddp = _experts(dtype, fusion=False, grouped=path == "grouped")
+    want = _reference(fused, dtype)
+    made, calls = _train(fused, fused_ddp, dtype)
+    fused_grouped_calls = len(grouped) if path == "grouped" else 0
+    made_unfused, _ = _train(unfused, unfused_ddp, dtype)
+    assert made == 0
+    assert made_unfused >= 2 * len(COUNTS)  # a gradient per weight and micro-batch: the check sees them
+    assert calls == {fused.fc1_weight: len(COUNTS), fused.fc2_weight: len(COUNTS)}
+    for module in (fused, unfused):
+        torch.testing.assert_close(module.fc1_weight.main_grad, want[0], **TOLERANCE[dtype])
+        torch.testing.assert_close(module.fc2_weight.main_grad, want[1], **TOLERANCE[dtype])
+    if path == "grouped":  # fused: both weights' forward and input-gradient GEMMs in each micro-batch
+        assert fused_grouped_calls == 2 * 2 * len(COUNTS)
+
+
+class ScaledMatmuls(TorchDispatchMode):
+    """Counts `_scaled_mm` calls that write into a given tensor (`out=`) and those that make one."""
+
+    def __init__(self):
+        super().__init__()
+        self.into, self.made = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._scaled_mm.out:
+            self.into += 1
+        elif func is torch.ops.aten._scaled_mm.default:
+            self.made += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_fp8_experts_weight_gradients_accumulate_into_main_grad(recipe):
+    fused, fused_ddp = _experts(torch.bfloat16, fusion=True, fp8_recipe=recipe)
+    unfused, unfused_ddp = _experts(torch.bfloat16, fusion=False, fp8_recipe=recipe)
+    assert fused.fp8["fc1"].linears[0].writes_into(fused.fc1_weight.main_grad)  # probed here, not counted below
+    with ScaledMatmuls() as gemms:
+        made, calls = _train(fused, fused_ddp, torch.bfloat16)
+    made_unfused, _ = _train(unfused, unfused_ddp, torch.bfloat16)
+    assert made == 0
+    assert made_unfused >= 2 * len(COUNTS)
+    assert calls == {fused.fc1_weight: len(COUNTS), fused.fc2_weight: len(COUNTS)}
+    # The first micro-batch's 4 experts x 2 weights write into main_grad; later ones are added.
+    assert gemms.into == 2 * 4
+    for name in ("fc1_weight", "fc2_weight"):
+        torch.testing.assert_close(getattr(fused, name).main_grad, getattr(unfused, name).main_grad,
+                                   **TOLERANCE[torch.bfloat16])
