@@ -9,6 +9,10 @@ and all gradients agree at rtol 1e-5, atol 1e-5 x the tensor's largest element (
 remains is the order of the fp32 sums in the weight-gradient GEMMs and of the combine: measured
 about 1e-7 of the gradients' norm). A scaling state shared by the experts, or one that
 saw only a rank's own tokens, would differ by FP8's rounding (percents), far outside it.
+
+With expert-tensor parallelism each expert's weights are split and each shard scales its own
+tensors, so the reference for EP2 x ETP2 (TP 2 with SP, 4 ranks) is EP1 x ETP2 (TP 2, 2 ranks, both
+data-parallel halves of the batch in one): each shard sees the same rows at either EP size.
 """
 import functools
 
@@ -50,21 +54,23 @@ def _data():
     return x, torch.randn(SEQ, 2 * BATCH, HIDDEN, generator=generator)
 
 
-def _run(groups, dispatcher, batch: slice) -> list:
+def _run(groups, dispatcher, batch: slice, sequence: slice = slice(None)) -> list:
     """Two passes (a roll between): per pass the output, input gradient and the stacked experts'
-    weight gradients of this rank's experts (global experts expert_offset ...)."""
+    weight gradients of this rank's experts (global experts expert_offset ..., expert-tensor shard
+    etp_rank)."""
     layer, scaling = _layer(groups, dispatcher)
     x, grad = _data()
     results = []
     for _ in range(2):
         scaling.roll()
         layer.zero_grad()
-        inputs = x[:, batch].clone().requires_grad_()
+        inputs = x[sequence, batch].clone().requires_grad_()
         out = layer(inputs)
-        out.backward(grad[:, batch])
+        out.backward(grad[sequence, batch])
         results.append({"output": out.detach(), "input_grad": inputs.grad,
                         "fc1": layer.experts.fc1_weight.grad, "fc2": layer.experts.fc2_weight.grad,
-                        "offset": layer.experts.expert_offset})
+                        "offset": layer.experts.expert_offset, "etp_rank": groups.etp_rank,
+                        "tp_rank": groups.tp_rank, "dp_rank": groups.dp_rank})
     return results
 
 
@@ -78,6 +84,15 @@ def _results(dispatcher):
     return run_distributed(2, _ep2, dispatcher, timeout=300)
 
 
+def _etp2(rank, world_size, dispatcher, ep):
+    """TP 2 with sequence parallelism and ETP 2; with EP 2 on 4 ranks the two data-parallel ranks each
+    take half the batch. Each TP rank routes its own half of the sequence."""
+    groups = initialize_model_parallel(2, 1, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=2)
+    half = SEQ // 2
+    batch = slice(groups.dp_rank * BATCH, (groups.dp_rank + 1) * BATCH) if groups.dp_size == 2 else slice(None)
+    return _run(groups, dispatcher, batch, slice(groups.tp_rank * half, (groups.tp_rank + 1) * half))
+
+
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
 def test_fp8_experts_at_ep2_equal_one_process(dispatcher):
     want = _run(single_process(), dispatcher, slice(None))
@@ -85,6 +100,26 @@ def test_fp8_experts_at_ep2_equal_one_process(dispatcher):
         batch = slice(rank * BATCH, (rank + 1) * BATCH)
         for got, reference in zip(passes, want):
             experts = slice(got["offset"], got["offset"] + EXPERTS // 2)
+            for name, expected in (("output", reference["output"][:, batch]),
+                                   ("input_grad", reference["input_grad"][:, batch]),
+                                   ("fc1", reference["fc1"][experts]), ("fc2", reference["fc2"][experts])):
+                atol = RTOL * expected.abs().max().item()
+                torch.testing.assert_close(got[name], expected, rtol=RTOL, atol=atol, msg=f"{name}, rank {rank}")
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_fp8_experts_at_ep2_etp2_equal_ep1_etp2(dispatcher):
+    """Expert-tensor parallelism splits each expert's weights, so each shard has its own weight scale;
+    the rows an expert's shard sees, and so every other amax, are the same at any EP. EP 2 x ETP 2
+    (TP 2, SP, 4 ranks) equals EP 1 x ETP 2 (TP 2, 2 ranks, the whole batch) at the same tolerance."""
+    want = {passes[0]["etp_rank"]: passes for passes in run_distributed(2, _etp2, dispatcher, 1, timeout=300)}
+    half = SEQ // 2
+    for rank, passes in enumerate(run_distributed(4, _etp2, dispatcher, 2, timeout=300)):
+        for got, reference in zip(passes, want[passes[0]["etp_rank"]]):
+            assert got["tp_rank"] == reference["tp_rank"]  # the same sequence half and expert shard
+            batch = slice(got["dp_rank"] * BATCH, (got["dp_rank"] + 1) * BATCH)
+            experts = slice(got["offset"], got["offset"] + EXPERTS // 2)
+            assert got["output"].shape == (half, BATCH, HIDDEN)
             for name, expected in (("output", reference["output"][:, batch]),
                                    ("input_grad", reference["input_grad"][:, batch]),
                                    ("fc1", reference["fc1"][experts]), ("fc2", reference["fc2"][experts])):
