@@ -293,7 +293,8 @@ def moe_step_parts(name: str, precision: str) -> dict:
     if precision == "fp8":
         # Per micro-batch and layer: each GEMM input and output gradient read for its amax, read and
         # written with its transpose (6 bytes per element); the attention linears' and the experts'
-        # weight gradients, which FP8 GEMMs write in bf16, added to main_grad (12 bytes). Per step: each weight's amax, cast and transpose
+        # weight gradients, which FP8 GEMMs write in bf16, added to main_grad (12 bytes). Per step:
+        # each weight's amax, cast and transpose
         # (6 bytes). Balanced rows per expert are multiples of 16 here: no padding copies.
         attention_weights = p["h"] * (2 * q + 2 * kv)
         x = tokens * (p["h"] + q) + rows * (p["h"] + p["expert_f"])

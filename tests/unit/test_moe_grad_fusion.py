@@ -36,7 +36,8 @@ def _micro_batches(dtype):
     for counts in COUNTS:
         rows = sum(counts)
         out.append((counts, torch.randn(rows, HIDDEN, generator=generator).to(dtype),
-                    torch.rand(rows, generator=generator).to(dtype), torch.randn(rows, HIDDEN, generator=generator).to(dtype)))
+                    torch.rand(rows, generator=generator).to(dtype),
+                    torch.randn(rows, HIDDEN, generator=generator).to(dtype)))
     return out
 
 
@@ -44,8 +45,9 @@ def _experts(dtype, fusion, fp8_recipe=None, grouped=False):
     """Four local experts (SwiGLU, ffn 16: grouped GEMMs take strides of 16 bytes) under a one-process
     DDP, so they have `main_grad`."""
     execution = ExecutionConfig(params_dtype=dtype, gradient_accumulation_fusion=fusion)
-    experts = GroupedMLP(config(moe_grouped_gemm=grouped, moe_ffn_hidden_size=16), execution=execution, num_local_experts=4, expert_offset=0, etp_size=1, etp_rank=0,
-                         tp_size=1, tp_rank=0, device=torch.device("cpu"))
+    experts = GroupedMLP(config(moe_grouped_gemm=grouped, moe_ffn_hidden_size=16), execution=execution,
+                         num_local_experts=4, expert_offset=0, etp_size=1, etp_rank=0, tp_size=1, tp_rank=0,
+                         device=torch.device("cpu"))
     with torch.no_grad():
         for name, param in experts.named_parameters():
             initialize_expert_param(param, f"decoder.layers.0.mlp.experts.{name}", 3, 0.5, 2)

@@ -11,10 +11,10 @@ that has `torch._grouped_mm` (bf16, compute capability 9.0+) the experts run as 
 elsewhere as a loop of GEMMs over the experts, the same arithmetic. Either way each expert's
 weight gradient accumulates straight into the fp32 `main_grad` that data parallelism attaches, one
 GEMM per expert, as the dense linears' do (--gradient-accumulation-fusion): no stacked gradient in
-the weights' dtype is written, read back and added by the data-parallel hook. Under FP8 (`attach_fp8`) the
-experts' GEMMs run in FP8, each expert with its own scaling state, on rows padded per expert to a
-multiple of 16 (moe/fp8_experts.py). Expert-tensor parallelism splits
-the expert hidden size as the dense MLP's TP does (fc2's partial sums are added by the dispatcher).
+the weights' dtype is written, read back and added by the data-parallel hook. Under FP8
+(`attach_fp8`) the experts' GEMMs run in FP8, each expert with its own scaling state, on rows padded
+per expert to a multiple of 16 (moe/fp8_experts.py). Expert-tensor parallelism splits the expert
+hidden size as the dense MLP's TP does (fc2's partial sums are added by the dispatcher).
 
 Initialization is per global expert index (`initialize_expert_param`), so an expert starts from the
 same weights whatever the expert-parallel layout.

@@ -141,7 +141,8 @@ class ExpertsFP8:
         self._weight_key = self._weight = None
         self._slots = {}  # role -> the experts' slots in the delayed-scaling state, as a device tensor
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, counts: list, fuse_wgrad: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, counts: list,
+                 fuse_wgrad: bool = False) -> torch.Tensor:
         """x [N, k] (rows sorted by expert, `counts` each, every count a multiple of FP8_ALIGNMENT)
         times weight [E, n, k] per expert -> [N, n] in x's dtype. `fuse_wgrad`: the loop path puts
         the weight gradient into `weight.main_grad` itself (the grouped kernel's bf16 product goes
