@@ -18,7 +18,6 @@ All scenarios of a world size run in one spawn (process start-up dominates on a 
 """
 import dataclasses
 
-import pytest
 import torch
 
 import pretrain_gpt
@@ -362,27 +361,3 @@ def test_context_parallel_two_ranks():
 
 def test_context_parallel_four_ranks():
     _assert_memory_falls(_run_and_check(4, FOUR_RANKS), 4)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_kernels_match_the_cpu_kernel():
-    """Each GPU block kernel returns the CPU flash kernel's output, log-sum-exp and gradients."""
-    from megatron.core.context_parallel import kernels
-
-    names = [kernels.FLASH, kernels.EFFICIENT] + ([kernels.FLASH_ATTN] if kernels.flash_attn_package_usable() else [])
-    generator = torch.Generator().manual_seed(5)
-    q, k, v, dout = (torch.randn(2, h, 256, 64, generator=generator) for h in (8, 2, 2, 8))
-    for causal in (True, False):
-        want_out, want_lse, _ = kernels.block_forward(CPU_FLASH, q, k, v, causal)
-        want = kernels.block_backward(CPU_FLASH, dout, q, k, v, want_out, want_lse, causal, None)
-        for name in names:
-            dtype = torch.float32 if name == kernels.EFFICIENT else torch.bfloat16
-            gpu = [t.cuda().to(dtype) for t in (q, k, v, dout)]
-            out, lse, state = kernels.block_forward(name, *gpu[:3], causal)
-            grads = kernels.block_backward(name, gpu[3], *gpu[:3], out, lse, causal, state)
-            tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(out.float().cpu(), want_out, **tolerance)
-            torch.testing.assert_close(lse.float().cpu(), want_lse, **tolerance)
-            for got, expected in zip(grads, want):
-                torch.testing.assert_close(got.float().cpu(), expected, **tolerance)

@@ -2,9 +2,11 @@
 
 Compiled fusions against eager on CUDA, the fused linear and loss against the reference, FP8 GEMMs
 against bf16 (and the FP8 linear keeping its compiled cast input), clipping folded into the fused
-AdamW, the attention backends and their start-up probe, document masks with compiled
-FlexAttention, the GPU-only bug fixes (device with gloo, CPU seeding, loss scale on the device),
+AdamW, the attention backends and their start-up probe, context parallelism's block kernels,
+document masks with compiled FlexAttention, the GPU-only bug fixes (device with gloo, CPU seeding, loss scale on the device),
 and bf16/fp16 training steps of pretrain_gpt.py with NCCL at world size 1. Skipped without a GPU.
+Every test with a CUDA-only path lives under tests/gpu, which is what the lane runs
+(tests/unit/test_gpu_lane_collection.py checks it).
 """
 import math
 import os
@@ -52,6 +54,11 @@ def test_mixed_precision_wgrad_accumulates_in_one_gemm():
 
 
 def test_fused_linear_matches_plain_path_on_cuda():
+    """On CUDA the fused path runs each weight-gradient GEMM as one bf16 GEMM accumulating in fp32
+    straight into main_grad, so its reference is the fp32 product of the same bf16 operands, summed
+    over micro-batches. (Summing autograd's bf16 `p.grad` instead rounds each micro-batch's product
+    to bf16 first: products reach 30-110 here, where a bf16 ulp is 0.125-0.5, while sums that cancel
+    to 5-30 get only 0.02 + 0.02 * |sum| of room, so a few of 512 elements fail by 0.1-0.3.)"""
     from megatron.core.distributed.ddp import DistributedDataParallel
     from megatron.core.parallel_state import single_process
     from tests.unit.test_fused_linear_and_loss import TwoLinears, full_weights
@@ -59,17 +66,19 @@ def test_fused_linear_matches_plain_path_on_cuda():
     model = TwoLinears(torch.bfloat16, fusion=True).to(CUDA)
     ddp = DistributedDataParallel(model, single_process(CUDA))
     ddp.zero_grad_buffer()
-    full = {k: v.to(CUDA).requires_grad_() for k, v in full_weights(torch.bfloat16).items()}
-    main = {k: torch.zeros(v.shape, device=CUDA) for k, v in full.items()}
+    w1, b1, w2 = (full_weights(torch.bfloat16)[name].to(CUDA) for name in ("w1", "b1", "w2"))
+    main = {"w1": torch.zeros(w1.shape, device=CUDA), "b1": torch.zeros(b1.shape, device=CUDA),
+            "w2": torch.zeros(w2.shape, device=CUDA)}
     for step in range(3):
         x = randn(64, 4, 16, seed=10 + step, dtype=torch.bfloat16)
         g = randn(64, 4, 16, seed=20 + step, dtype=torch.bfloat16)
         ddp(x).backward(g)
-        F.linear(F.gelu(F.linear(x, full["w1"], full["b1"])), full["w2"]).backward(g)
-        for name, p in full.items():
-            main[name] += p.grad.float()
-            p.grad = None
-    # The fused path accumulates the bf16 GEMM in fp32 (more exact than bf16 product + add).
+        h = F.linear(x, w1, b1).requires_grad_()  # [64, 4, 32]
+        a = F.gelu(h)
+        dh, = torch.autograd.grad(F.linear(a, w2), h, g)
+        main["w1"] += dh.reshape(-1, 32).float().t() @ x.reshape(-1, 16).float()
+        main["w2"] += g.reshape(-1, 16).float().t() @ a.reshape(-1, 32).float()
+        main["b1"] += dh.sum((0, 1)).float()  # the bias gradient is a bf16 sum on both paths
     for name, param in (("w1", model.fc1.weight), ("b1", model.fc1.bias), ("w2", model.fc2.weight)):
         torch.testing.assert_close(param.main_grad, main[name], rtol=2e-2, atol=2e-2)
 
@@ -187,6 +196,29 @@ def test_attention_backends_and_probe_on_cuda():
                                               dtype=torch.bfloat16, device=CUDA)
     print(line)
     assert backend in ("cudnn", "flash", "efficient", "flash_attn") and "probed" in line
+
+
+def test_context_parallel_block_kernels_match_the_cpu_kernel():
+    """Each GPU block kernel of ring attention returns the CPU flash kernel's output, log-sum-exp
+    and gradients (the CPU twin: tests/distributed/test_context_parallel.py runs CPU_FLASH)."""
+    from megatron.core.context_parallel import kernels
+
+    names = [kernels.FLASH, kernels.EFFICIENT] + ([kernels.FLASH_ATTN] if kernels.flash_attn_package_usable() else [])
+    generator = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(2, h, 256, 64, generator=generator) for h in (8, 2, 2, 8))
+    for causal in (True, False):
+        want_out, want_lse, _ = kernels.block_forward(kernels.CPU_FLASH, q, k, v, causal)
+        want = kernels.block_backward(kernels.CPU_FLASH, dout, q, k, v, want_out, want_lse, causal, None)
+        for name in names:
+            dtype = torch.float32 if name == kernels.EFFICIENT else torch.bfloat16
+            gpu = [t.to(CUDA, dtype) for t in (q, k, v, dout)]
+            out, lse, state = kernels.block_forward(name, *gpu[:3], causal)
+            grads = kernels.block_backward(name, gpu[3], *gpu[:3], out, lse, causal, state)
+            tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(out.float().cpu(), want_out, **tolerance)
+            torch.testing.assert_close(lse.float().cpu(), want_lse, **tolerance)
+            for got, expected in zip(grads, want):
+                torch.testing.assert_close(got.float().cpu(), expected, **tolerance)
 
 
 def test_document_mask_with_compiled_flex_attention_matches_dense():

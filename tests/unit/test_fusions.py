@@ -29,7 +29,8 @@ def _compare(function, args, tol):
     eager = function(*eager_args)
     fused = fusions.compiled(function)(*fused_args)
     _assert_close(fused, eager, tol)
-    grad = torch.randn(eager.shape, generator=torch.Generator().manual_seed(2)).to(eager.dtype)
+    # Drawn on the CPU (the same numbers on every device), then moved to the output's device.
+    grad = torch.randn(eager.shape, generator=torch.Generator().manual_seed(2)).to(eager.device, eager.dtype)
     eager.backward(grad)
     fused.backward(grad)
     for a, b in zip(fused_args, eager_args):
