@@ -6,9 +6,13 @@ projection is replicated on the tp/groups ranks that use it (their gradients are
 backward, see `TPLayout.sum_partial_replica_grads`).
 """
 import contextlib
+import dataclasses
 import importlib.util
 import logging
+import statistics
 import time
+import warnings
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +54,33 @@ def no_kernel_for(error: RuntimeError) -> bool:
         "No available kernel" in message or "No viable backend" in message)  # CUDA's, CPU's wording
 
 
+def sdpa_quietly(call):
+    """(call(), None), or (None, why) when SDPA finds no allowed kernel for the inputs.
+
+    Before raising "No available kernel", SDPA on CUDA warns once per kernel it ruled out, with the
+    reason; those warnings become `why` (one string) instead of lines in the run's log. Warnings of
+    a call that runs are passed on unchanged; any other error propagates, its warnings with it."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result, error = call(), None
+        except RuntimeError as raised:
+            result, error = None, raised
+    if error is not None and no_kernel_for(error):
+        return None, warning_lines(caught) or str(error).splitlines()[0]
+    for warning in caught:
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    if error is not None:
+        raise error
+    return result, None
+
+
+def warning_lines(caught) -> str:
+    """The distinct first lines of recorded warnings, in order, as one string."""
+    lines = dict.fromkeys(str(w.message).strip().splitlines()[0] for w in caught if str(w.message).strip())
+    return "; ".join(lines)
+
+
 def flash_attn_available() -> bool:
     return flash_attn_module() is not None
 
@@ -82,6 +113,9 @@ class CoreAttention(torch.nn.Module):
         backend = "flash" if requested == "flash_attn" else requested
         self.kernels = SDPA_KERNELS.get(backend)  # None: PyTorch chooses (auto, unresolved)
         self.expand_kv = not _SDPA_HAS_GQA  # set when the chosen kernel rejects grouped k/v
+        self.grouped_kv_runs = False  # set once a call with grouped k/v (enable_gqa) ran
+        self.expand_kv_reason = ""    # why the kernel took no grouped k/v (PyTorch's words)
+        self.quiet = False            # the start-up probe reports the expansion in its own line
 
     def forward(self, q, k, v, attention_mask=None):
         dropout = self.dropout if self.training else 0.0
@@ -101,19 +135,33 @@ class CoreAttention(torch.nn.Module):
             return out.transpose(1, 2)
         mask = {"attn_mask": attention_mask} if attention_mask is not None else {"is_causal": True}
         with sdpa_kernel(list(self.kernels)) if self.kernels else contextlib.nullcontext():
+            if group > 1 and not self.expand_kv and self.grouped_kv_runs:
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, enable_gqa=True, **mask)
             if group > 1 and not self.expand_kv:
-                try:
-                    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, enable_gqa=True, **mask)
-                except RuntimeError as error:  # no kernel takes grouped k/v here: expand them from now on
-                    if not no_kernel_for(error):
-                        raise
-                    self.expand_kv = True
-                    logger.warning("attention: no SDPA kernel takes grouped key/value heads on %s; "
-                                   "expanding them (repeat_interleave) from now on (%s)",
-                                   list(q.shape), str(error).splitlines()[0])
+                # SDPA's flash and math kernels take grouped k/v heads (enable_gqa); its cuDNN and
+                # memory-efficient ones do not (PyTorch 2.13). The first call finds out, quietly.
+                out, why = sdpa_quietly(lambda: F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=dropout, enable_gqa=True, **mask))
+                if why is None:
+                    self.grouped_kv_runs = True
+                    return out
+                self.expand_kv, self.expand_kv_reason = True, why
+                self._report_expansion(list(q.shape))
             if group > 1:
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, **mask)
+
+    def _report_expansion(self, shape: list) -> None:
+        """One log line per kernel choice and shape, not one per layer."""
+        kernels = "/".join(k.name for k in self.kernels) if self.kernels else "SDPA"
+        if self.quiet or (kernels, *shape) in _EXPANSIONS_REPORTED:
+            return
+        _EXPANSIONS_REPORTED.add((kernels, *shape))
+        logger.info("attention: %s takes no grouped key/value heads on %s; expanding them (repeat_interleave) "
+                    "(%s)", kernels, shape, self.expand_kv_reason)
+
+
+_EXPANSIONS_REPORTED = set()
 
 
 # -- document-aware attention (--reset-attention-mask) ---------------------------------------------
@@ -154,14 +202,25 @@ def document_block_mask(document_ids: torch.Tensor):
 
 
 # -- choosing the kernel once at start-up ---------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """One kernel's result in the start-up probe: the median seconds of a forward+backward, or
+    None where no kernel of `name` takes the shape; `note` says why not, or how it ran."""
+    name: str
+    seconds: Optional[float]
+    note: str = ""
+
+
 def resolve_attention_backend(requested: str, *, batch: int, heads: int, groups: int, seq: int, head_dim: int,
-                              dtype: torch.dtype, device: torch.device, batch_first: bool = False) -> tuple[str, str]:
+                              dtype: torch.dtype, device: torch.device, batch_first: bool = False,
+                              time_backend=None) -> tuple[str, str]:
     """(backend to build the model with, one line saying which kernel runs).
 
     `auto` on an accelerator times each SDPA kernel (and the flash-attn package when installed) on
     one micro-batch's attention shape, forward and backward, and takes the fastest that runs; on the
-    CPU it leaves the choice to PyTorch. Explicit choices run as asked. `batch_first`: the layout
-    the model runs (`runs_batch_first`), which the probe's tensors take."""
+    CPU it leaves the choice to PyTorch. An explicit `--attention-backend` is never probed or
+    replaced on an accelerator. `batch_first`: the layout the model runs (`runs_batch_first`), which
+    the probe's tensors take. `time_backend(name)` -> `Probe` replaces the timing (tests)."""
     if requested == "flash_attn":
         module = flash_attn_module()
         if module is None:
@@ -177,17 +236,29 @@ def resolve_attention_backend(requested: str, *, batch: int, heads: int, groups:
         return requested, f"attention: --attention-backend {requested} -> SDPA {kernels}"
     if not utils.is_accelerator(device):
         return "auto", "attention: SDPA, kernel chosen by PyTorch (CPU)"
+    if time_backend is None:
+        def time_backend(name):
+            return _time_backend(name, batch, heads, groups, seq, head_dim, dtype, device, batch_first=batch_first)
     candidates = (("flash_attn",) if flash_attn_available() else ()) + PROBED
-    timings = {}
-    for name in candidates:
-        seconds = _time_backend(name, batch, heads, groups, seq, head_dim, dtype, device, batch_first=batch_first)
-        if seconds is not None:
-            timings[name] = seconds
-    if not timings:
-        return "auto", "attention: no kernel passed the probe; SDPA, kernel chosen by PyTorch"
-    best = min(timings, key=timings.get)
-    probed = ", ".join(f"{name} {ms * 1e3:.2f} ms" for name, ms in timings.items())
-    return best, f"attention: auto -> {best} (fwd+bwd probed on [{batch}, {heads}, {seq}, {head_dim}]: {probed})"
+    return choose_backend([time_backend(name) for name in candidates], f"[{batch}, {heads}, {seq}, {head_dim}]",
+                          groups)
+
+
+def choose_backend(probes: list, shape: str, groups: int) -> tuple[str, str]:
+    """The fastest kernel that ran, and the one attention line: each time (with how it ran), then
+    the kernels that could not run and why."""
+    ran = [p for p in probes if p.seconds is not None]
+    unavailable = "; ".join(f"{p.name}: {p.note}" for p in probes if p.seconds is None)
+    unavailable = f"; unavailable: {unavailable}" if unavailable else ""
+    if not ran:
+        return "auto", f"attention: no kernel passed the probe; SDPA, kernel chosen by PyTorch{unavailable}"
+    best = min(ran, key=lambda p: p.seconds)
+    times = ", ".join(f"{p.name} {p.seconds * 1e3:.2f} ms" + (f" ({p.note})" if p.note else "") for p in ran)
+    return best.name, (f"attention: auto -> {best.name} (fwd+bwd on {shape}, {groups} k/v heads, median of "
+                       f"{PROBE_REPEATS} after {PROBE_WARMUP} warm-up calls: {times}){unavailable}")
+
+
+PROBE_WARMUP, PROBE_REPEATS = 2, 5  # cuDNN builds its plans in the first calls: never timed
 
 
 def probe_inputs(batch, heads, groups, seq, head_dim, dtype, device, batch_first: bool = False):
@@ -206,31 +277,46 @@ def probe_inputs(batch, heads, groups, seq, head_dim, dtype, device, batch_first
     return (*(t.transpose(1, 2) if batch_first else t.permute(1, 2, 0, 3) for t in (q, k, v, grad)),)
 
 
-def _time_backend(name, batch, heads, groups, seq, head_dim, dtype, device, repeats: int = 3, batch_first=False):
-    """Seconds per forward+backward of `name` on that shape and layout, or None (logged, with the
-    reason) if no kernel of `name` takes it."""
+def _time_backend(name, batch, heads, groups, seq, head_dim, dtype, device, batch_first=False,
+                  warmup: int = PROBE_WARMUP, repeats: int = PROBE_REPEATS) -> Probe:
+    """The median seconds of `repeats` forward+backward calls of `name` on that shape and layout,
+    after `warmup` untimed ones. PyTorch's warnings during the probe (the reasons a kernel does not
+    run) go into the returned note, not the log."""
     from types import SimpleNamespace
 
     attention = CoreAttention(SimpleNamespace(attention_dropout=0.0), None,
                               execution=SimpleNamespace(attention_backend=name))
+    attention.quiet = True
     q, k, v, grad = probe_inputs(batch, heads, groups, seq, head_dim, dtype, device, batch_first)
-    try:
-        attention(q, k, v).backward(grad)  # warm-up (and the check that it runs)
+
+    def step():
+        attention(q, k, v).backward(grad)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            seconds = median_seconds(step, device, warmup, repeats)
+        except RuntimeError as error:
+            if not no_kernel_for(error):
+                raise
+            return Probe(name, None, warning_lines(caught) or str(error).splitlines()[0])
+    # The reason a kernel took no grouped heads is PyTorch's, the same for every shape: not repeated here.
+    notes = ["k/v heads expanded"] if attention.expand_kv and groups < heads else []
+    return Probe(name, seconds, "; ".join(notes + ([warning_lines(caught)] if caught else [])))
+
+
+def median_seconds(step, device, warmup: int, repeats: int) -> float:
+    """The median wall time of `repeats` calls of `step`, each synchronized, after `warmup` calls."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
         utils.synchronize(device)
         start = time.perf_counter()
-        for _ in range(repeats):
-            attention(q, k, v).backward(grad)
+        step()
         utils.synchronize(device)
-    except RuntimeError as error:
-        if not no_kernel_for(error):
-            raise
-        logger.info("attention probe: %s cannot run [%d, %d, %d, %d] (%s)", name, batch, heads, seq, head_dim,
-                    str(error).splitlines()[0])
-        return None
-    if attention.expand_kv and groups < heads:
-        logger.info("attention probe: %s runs [%d, %d, %d, %d] only with key/value heads expanded", name,
-                    batch, heads, seq, head_dim)
-    return (time.perf_counter() - start) / repeats
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def runs_batch_first(batch: int, seq: int, hidden: int, *, sequence_parallel: bool = False,
