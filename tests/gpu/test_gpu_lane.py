@@ -166,6 +166,26 @@ def test_fp8_linear_keeps_its_compiled_cast_input_on_cuda(recipe):
         assert torch.equal(got.float(), want.float())
 
 
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_compiled_fp8_cast_reads_of_the_bf16_input_on_cuda(recipe):
+    """Prints how many generated Triton kernels read the bf16 input of one compiled cast (on the
+    CPU, tests/unit/test_fp8_one_pass.py counts 1 loop for delayed, 2 for current scaling), and
+    checks the compiled cast against the eager one."""
+    from megatron.core.transformer.fp8 import cast_to_fp8, compiled_cast_to_fp8
+    from tests.unit.work_counting import generated_code
+
+    torch._dynamo.reset()
+    x = randn(4096, 4096, seed=1, dtype=torch.bfloat16)
+    scale = torch.full((), 3.0, device=CUDA) if recipe == "delayed" else None
+    code = generated_code(compiled_cast_to_fp8(), x, scale, torch.float8_e4m3fn, 0, True)
+    name = re.search(r"assert_size_stride\((arg\d+_1), \(s\d+, s\d+\)", code).group(1)
+    launches = [line.strip()[:60] for line in code.splitlines() if ".run(" in line and re.search(rf"\b{name}\b", line)]
+    print(f"FP8 cast, {recipe}: {len(launches)} kernel(s) read the bf16 input: {launches}")
+    for got, want in zip(compiled_cast_to_fp8()(x, scale, torch.float8_e4m3fn, 0, True),
+                         cast_to_fp8(x, scale, torch.float8_e4m3fn, 0, True)):
+        assert torch.equal(got.float(), want.float())
+
+
 def test_clipping_folded_into_fused_adamw_on_cuda():
     """The fused CUDA AdamW divides the gradients by its grad_scale: the same update as clipping first."""
     params = [randn(256, 128, seed=i).requires_grad_() for i in range(2)]

@@ -23,7 +23,9 @@ Every recipe divides the scale by 2^`--fp8-margin`. Weights are quantized once p
 With one scale per tensor (`tensorwise`, `delayed`) every tensor is quantized once: the forward
 casts its input together with the input's transpose (one kernel when compiled) and keeps the FP8
 transpose for the weight-gradient GEMM instead of the bf16 input, and the backward casts the output
-gradient once, with its transpose, for both the input- and the weight-gradient GEMM. Under sequence
+gradient once, with its transpose, for both the input- and the weight-gradient GEMM. Compiled, a
+delayed-scaling cast reads its bf16 tensor once (the scale is the history's; this cast's amax is
+reduced in the casting loop), a current-scaling cast twice (amax, then cast). Under sequence
 parallelism the input is kept as the local bf16 shard, re-gathered and cast in backward, as in bf16.
 `rowwise` scales each GEMM operand along that GEMM's contracted axis, so a tensor feeding two GEMMs
 is cast twice, and its input is kept in bf16.
