@@ -52,9 +52,12 @@ def _cross_entropy(execution: ExecutionConfig) -> str:
 def _fp8(execution: ExecutionConfig, num_experts, device) -> str:
     if not execution.fp8:
         return "off"
-    once = "each tensor cast once" if execution.fp8_recipe != "rowwise" else "cast per GEMM axis"
+    per_axis = execution.fp8_recipe in ("rowwise", "blockwise")
+    once = "cast per GEMM axis" if per_axis else "each tensor cast once"
     if not execution.gradient_accumulation_fusion:
         wgrad = "weight gradient added to main_grad by the gradient hook"
+    elif execution.fp8_recipe == "blockwise":
+        wgrad = "weight-gradient GEMM product added to main_grad (the block-scaled GEMM has no output argument)"
     elif writes_into(torch.empty(0, device=device), execution.fp8_recipe == "rowwise"):
         wgrad = "weight-gradient GEMM writes into fp32 main_grad on a step's first micro-batch"
     else:

@@ -318,13 +318,32 @@ def _validate_fp8(config: Config) -> None:
              "attention heads x --kv-channels / TP": m.num_attention_heads * kv // tp,
              "query groups x --kv-channels": groups * kv,
              "--micro-batch-size x --seq-length": t.micro_batch_size * t.seq_length}
+    multiple = 128 if m.fp8_recipe == "blockwise" else 16  # blockwise: whole 1x128 tiles and 128x128 blocks
     for what, size in sizes.items():
-        _require(size % 16 == 0, f"FP8 GEMMs need matrix sizes divisible by 16: {what} is {size}")
+        _require(size % multiple == 0, f"FP8 GEMMs{' with --fp8-recipe blockwise' if multiple == 128 else ''} "
+                                       f"need matrix sizes divisible by {multiple}: {what} is {size}")
+    if m.fp8_recipe == "blockwise":
+        _validate_blockwise(config)
     if m.first_last_layers_bf16:
         start, end = m.num_layers_at_start_in_bf16, m.num_layers_at_end_in_bf16
         _require(start >= 0 and end >= 0 and start + end <= m.num_layers,
                  f"--num-layers-at-start-in-bf16 ({start}) + --num-layers-at-end-in-bf16 ({end}) must be >= 0 "
                  f"and at most --num-layers ({m.num_layers})")
+
+
+def _validate_blockwise(config: Config) -> None:
+    """What can be known before a device is chosen: PyTorch's block-scaled GEMM, a GPU at all, and
+    dense layers (the experts' FP8 GEMMs are tensorwise, delayed or rowwise). The GPU itself is
+    checked when the model is built (`fp8.blockwise_unavailable`)."""
+    from megatron.core.transformer.fp8 import blockwise_refusal, has_block_scaled_gemm
+
+    m = config.model
+    if not has_block_scaled_gemm() or not _cuda_available():
+        reason = blockwise_refusal(has_block_scaled_gemm(), "cuda" if _cuda_available() else "cpu", (9, 0), None)
+        raise ConfigError(f"--fp8-recipe blockwise cannot run here: {reason}; use --fp8-recipe tensorwise, "
+                          f"delayed or rowwise")
+    _require(m.num_experts is None, f"--fp8-recipe blockwise runs the dense layers' GEMMs; with --num-experts "
+                                    f"({m.num_experts}) use --fp8-recipe tensorwise, delayed or rowwise")
 
 
 def architecture(config: Config):

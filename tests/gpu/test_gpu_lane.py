@@ -139,6 +139,37 @@ def test_fp8_gemms_match_bf16_on_cuda(fp8_format, recipe):
             assert error <= bound, (fp8_format, recipe, error)
 
 
+def test_fp8_blockwise_gemms_on_cuda():
+    """--fp8-recipe blockwise on a Hopper GPU: the start-up check of PyTorch's block-scaled GEMM
+    passes, and the three GEMMs of an FP8 linear equal the products of the block-dequantized
+    operands (fp32 sums) and bf16's within E4M3's bound."""
+    from megatron.core.transformer.fp8 import (BLOCK, FP8Linear, FP8Options, blockwise_unavailable,
+                                               dequantize_blocks, quantize_blocks)
+    from tests.unit.test_fp8 import UNIT_ROUNDOFF
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("block-scaled FP8 GEMMs run on Hopper (compute capability 9.0) only")
+    assert blockwise_unavailable(CUDA) is None
+    linear = FP8Linear(FP8Options("e4m3", "blockwise"), None)
+    x = randn(2, 512, 1024, seed=1, dtype=torch.bfloat16)
+    weight = randn(2048, 1024, seed=2, dtype=torch.bfloat16, scale=0.02)
+    grad = randn(2, 512, 2048, seed=3, dtype=torch.bfloat16, scale=1e-3)
+    x2d, g2d = x.reshape(-1, 1024), grad.reshape(-1, 2048)
+
+    def blocks(t, rows):
+        return dequantize_blocks(*quantize_blocks(t, rows, torch.float8_e4m3fn), rows)
+
+    w_blocks = blocks(weight, BLOCK)
+    bound = math.hypot(UNIT_ROUNDOFF[torch.float8_e4m3fn], UNIT_ROUNDOFF[torch.float8_e4m3fn])
+    for got, exact, want in (
+            (linear.forward(x, weight).reshape(-1, 2048), blocks(x2d, 1) @ w_blocks.t(), x2d.float() @ weight.float().t()),
+            (linear.dgrad(grad, weight).reshape(-1, 1024), blocks(g2d, 1) @ w_blocks, g2d.float() @ weight.float()),
+            (linear.wgrad(g2d, x2d), blocks(g2d.t().contiguous(), 1) @ blocks(x2d.t().contiguous(), 1).t(),
+             g2d.float().t() @ x2d.float())):
+        torch.testing.assert_close(got.float(), exact.to(got.dtype).float(), rtol=2e-2, atol=1e-3 * exact.abs().max().item())
+        assert ((got.float() - want).norm() / want.norm()).item() <= bound
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 def test_fp8_linear_keeps_its_compiled_cast_input_on_cuda(recipe):
     """The compiled cast (amax, cast and transpose in one function) on CUDA: the weight gradient

@@ -70,8 +70,6 @@ def test_weighted_data_path_is_a_list():
     (["--bf16", "--fp16"], 1, "--bf16 and --fp16 are mutually exclusive"),
     (["--group-query-attention", "--num-query-groups", "3"], 1, "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
     (["--fp8-format", "hybrid"], 1, "--fp8-format needs --bf16"),
-    (["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "blockwise"], 1,
-     "--fp8-recipe blockwise is not available without Transformer Engine"),
     (["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"], 1, "--fp8-recipe mxfp8 is not available"),
     (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "rowwise"], 1,
      "--fp8-recipe rowwise takes --fp8-format e4m3"),

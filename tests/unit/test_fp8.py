@@ -143,8 +143,7 @@ def test_first_last_layers_bf16_picks_layers_by_global_number():
     assert fp8_layer_numbers(execution, 6) == set(range(6))
 
 
-@pytest.mark.parametrize("recipe, message", [
-    ("blockwise", "--fp8-recipe blockwise is not available without Transformer Engine"),
+@pytest.mark.parametrize("recipe, message", [  # blockwise: tests/unit/test_fp8_blockwise.py
     ("mxfp8", "--fp8-recipe mxfp8 is not available without Transformer Engine"),
     ("custom", "--fp8-recipe must be one of"),
 ])

@@ -32,8 +32,13 @@ is cast twice, and its input is kept in bf16.
 The weight-gradient GEMM cannot accumulate into `main_grad`, but it can write into it: on a step's
 first micro-batch (while `main_grad` holds nothing) `wgrad(..., out=main_grad)` writes its fp32
 output there; later micro-batches add a product in the gradient's dtype (tensor_parallel.layers).
-Megatron's `blockwise` and `mxfp8` recipes exist only as Transformer Engine kernels and are named
-errors here.
+- `blockwise` (DeepSeek-V3's recipe): one scale per 1x128 tile of activations and gradients (along
+  the contracted dimension of the GEMM each feeds, so, like `rowwise`, a tensor feeding two GEMMs
+  is cast twice and the input is kept in bf16) and per 128x128 block of weights, through PyTorch's
+  block-scaled GEMM (`torch.nn.functional.scaled_mm`, cuBLAS). E4M3 only; Hopper GPUs only (the
+  kernel's), checked at start-up against the block-dequantized product (`blockwise_unavailable`).
+Megatron's `mxfp8` recipe exists only as Transformer Engine kernels for Blackwell and is a named
+error here.
 """
 import functools
 import math
@@ -41,6 +46,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -48,11 +54,12 @@ FORMATS = {
     "e4m3": (torch.float8_e4m3fn, torch.float8_e4m3fn),   # (activations and weights, gradients)
     "hybrid": (torch.float8_e4m3fn, torch.float8_e5m2),
 }
-RECIPES = ("delayed", "tensorwise", "rowwise")
+RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise")
+E4M3_ONLY = {"rowwise": "torch._scaled_mm's row-wise kernels", "blockwise": "cuBLAS's block-scaled kernels"}
 NOT_BUILT = {
-    "blockwise": "block-scaled FP8 exists only as Transformer Engine kernels",
     "mxfp8": "MXFP8 exists only as Transformer Engine kernels for Blackwell GPUs",
 }
+BLOCK = 128  # blockwise: 1 x BLOCK tiles of activations and gradients, BLOCK x BLOCK weight blocks
 INPUT, WEIGHT, GRAD = 0, 1, 2  # the three scaled tensors of a linear
 
 
@@ -74,12 +81,12 @@ def check_fp8_options(fp8_format: str, recipe: str, margin: int, amax_history_le
         raise ValueError(f"--fp8-format must be e4m3 or hybrid, got {fp8_format!r}")
     if recipe in NOT_BUILT:
         raise ValueError(f"--fp8-recipe {recipe} is not available without Transformer Engine ({NOT_BUILT[recipe]}); "
-                         f"use --fp8-recipe delayed, tensorwise or rowwise")
+                         f"use --fp8-recipe delayed, tensorwise, rowwise or blockwise")
     if recipe not in RECIPES:
         raise ValueError(f"--fp8-recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
-    if recipe == "rowwise" and fp8_format != "e4m3":
-        raise ValueError(f"--fp8-recipe rowwise takes --fp8-format e4m3 (torch._scaled_mm's row-wise kernels "
-                         f"multiply E4M3 operands), got --fp8-format {fp8_format}")
+    if recipe in E4M3_ONLY and fp8_format != "e4m3":
+        raise ValueError(f"--fp8-recipe {recipe} takes --fp8-format e4m3 ({E4M3_ONLY[recipe]} multiply E4M3 "
+                         f"operands), got --fp8-format {fp8_format}")
     if margin < 0:
         raise ValueError(f"--fp8-margin must be >= 0, got {margin}")
     if amax_history_len < 1:
@@ -179,6 +186,106 @@ def _column_major(q: torch.Tensor) -> torch.Tensor:
     return q.t().contiguous().t()
 
 
+# -- blockwise scaling -----------------------------------------------------------------------------
+def quantize_blocks(x: torch.Tensor, rows: int, dtype: torch.dtype, margin: int = 0):
+    """x [R, C] in blocks of `rows` x BLOCK (rows 1: tiles along C; BLOCK: square blocks), each
+    scaled from its own amax: (fp8 [R, C], scale [R / rows, C / BLOCK] fp32)."""
+    r, c = x.shape
+    blocks = x.reshape(r // rows, rows, c // BLOCK, BLOCK)
+    scale = scale_from_amax(blocks.abs().amax(dim=(1, 3)), dtype, margin)  # [R / rows, C / BLOCK]
+    return quantize(blocks, scale[:, None, :, None], dtype).reshape(r, c), scale
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """The fp32 values `quantize_blocks` encoded (what the block-scaled GEMM multiplies)."""
+    r, c = q.shape
+    blocks = q.float().reshape(r // rows, rows, c // BLOCK, BLOCK) / scale[:, None, :, None]
+    return blocks.reshape(r, c)
+
+
+def blockwise_mm(a_q, a_scale, b_q, b_scale, b_rows: int, out_dtype) -> torch.Tensor:
+    """a [M, K] @ b [N, K]^T -> [M, N]: a in 1 x BLOCK tiles along K (a_scale [M, K / BLOCK]), b in
+    1 x BLOCK tiles (b_rows 1, b_scale [N, K / BLOCK]) or BLOCK x BLOCK blocks (b_rows BLOCK,
+    b_scale [N / BLOCK, K / BLOCK]), as `quantize_blocks` made them, through PyTorch's block-scaled
+    GEMM. The kernel takes the inverse scales stored outer-dimension-major (the transpose of a
+    contiguous tensor), square blocks' with K / BLOCK padded to a multiple of 4, and b column-major."""
+    kinds = F.ScalingType
+    b_kind = kinds.BlockWise1x128 if b_rows == 1 else kinds.BlockWise128x128
+    b_inverse = b_scale.reciprocal()
+    if b_rows != 1:
+        b_inverse = F.pad(b_inverse, (0, -b_inverse.shape[1] % 4))
+    return F.scaled_mm(a_q, b_q.t(), _outer_dim_major(a_scale.reciprocal()), kinds.BlockWise1x128,
+                       b_inverse.t() if b_rows != 1 else _outer_dim_major(b_inverse), b_kind,
+                       output_dtype=out_dtype)
+
+
+def _outer_dim_major(scale: torch.Tensor) -> torch.Tensor:
+    return scale.t().contiguous().t()
+
+
+_BLOCKWISE_CHECKED = {}
+
+
+def has_block_scaled_gemm() -> bool:
+    """Whether this PyTorch has the block-scaled GEMM (`torch.nn.functional.scaled_mm` with
+    `ScalingType.BlockWise128x128`; PyTorch 2.13, the version this project is tested with, has)."""
+    return hasattr(F, "scaled_mm") and hasattr(getattr(F, "ScalingType", None), "BlockWise128x128")
+
+
+def blockwise_unavailable(device: torch.device) -> Optional[str]:
+    """Why `--fp8-recipe blockwise` cannot run on `device` (None: it can): the facts of this
+    PyTorch and device, judged by `blockwise_refusal`. The GEMM's start-up check runs once per
+    device type, on a Hopper GPU only."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    gemm_error = None
+    if has_block_scaled_gemm() and capability == (9, 0):
+        if device.type not in _BLOCKWISE_CHECKED:
+            _BLOCKWISE_CHECKED[device.type] = blockwise_gemm_error(device)
+        gemm_error = _BLOCKWISE_CHECKED[device.type]
+    return blockwise_refusal(has_block_scaled_gemm(), device.type, capability, gemm_error)
+
+
+def blockwise_refusal(has_gemm: bool, device_type: str, capability: Optional[tuple],
+                      gemm_error: Optional[str]) -> Optional[str]:
+    """The reason blockwise scaling cannot run, naming what would run it, or None. cuBLAS has the
+    block-scaled FP8 kernels for Hopper (compute capability 9.0) only."""
+    if not has_gemm:
+        return (f"PyTorch {torch.__version__} has no block-scaled GEMM (torch.nn.functional.scaled_mm with "
+                f"ScalingType.BlockWise128x128); PyTorch 2.13 has it")
+    if device_type != "cuda":
+        return f"PyTorch's block-scaled FP8 GEMM runs on Hopper GPUs (compute capability 9.0), not on {device_type}"
+    if capability != (9, 0):
+        return (f"PyTorch's block-scaled FP8 GEMM (cuBLAS) runs on Hopper GPUs (compute capability 9.0); "
+                f"this GPU is {capability[0]}.{capability[1]}")
+    if gemm_error is not None:
+        return f"PyTorch's block-scaled GEMM failed its start-up check on this GPU: {gemm_error}"
+    return None
+
+
+def blockwise_gemm_error(device: torch.device) -> Optional[str]:
+    """Runs both block-scaled GEMM kinds (1x128 by 128x128, 1x128 by 1x128) on operands whose blocks
+    have scales 2^0 to 2^7 apart, against the product of their block-dequantized values: None when
+    they agree (a scale applied to the wrong block is off by a factor of up to 128), else what went
+    wrong."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    m, n, k = 256, 384, 512
+    spread = 2.0 ** torch.randint(0, 8, (m, k // BLOCK), device=device, generator=generator)
+    a = torch.randn(m, k, device=device, generator=generator) * spread.repeat_interleave(BLOCK, dim=1)
+    b = torch.randn(n, k, device=device, generator=generator)
+    a_q, a_scale = quantize_blocks(a, 1, torch.float8_e4m3fn)
+    for rows in (BLOCK, 1):
+        b_q, b_scale = quantize_blocks(b, rows, torch.float8_e4m3fn)
+        want = dequantize_blocks(a_q, a_scale, 1) @ dequantize_blocks(b_q, b_scale, rows).t()
+        try:
+            got = blockwise_mm(a_q, a_scale, b_q, b_scale, rows, torch.float32)
+        except (RuntimeError, ValueError, NotImplementedError) as error:
+            return f"{type(error).__name__}: {str(error).splitlines()[0]}"
+        relative = ((got - want).norm() / want.norm()).item()
+        if not relative <= 1e-3:  # FP8 tensor cores sum within a tile in reduced precision
+            return f"{'1x128 by 128x128' if rows == BLOCK else '1x128 by 1x128'} off by {relative:.2g} (relative)"
+    return None
+
+
 # -- scaling state ----------------------------------------------------------------------------------
 class DelayedScaling:
     """The amax history and scales of every FP8 tensor of one model chunk, as single tensors so the
@@ -267,6 +374,7 @@ class FP8Linear:
         self._cast = compiled_quantize() if compiled else quantize
         self.forward_dtype, self.grad_dtype = FORMATS[options.format]
         self.rowwise = options.recipe == "rowwise"
+        self.blockwise = options.recipe == "blockwise"
         self.scaling = scaling if options.recipe == "delayed" else None
         if self.scaling is not None:
             self.first_slot = self.scaling.new_slots(3)
@@ -308,7 +416,10 @@ class FP8Linear:
         key = (weight.data_ptr(), weight._version)
         if key != self._weight_key:
             w = weight.detach()
-            if self.rowwise:
+            if self.blockwise:  # W [N, K] in 128x128 blocks; W^T's blocks are the same, transposed
+                w_q, scale = quantize_blocks(w, BLOCK, self.forward_dtype, self.options.margin)
+                self._weight = {"forward": (w_q, scale), "dgrad": (w_q.t().contiguous(), scale.t().contiguous())}
+            elif self.rowwise:
                 forward_q, forward_scale = self._quantize_rowwise(w, self.forward_dtype, dim=1)   # [N, 1]
                 dgrad_q, dgrad_scale = self._quantize_rowwise(w, self.forward_dtype, dim=0)     # [1, K]
                 self._weight = {"forward": (forward_q.t(), forward_scale.t()),
@@ -321,8 +432,9 @@ class FP8Linear:
         return self._weight
 
     def writes_into(self, out: torch.Tensor) -> bool:
-        """Whether `wgrad(..., out=out)` runs on this device (module function `writes_into`)."""
-        return writes_into(out, self.rowwise)
+        """Whether `wgrad(..., out=out)` runs on this device (module function `writes_into`); the
+        block-scaled GEMM has no output argument."""
+        return not self.blockwise and writes_into(out, self.rowwise)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [..., K] @ weight[N, K]^T -> [..., N] in x's dtype."""
@@ -331,9 +443,14 @@ class FP8Linear:
     def forward_keeping_input(self, x: torch.Tensor, weight: torch.Tensor, keep_input: bool):
         """As `forward`, returning (output, kept): `kept` is what `wgrad` needs of the input, its FP8
         transpose and scale (a tuple of tensors), or None where backward must bring the bf16 input
-        (rowwise, or `keep_input` False)."""
+        (rowwise, blockwise, or `keep_input` False)."""
         x2d = x.reshape(-1, x.shape[-1])
         kept = None
+        if self.blockwise:  # [T, K] in 1x128 tiles along K; the weight in 128x128 blocks
+            x_q, x_scale = quantize_blocks(x2d, 1, self.forward_dtype, self.options.margin)
+            w_q, w_scale = self._weights(weight)["forward"]
+            y = blockwise_mm(x_q, x_scale, w_q, w_scale, BLOCK, x.dtype)
+            return y.view(*x.shape[:-1], y.shape[-1]), None
         if self.rowwise:
             x_q, x_scale = self._quantize_rowwise(x2d, self.forward_dtype, dim=1)
         else:
@@ -347,7 +464,7 @@ class FP8Linear:
         """The output gradient [..., N], cast once for both gradient GEMMs: (fp8 [T, N], its
         transpose [N, T] or None, scale, dtype, shape). Rowwise casts per GEMM, so it keeps `grad`."""
         grad2d = grad.reshape(-1, grad.shape[-1])
-        if self.rowwise:
+        if self.rowwise or self.blockwise:
             return grad2d, None, None, grad.dtype, grad.shape
         g_q, g_t, scale = self._cast_whole(grad2d, GRAD, self.grad_dtype, transpose=transpose)
         return g_q, g_t, scale, grad.dtype, grad.shape
@@ -357,6 +474,11 @@ class FP8Linear:
         if grad_fp8 is None:
             grad_fp8 = self.quantize_grad(grad, transpose=False)
         g_q, _, g_scale, dtype, shape = grad_fp8
+        if self.blockwise:  # grad [T, N] in 1x128 tiles along N; W^T [K, N] in 128x128 blocks
+            g_q, g_scale = quantize_blocks(g_q, 1, self.grad_dtype, self.options.margin)
+            w_t, w_t_scale = self._weights(weight)["dgrad"]
+            out = blockwise_mm(g_q, g_scale, w_t, w_t_scale, BLOCK, dtype)
+            return out.view(*shape[:-1], out.shape[-1])
         if self.rowwise:
             g_q, g_scale = self._quantize_rowwise(g_q, self.grad_dtype, dim=1)
         w_q, w_scale = self._weights(weight)["dgrad"]
@@ -372,6 +494,10 @@ class FP8Linear:
             grad_fp8 = self.quantize_grad(grad2d)
         g_q, g_t, g_scale, dtype, _ = grad_fp8
         dtype = out.dtype if out is not None else dtype
+        if self.blockwise:  # grad^T [N, T] and input^T [K, T], each in 1x128 tiles along the tokens T
+            g_q, g_scale = quantize_blocks(g_q.t().contiguous(), 1, self.grad_dtype, self.options.margin)
+            x_q, x_scale = quantize_blocks(input2d.t().contiguous(), 1, self.forward_dtype, self.options.margin)
+            return blockwise_mm(g_q, g_scale, x_q, x_scale, 1, dtype)
         if self.rowwise:
             g_q, g_scale = self._quantize_rowwise(g_q, self.grad_dtype, dim=0)        # [1, N]
             x_q, x_scale = self._quantize_rowwise(input2d, self.forward_dtype, dim=0)  # [1, K]
@@ -398,6 +524,9 @@ def attach_fp8(decoder, config, num_layers: int, device) -> Optional[DelayedScal
     returns the chunk's delayed-scaling state (None for the other recipes, or no FP8 layer)."""
     options = FP8Options(config.fp8, config.fp8_recipe, config.fp8_margin, config.fp8_amax_history_len,
                          config.fp8_amax_compute_algo)
+    if options.recipe == "blockwise" and (reason := blockwise_unavailable(torch.device(device))) is not None:
+        raise ValueError(f"--fp8-recipe blockwise cannot run here: {reason}; use --fp8-recipe tensorwise, "
+                         f"delayed or rowwise")
     scaling = DelayedScaling(options) if options.recipe == "delayed" else None
     fp8_layers = fp8_layer_numbers(config, num_layers)
     linears = []

@@ -29,7 +29,7 @@ class ModelConfig(TransformerConfig):
     fp8: Optional[Literal["e4m3", "hybrid"]] = flag_field(None, Flag("--fp8-format"))
     """Train the transformer layers' linears in FP8 (torch._scaled_mm): e4m3 everywhere, or hybrid (E5M2 gradients)."""
     fp8_recipe: Literal["delayed", "tensorwise", "rowwise", "blockwise", "mxfp8", "custom"] = "delayed"
-    """FP8 scaling: delayed (amax history), tensorwise (current amax), rowwise (per-row scales, e4m3). blockwise, mxfp8 and custom need Transformer Engine and are errors here."""
+    """FP8 scaling: delayed (amax history), tensorwise (current amax), rowwise (per-row scales, e4m3), blockwise (1x128 activation and gradient tiles, 128x128 weight blocks, e4m3; PyTorch's block-scaled GEMM, Hopper GPUs). mxfp8 and custom need Transformer Engine and are errors here."""
     fp8_margin: int = 0
     """FP8 scales are divided by 2^margin."""
     fp8_amax_history_len: int = 1

@@ -21,7 +21,7 @@ class ExecutionConfig:
     gradient_accumulation_fusion: bool = True    # linears/embedding accumulate weight grads into main_grad
     cross_entropy_loss_fusion: bool = True       # chunked fused cross entropy (tensor_parallel.cross_entropy)
     fp8: Optional[str] = None                    # None, "e4m3" or "hybrid" (see transformer.fp8)
-    fp8_recipe: str = "delayed"                  # "delayed", "tensorwise" or "rowwise"
+    fp8_recipe: str = "delayed"                  # "delayed", "tensorwise", "rowwise" or "blockwise"
     fp8_margin: int = 0
     fp8_amax_history_len: int = 1
     fp8_amax_compute_algo: str = "most_recent"   # or "max"
