@@ -9,7 +9,8 @@ or a loop of torch._scaled_mm.
 
 Each part says what runs, not what was asked for: the weight-gradient GEMM's fp32-output kernel is
 probed on the device (the CPU has none), so is FP8's (`_scaled_mm` writing into the fp32 main_grad),
-and the attention part is the kernel the start-up probe chose. bench/bench_pretrain.py prints the
+the attention part is the kernel the start-up probe chose, and the FP8 part names the linears a
+start-up probe left in bf16 because their GEMMs ran slower in FP8. bench/bench_pretrain.py prints the
 line and bench/gpu_report.py records it per run.
 """
 import importlib.util
@@ -49,7 +50,7 @@ def _cross_entropy(execution: ExecutionConfig) -> str:
     return "fused, chunked, one-pass backward" + (", compiled" if execution.fuse_elementwise else ", eager")
 
 
-def _fp8(execution: ExecutionConfig, num_experts, device) -> str:
+def _fp8(execution: ExecutionConfig, num_experts, device, fp8_choice: str = "") -> str:
     if not execution.fp8:
         return "off"
     per_axis = execution.fp8_recipe in ("rowwise", "blockwise")
@@ -64,7 +65,8 @@ def _fp8(execution: ExecutionConfig, num_experts, device) -> str:
         wgrad = f"weight-gradient GEMM product added to main_grad (no fp32-output FP8 GEMM on {device.type})"
     experts = f"; experts: per-expert scales, rows padded to 16, {_fp8_experts_gemms(execution, device)}" \
         if num_experts else ""
-    return f"{execution.fp8} {execution.fp8_recipe}, {once}, {wgrad}{experts}"
+    chosen = f"; {fp8_choice}" if fp8_choice else ""
+    return f"{execution.fp8} {execution.fp8_recipe}, {once}, {wgrad}{experts}{chosen}"
 
 
 def _fp8_experts_gemms(execution: ExecutionConfig, device) -> str:
@@ -84,13 +86,14 @@ def _optimizer(optimizer) -> str:
 
 
 def fast_paths_line(execution: ExecutionConfig, *, no_torch_compile: bool, device, attention_report: str,
-                    optimizer, num_experts=None) -> str:
+                    optimizer, num_experts=None, fp8_choice: str = "") -> str:
+    """`fp8_choice`: the linears the start-up probe left in bf16 (`fp8.choose_fp8_linears`)."""
     parts = {
         "compile": _compile(execution, no_torch_compile, device),
         "weight-gradient GEMM": _weight_gradient(execution, device),
         "cross entropy": _cross_entropy(execution),
         "attention": attention_report.removeprefix("attention: "),
-        "FP8": _fp8(execution, num_experts, device),
+        "FP8": _fp8(execution, num_experts, device, fp8_choice),
         "optimizer": _optimizer(optimizer),
     }
     return "fast paths: " + " | ".join(f"{name}: {value}" for name, value in parts.items())

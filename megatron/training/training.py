@@ -18,6 +18,7 @@ from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.transformer.config import ExecutionConfig, TransformerConfig
+from megatron.core.transformer.fp8 import choose_fp8_linears
 from megatron.core.transformer.moe.router import aux_loss_log_values, finish_moe_step
 from megatron.training import builders
 from megatron.training.arguments import format_config
@@ -108,11 +109,13 @@ def setup(config: Config, forward_step_func: Callable, vocab_size: int,
                                                              groups)
     print_rank_0(f"> {attention_report}")
     chunks = builders.build_model_chunks(config, groups, model_config, execution, rng_tracker)
+    fp8_choice = choose_fp8_linears(chunks, config.training.micro_batch_size * config.training.seq_length
+                                    // groups.cp_size, groups.device) if execution.fp8 else ""
     chunks = builders.wrap_data_parallel(chunks, config, groups)
     optimizer, scheduler = builders.build_optimizer(config, chunks, groups)
     fast_paths = fast_paths_line(execution, no_torch_compile=config.model.no_torch_compile, device=groups.device,
                                  attention_report=attention_report, optimizer=optimizer,
-                                 num_experts=model_config.num_experts)
+                                 num_experts=model_config.num_experts, fp8_choice=fp8_choice)
     print_rank_0(f"> {fast_paths}")
     batches = batch_schedule(config.training, groups.dp_size)
     global_batch = batches.global_batch_size

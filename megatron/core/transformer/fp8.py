@@ -509,6 +509,60 @@ class FP8Linear:
         return scaled_mm(g_t, x_t.t(), g_scale, x_scale, dtype, out=out)
 
 
+# -- which linears run in FP8, by a start-up measurement ---------------------------------------------
+def choose_fp8_linears(chunks: list, tokens: int, device, time_linear=None) -> str:
+    """Leaves in bf16 the FP8 linears of `chunks` whose GEMMs the start-up probe finds slower in FP8
+    (forward, input and weight gradient, casts included, on `tokens` rows of this rank's weight
+    shape), e.g. small attention projections; returns what it left, for the fast paths line ("" if
+    nothing). Probed once per (linear, weight shape) on an accelerator; on the CPU every FP8 linear
+    stays (its float8 GEMMs are emulated there: a timing would say nothing of a GPU).
+    `time_linear(fp8_linear, weight_shape)` -> (bf16 seconds, fp8 seconds) replaces the timing (tests)."""
+    if time_linear is None and device.type == "cpu":
+        return ""
+    if time_linear is None:
+        def time_linear(fp8_linear, shape):
+            return time_linear_gemms(fp8_linear, shape, tokens, device)
+    kinds = {}  # (name, weight shape) -> the modules of that kind
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.fp8 is not None:
+                kinds.setdefault((name.rsplit(".", 1)[-1], tuple(module.weight.shape)), []).append(module)
+    left = []
+    for (name, shape), modules in kinds.items():
+        bf16_seconds, fp8_seconds = time_linear(modules[0].fp8, shape)
+        if fp8_seconds >= bf16_seconds:
+            for module in modules:
+                module.fp8 = None
+            left.append(f"{name} {shape[0]}x{shape[1]} ({fp8_seconds * 1e3:.2f} ms in FP8, "
+                        f"{bf16_seconds * 1e3:.2f} in bf16)")
+    return f"left in bf16 (slower in FP8 at start-up): {', '.join(left)}" if left else ""
+
+
+def time_linear_gemms(fp8_linear: "FP8Linear", shape: tuple, tokens: int, device) -> tuple:
+    """Median seconds of one linear's three GEMMs on [tokens, in] rows of weight `shape` [out, in]:
+    (bf16, FP8 with its casts; the weight cast once, as per optimizer step)."""
+    from megatron.core.transformer.attention import PROBE_REPEATS, PROBE_WARMUP, median_seconds
+
+    out_features, in_features = shape
+    x = torch.randn(tokens, in_features, device=device, dtype=torch.bfloat16)
+    weight = torch.randn(out_features, in_features, device=device, dtype=torch.bfloat16) * 0.02
+    grad = torch.randn(tokens, out_features, device=device, dtype=torch.bfloat16)
+    recipe = "tensorwise" if fp8_linear.options.recipe == "delayed" else fp8_linear.options.recipe
+    linear = FP8Linear(FP8Options(fp8_linear.options.format, recipe), None, compiled=fp8_linear.compiled)
+
+    def bf16_step():
+        x @ weight.t(), grad @ weight, grad.t() @ x
+
+    def fp8_step():
+        _, kept = linear.forward_keeping_input(x, weight, keep_input=True)
+        grad_fp8 = linear.quantize_grad(grad)
+        linear.dgrad(grad, weight, grad_fp8)
+        linear.wgrad(grad, x, grad_fp8, kept)
+
+    return (median_seconds(bf16_step, device, PROBE_WARMUP, PROBE_REPEATS),
+            median_seconds(fp8_step, device, PROBE_WARMUP, PROBE_REPEATS))
+
+
 def fp8_layer_numbers(execution, num_layers: int) -> set:
     """Global numbers of the layers that run in FP8 (all, less --first-last-layers-bf16's)."""
     layers = set(range(num_layers))
