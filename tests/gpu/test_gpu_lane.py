@@ -209,9 +209,11 @@ def test_compiled_fp8_cast_reads_of_the_bf16_input_on_cuda(recipe):
     x = randn(4096, 4096, seed=1, dtype=torch.bfloat16)
     scale = torch.full((), 3.0, device=CUDA) if recipe == "delayed" else None
     code = generated_code(compiled_cast_to_fp8(), x, scale, torch.float8_e4m3fn, 0, True)
-    name = re.search(r"assert_size_stride\((arg\d+_1), \(s\d+, s\d+\)", code).group(1)
-    launches = [line.strip()[:60] for line in code.splitlines() if ".run(" in line and re.search(rf"\b{name}\b", line)]
-    print(f"FP8 cast, {recipe}: {len(launches)} kernel(s) read the bf16 input: {launches}")
+    matrix = re.search(r"assert_size_stride\((arg\d+_1), \(s\d+, s\d+\)", code)  # the bf16 input's name
+    launches = [line.strip()[:60] for line in code.splitlines()
+                if matrix and ".run(" in line and re.search(rf"\b{matrix.group(1)}\b", line)]
+    print(f"FP8 cast, {recipe}: {len(launches)} kernel(s) read the bf16 input: {launches}"
+          if matrix else f"FP8 cast, {recipe}: the input was not found in the generated code:\n{code}")
     for got, want in zip(compiled_cast_to_fp8()(x, scale, torch.float8_e4m3fn, 0, True),
                          cast_to_fp8(x, scale, torch.float8_e4m3fn, 0, True)):
         assert torch.equal(got.float(), want.float())
