@@ -1,6 +1,7 @@
 """Shared pieces of the --sft tests: a tiny word-level Hugging Face tokenizer with a ChatML-style
 chat template, and a generated conversation task ("repeat my words") a small model can learn."""
 import json
+from functools import partial
 import os
 import random
 
@@ -46,3 +47,83 @@ def write_jsonl(path: str, lines: list) -> str:
         for line in lines:
             file.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
     return path
+
+
+# ------------------------------------------------------------------------------------------------
+# One training step of pretrain_gpt.py's forward step on SFT batches, at any TP/SP/PP layout
+
+SEQ, LAYERS, SEED = 32, 2, 1234
+
+
+def conversation_batches(tokenizer_dir: str, count: int = 6, seed: int = 0) -> tuple:
+    """(packed, unpacked): the same conversations packed first-fit into --seq-length sequences, and
+    one per sequence; each a list of [1, s] micro-batches as the data loader yields them."""
+    from megatron.core.datasets.sft import PackedConversations, Tokenized, pack_sequence, tokenize_conversation
+    from megatron.core.tokenizers import build_tokenizer
+    from megatron.training.data import collate
+
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=tokenizer_dir)
+    rng = random.Random(seed)
+    conversations = []
+    for index in range(count):
+        messages = repeat_conversation(rng, words=1 + index % 4)
+        tokens, assistant = tokenize_conversation(messages, tokenizer, "chat-template")
+        conversations.append(Tokenized(tokens, assistant, "generated", index + 1))
+    packed = PackedConversations(conversations, SEQ, pad_token=tokenizer.pad)
+    assert len(packed) < count  # several conversations share a sequence
+    unpacked = [pack_sequence([c], SEQ, 1, tokenizer.pad) for c in conversations]
+    return [collate([packed[i]]) for i in range(len(packed))], [collate([sample]) for sample in unpacked]
+
+
+def sft_model_config():
+    from tests.distributed.parity import llama_config
+
+    return llama_config(num_layers=LAYERS, max_position_embeddings=SEQ)
+
+
+def sft_step(groups, micro_batches: list, sequence_parallel: bool = False) -> dict:
+    """One forward-backward with pretrain_gpt.forward_step and --calculate-per-token-loss (the loss
+    of each micro-batch is its sum over assistant tokens). Returns the summed loss and assistant
+    token count (last stage) and this rank's full gradients by global name."""
+    import torch
+
+    import pretrain_gpt
+    from megatron.core.distributed.ddp import DistributedDataParallel, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.pipeline_parallel.layout import stage_layer_numbers
+    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import build_tracker
+    from megatron.core.transformer.config import ExecutionConfig
+    from tests.distributed.parity import gather_full_grads
+
+    config = sft_model_config()
+    (layers,) = stage_layer_numbers(LAYERS, groups.pp_size, groups.pp_rank)
+    model = GPTModel(config, groups, execution=ExecutionConfig(sequence_parallel=sequence_parallel),
+                     rng_tracker=build_tracker(SEED, groups.tp_rank, groups.pp_rank, groups.device),
+                     pre_process=groups.is_first_stage, post_process=groups.is_last_stage, layer_numbers=layers)
+    model.initialize_parameters(SEED)
+    ddp = DistributedDataParallel(model, groups)
+    seq = SEQ // groups.tp_size if sequence_parallel else SEQ
+    schedule = get_forward_backward_func(groups.pp_size)
+    reported = schedule(forward_step_func=partial(pretrain_gpt.forward_step, calculate_per_token_loss=True),
+                        data_iterator=iter(micro_batches), model_chunks=[ddp], num_microbatches=len(micro_batches),
+                        groups=groups, forward_only=False, tensor_shape=(seq, 1, config.hidden_size),
+                        dtype=torch.float32, loss_divisor=1)
+    finalize_model_grads([ddp], groups)
+    total = torch.stack([r["lm loss"] for r in reported]).sum(dim=0) if reported else None
+    return {"loss": None if total is None else total[0].item(), "count": None if total is None else total[1].item(),
+            "grads": {(name, part): grad for name, parts in gather_full_grads(model, groups).items()
+                      for part, grad in parts.items()}}
+
+
+def assert_same_step(run: dict, reference: dict, rtol: float = 1e-5) -> None:
+    """Summed loss and every gradient, both divided by the same assistant-token count."""
+    import torch
+
+    count = reference["count"]
+    if run["loss"] is not None:
+        assert run["count"] == count
+        assert abs(run["loss"] - reference["loss"]) <= rtol * abs(reference["loss"]), (run["loss"], reference["loss"])
+    for key, grad in run["grads"].items():
+        torch.testing.assert_close(grad / count, reference["grads"][key] / count, rtol=rtol, atol=1e-7,
+                                   msg=lambda m: f"{key}: {m}")
