@@ -55,9 +55,10 @@ def write_jsonl(path: str, lines: list) -> str:
 SEQ, LAYERS, SEED = 32, 2, 1234
 
 
-def conversation_batches(tokenizer_dir: str, count: int = 6, seed: int = 0) -> tuple:
-    """(packed, unpacked): the same conversations packed first-fit into --seq-length sequences, and
-    one per sequence; each a list of [1, s] micro-batches as the data loader yields them."""
+def conversation_batches(tokenizer_dir: str, count: int = 6, seed: int = 0, cp_size: int = 1) -> tuple:
+    """(packed, unpacked): the same conversations packed first-fit into --seq-length sequences (each
+    padded to a multiple of 2 x cp_size), and one per sequence; each a list of [1, s] micro-batches
+    as the data loader yields them."""
     from megatron.core.datasets.sft import PackedConversations, Tokenized, pack_sequence, tokenize_conversation
     from megatron.core.tokenizers import build_tokenizer
     from megatron.training.data import collate
@@ -69,9 +70,9 @@ def conversation_batches(tokenizer_dir: str, count: int = 6, seed: int = 0) -> t
         messages = repeat_conversation(rng, words=1 + index % 4)
         tokens, assistant = tokenize_conversation(messages, tokenizer, "chat-template")
         conversations.append(Tokenized(tokens, assistant, "generated", index + 1))
-    packed = PackedConversations(conversations, SEQ, pad_token=tokenizer.pad)
+    packed = PackedConversations(conversations, SEQ, cp_size, pad_token=tokenizer.pad)
     assert len(packed) < count  # several conversations share a sequence
-    unpacked = [pack_sequence([c], SEQ, 1, tokenizer.pad) for c in conversations]
+    unpacked = [pack_sequence([c], SEQ, cp_size, tokenizer.pad) for c in conversations]
     return [collate([packed[i]]) for i in range(len(packed))], [collate([sample]) for sample in unpacked]
 
 
@@ -88,6 +89,7 @@ def sft_step(groups, micro_batches: list, sequence_parallel: bool = False) -> di
     import torch
 
     import pretrain_gpt
+    from megatron.core.distributed import comm
     from megatron.core.distributed.ddp import DistributedDataParallel, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.pipeline_parallel.layout import stage_layer_numbers
@@ -103,14 +105,20 @@ def sft_step(groups, micro_batches: list, sequence_parallel: bool = False) -> di
                      pre_process=groups.is_first_stage, post_process=groups.is_last_stage, layer_numbers=layers)
     model.initialize_parameters(SEED)
     ddp = DistributedDataParallel(model, groups)
-    seq = SEQ // groups.tp_size if sequence_parallel else SEQ
+    seq = SEQ // groups.cp_size // (groups.tp_size if sequence_parallel else 1)
     schedule = get_forward_backward_func(groups.pp_size)
     reported = schedule(forward_step_func=partial(pretrain_gpt.forward_step, calculate_per_token_loss=True),
                         data_iterator=iter(micro_batches), model_chunks=[ddp], num_microbatches=len(micro_batches),
                         groups=groups, forward_only=False, tensor_shape=(seq, 1, config.hidden_size),
                         dtype=torch.float32, loss_divisor=1)
     finalize_model_grads([ddp], groups)
+    # --calculate-per-token-loss: the reduction averaged the sums over the data x context ranks;
+    # training multiplies by their count (and divides by the tokens, left out here: sums compared).
+    for param in model.parameters():
+        param.main_grad.mul_(groups.dp_size * groups.cp_size)
     total = torch.stack([r["lm loss"] for r in reported]).sum(dim=0) if reported else None
+    if total is not None:  # each context-parallel rank reported its chunks' sum and count
+        comm.all_reduce(total, groups.dp_cp)
     return {"loss": None if total is None else total[0].item(), "count": None if total is None else total[1].item(),
             "grads": {(name, part): grad for name, parts in gather_full_grads(model, groups).items()
                       for part, grad in parts.items()}}

@@ -405,7 +405,7 @@ def _validate_sft(config: Config) -> None:
     """--sft: conversations tokenized by a Hugging Face tokenizer, packed with per-conversation attention."""
     from megatron.core.datasets.sft import check_prompt_format
 
-    d, cp = config.data, config.parallel.context_parallel_size
+    d = config.data
     try:
         check_prompt_format(d.sft_tokenizer_prompt_format)
     except ValueError as error:
@@ -420,9 +420,6 @@ def _validate_sft(config: Config) -> None:
     _require(not (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss),
              "--reset-position-ids, --reset-attention-mask and --eod-mask-loss act on EOD-separated pretraining "
              "documents; --sft packs conversations with their own positions, attention and loss mask: drop them")
-    _require(cp == 1,
-             f"--sft with --context-parallel-size {cp}: context-parallel attention runs causal attention only, "
-             "without the per-conversation mask that packed sequences need; use --context-parallel-size 1")
 
 
 def _validate_logging(config: Config) -> None:

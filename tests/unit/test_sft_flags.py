@@ -20,10 +20,10 @@ def test_sft_flags_parse_with_their_defaults():
     assert (config.data.sft_tokenizer_prompt_format, config.data.sft_skip_bad_lines,
             config.data.sft_truncation) == ("identity", True, False)
     validate(config, 1)
+    validate(parse_args(BASE + ["--context-parallel-size", "2", "--attention-dropout", "0"]), 2)  # packed under CP
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--context-parallel-size", "2", "--attention-dropout", "0"], "--sft with --context-parallel-size 2: .*use --context-parallel-size 1"),
     (["--sft-tokenizer-prompt-format", "nemotron-h-aligned"], "nemotron-h-aligned .*not built here"),
     (["--sft-tokenizer-prompt-format", "chatml"], "must be one of chat-template, default, identity"),
     (["--reset-attention-mask"], "--reset-attention-mask.*drop them"),
@@ -33,4 +33,4 @@ def test_sft_flags_parse_with_their_defaults():
 ])
 def test_what_sft_cannot_run_with_is_one_startup_error(flags, message):
     with pytest.raises(ConfigError, match=message):
-        validate(parse_args(BASE + flags), 2 if "--context-parallel-size" in flags else 1)
+        validate(parse_args(BASE + flags), 1)
