@@ -126,15 +126,33 @@ def sft_dataset_config(config):
         skip_bad_lines=d.sft_skip_bad_lines)
 
 
+def tokenizer_record_of(config, tokenizer) -> dict:
+    from megatron.core.datasets.tokenizer_record import tokenizer_record
+
+    d = config.data
+    return tokenizer_record(tokenizer, d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
+                            tokenizer_model=d.tokenizer_model)
+
+
 def check_sft_inputs(config, tokenizer) -> None:
-    """--sft, before the model is built: the tokenizer suits the prompt format and every file reads
-    (a bad line stops here with its file and line, unless --sft-skip-bad-lines)."""
-    from megatron.core.datasets.sft import split_sources, check_chat_tokenizer, read_conversations
+    """--sft, before the model is built: the tokenizer suits the prompt format, every JSONL file
+    reads (a bad line stops here with its file and line, unless --sft-skip-bad-lines), and every
+    preprocessed prefix has its tokens and mask, written with this tokenizer."""
+    from megatron.core.datasets.sft import check_chat_tokenizer, is_jsonl, mask_prefix, read_conversations, split_sources
+    from megatron.core.datasets.tokenizer_record import check_record
 
     sft_config = sft_dataset_config(config)
     check_chat_tokenizer(tokenizer, sft_config.prompt_format)
-    files = {path for source in split_sources(sft_config) if source is not None for path in source[0]}
-    for path in sorted(files):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"--sft data file {path} does not exist (--data-path names JSONL files with --sft)")
-        read_conversations(path, sft_config.skip_bad_lines)
+    paths = {path for source in split_sources(sft_config) if source is not None for path in source[0]}
+    for path in sorted(paths):
+        if is_jsonl(path):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"--sft data file {path} does not exist")
+            read_conversations(path, sft_config.skip_bad_lines)
+            continue
+        for prefix in (path, mask_prefix(path)):
+            for suffix in (".bin", ".idx"):
+                if not os.path.isfile(prefix + suffix):
+                    raise FileNotFoundError(f"--sft: {prefix}{suffix} does not exist (--data-path names JSONL files "
+                                            "or the prefix tools/preprocess_sft.py wrote, {prefix}_messages_document)")
+        check_record(path, tokenizer_record_of(config, tokenizer))

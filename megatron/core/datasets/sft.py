@@ -47,7 +47,8 @@ class Conversation:
 
 @dataclass(frozen=True)
 class Tokenized:
-    """tokens [n] (int64) and assistant [n] (bool): whether each token is an assistant token."""
+    """tokens [n] and assistant [n]: whether each token is an assistant token (int64 and bool from
+    JSONL; views of the preprocessed files' uint16/int32 and uint8)."""
 
     tokens: np.ndarray
     assistant: np.ndarray
@@ -368,6 +369,33 @@ def load_tokenized(path: str, tokenizer, config: SFTDatasetConfig, log=print) ->
     return tokenized
 
 
+def mask_prefix(tokens_prefix: str) -> str:
+    """Where tools/preprocess_sft.py writes the assistant mask of a tokens dataset."""
+    return tokens_prefix + "_assistant"
+
+
+def is_jsonl(path: str) -> bool:
+    return path.endswith((".jsonl", ".json"))
+
+
+def load_indexed(prefix: str) -> List[Tokenized]:
+    """Conversations tokenized by tools/preprocess_sft.py: tokens and assistant mask as views into
+    the memory-mapped files (uint16/int32 and uint8; samples are assembled in int64). A conversation
+    is named prefix:N (its 1-based number) in messages."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    tokens, masks = IndexedDataset(prefix), IndexedDataset(mask_prefix(prefix))
+    if not np.array_equal(tokens.sequence_lengths, masks.sequence_lengths):
+        raise ValueError(f"--sft: {mask_prefix(prefix)}.idx does not match {prefix}.idx (other sequence lengths); "
+                         "write both again with tools/preprocess_sft.py")
+    return [Tokenized(tokens[index], masks[index], prefix, index + 1) for index in range(len(tokens))]
+
+
+def load_conversations(path: str, tokenizer, config: SFTDatasetConfig, log=print) -> List[Tokenized]:
+    """A --data-path entry: a JSONL file (tokenized now) or the prefix of tools/preprocess_sft.py's output."""
+    return load_tokenized(path, tokenizer, config, log) if is_jsonl(path) else load_indexed(path)
+
+
 def build_sft_datasets(config: SFTDatasetConfig, tokenizer, num_samples: Sequence[int], log=print):
     """(train, valid, test) SFTDatasets, each None when its split is empty or asked for 0 samples.
     Every rank reads and tokenizes the files itself (the JSONL path is meant for sets small enough
@@ -385,7 +413,7 @@ def build_sft_datasets(config: SFTDatasetConfig, tokenizer, num_samples: Sequenc
         packed = []
         for path in files:
             if path not in cache:
-                cache[path] = load_tokenized(path, tokenizer, config, log)
+                cache[path] = load_conversations(path, tokenizer, config, log)
             conversations = cache[path]
             if bookend is not None:
                 begin, end = split_range(bookend, len(conversations))
