@@ -42,6 +42,16 @@ def repeat_conversation(rng: random.Random, words: int = 3, system: bool = True)
     return turns + [{"role": "user", "content": said}, {"role": "assistant", "content": said}]
 
 
+def pair_conversation(rng: random.Random) -> list:
+    """The user says one word of the first half of WORDS, then one of the second half; the assistant
+    repeats both. Each answer word can be found by what it is, not where it is, which a tiny model
+    learns in a few hundred steps, and 144 pairs leave room for held-out prompts."""
+    half = len(WORDS) // 2
+    said = f"{rng.choice(WORDS[:half])} {rng.choice(WORDS[half:])}"
+    return [{"role": "system", "content": "repeat"}, {"role": "user", "content": said},
+            {"role": "assistant", "content": said}]
+
+
 def write_jsonl(path: str, lines: list) -> str:
     with open(path, "w") as file:
         for line in lines:
