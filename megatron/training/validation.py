@@ -417,6 +417,10 @@ def _validate_sft(config: Config) -> None:
     _require(d.create_attention_mask_in_dataloader,
              "--sft with --no-create-attention-mask-in-dataloader would let packed conversations attend to each "
              "other; drop --no-create-attention-mask-in-dataloader")
+    if _cuda_available():
+        _require(config.model.attention_dropout == 0.0,
+                 f"--sft on GPU runs FlexAttention block masks (one conversation per document), which have no "
+                 f"dropout; pass --attention-dropout 0 (got {config.model.attention_dropout})")
     _require(not (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss),
              "--reset-position-ids, --reset-attention-mask and --eod-mask-loss act on EOD-separated pretraining "
              "documents; --sft packs conversations with their own positions, attention and loss mask: drop them")
