@@ -56,7 +56,8 @@ if [ "$DP" -lt 1 ] || [ $((DP * TP * PP * CP)) -ne "$WORLD" ]; then
 fi
 BS=${BS:-$((8 * MBS * DP))}
 
-CONVERT_IN=("$PYTHON" "$ROOT/tools/checkpoint/convert.py" --source-format hf --source "$HF_MODEL" --target "$WORK_DIR/base")
+CONVERT_IN=("$PYTHON" "$ROOT/tools/checkpoint/convert.py" --source-format hf --source "$HF_MODEL"
+            --target "$WORK_DIR/base")
 CONVERT_OUT=("$PYTHON" "$ROOT/tools/checkpoint/convert.py" --source-format torch_dist --source "$WORK_DIR/sft"
              --target-format hf --target "$HF_OUT")
 

@@ -138,7 +138,8 @@ def check_sft_inputs(config, tokenizer) -> None:
     """--sft, before the model is built: the tokenizer suits the prompt format, every JSONL file
     reads (a bad line stops here with its file and line, unless --sft-skip-bad-lines), and every
     preprocessed prefix has its tokens and mask, written with this tokenizer."""
-    from megatron.core.datasets.sft import check_chat_tokenizer, is_jsonl, mask_prefix, read_conversations, split_sources
+    from megatron.core.datasets.sft import (check_chat_tokenizer, is_jsonl, mask_prefix, read_conversations,
+                                            split_sources)
     from megatron.core.datasets.tokenizer_record import check_record
 
     sft_config = sft_dataset_config(config)
