@@ -44,6 +44,19 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def write_conversations(paths: Sequence[str], tokenizer, config, tokens, masks) -> int:
+    """Each conversation of the files as one sequence and one document of both builders; returns the count."""
+    count = 0
+    for path in paths:
+        for conversation in load_tokenized(path, tokenizer, config, log=lambda line: print(line, file=sys.stderr)):
+            tokens.add_item(conversation.tokens)
+            tokens.end_document()
+            masks.add_item(conversation.assistant.astype(np.uint8))
+            masks.end_document()
+            count += 1
+    return count
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = get_args(argv)
     tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model)
@@ -53,14 +66,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     prefix = f"{args.output_prefix}_messages_document"
     tokens = IndexedDatasetBuilder(prefix + ".bin", dtype=optimal_dtype(tokenizer.vocab_size))
     masks = IndexedDatasetBuilder(mask_prefix(prefix) + ".bin", dtype=np.uint8)
-    count = 0
-    for path in args.input:
-        for conversation in load_tokenized(path, tokenizer, config, log=lambda line: print(line, file=sys.stderr)):
-            tokens.add_item(conversation.tokens)
-            tokens.end_document()
-            masks.add_item(conversation.assistant.astype(np.uint8))
-            masks.end_document()
-            count += 1
+    try:
+        count = write_conversations(args.input, tokenizer, config, tokens, masks)
+    except BaseException:  # a bad line or an interrupt: no half-written files left behind
+        tokens.abort()
+        masks.abort()
+        raise
     tokens.finalize(prefix + ".idx")
     masks.finalize(mask_prefix(prefix) + ".idx")
     write_record(prefix, tokenizer_record(tokenizer, args.tokenizer_type, tokenizer_model=args.tokenizer_model))

@@ -95,8 +95,26 @@ def test_prompt_format_errors(tmp_path):
     check_chat_tokenizer(plain, "identity")
 
 
+def first_fit_by_scanning(lengths: list, capacity: int) -> list:
+    """The definition, bin by bin (quadratic): the reference for the tree search."""
+    bins, room = [], []
+    for item, length in enumerate(lengths):
+        target = next((b for b, free in enumerate(room) if free >= length), len(bins))
+        if target == len(bins):
+            bins.append([])
+            room.append(capacity)
+        bins[target].append(item)
+        room[target] -= length
+    return bins
+
+
 def test_first_fit_puts_each_conversation_into_the_first_sequence_with_room():
     assert pack_first_fit([6, 5, 3, 2, 4], 8) == [[0, 3], [1, 2], [4]]
+    assert pack_first_fit([], 8) == [] and pack_first_fit([8, 8], 8) == [[0], [1]]
+    rng = np.random.default_rng(0)
+    for count, capacity in ((1, 5), (7, 16), (300, 64), (1000, 4096)):
+        lengths = rng.integers(0, capacity + 1, count).tolist()
+        assert pack_first_fit(lengths, capacity) == first_fit_by_scanning(lengths, capacity)
 
 
 def tokenized(lengths: list, trained_from: int = 1) -> list:

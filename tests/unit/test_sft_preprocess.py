@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset
-from megatron.core.datasets.sft import SFTDatasetConfig, build_sft_datasets, load_tokenized
+from megatron.core.datasets.sft import SFTDataError, SFTDatasetConfig, build_sft_datasets, load_tokenized
 from megatron.core.tokenizers import build_tokenizer
 from tests.sft_data import repeat_conversation, write_jsonl, write_tokenizer
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+import preprocess_sft  # noqa: E402
 
 
 def _tool(*args) -> subprocess.CompletedProcess:
@@ -28,8 +30,10 @@ def test_preprocessed_conversations_give_the_jsonl_samples(tmp_path):
     rng = random.Random(5)
     lines = [{"messages": repeat_conversation(rng, words=1 + i % 3) + repeat_conversation(rng)} for i in range(12)]
     jsonl = write_jsonl(str(tmp_path / "chat.jsonl"), lines + ["{broken"])
-    result = _tool("--input", jsonl, "--output-prefix", tmp_path / "chat", "--tokenizer-model", tokenizer_dir)
-    assert result.returncode == 2 and "chat.jsonl:13: not JSON" in result.stderr
+    with pytest.raises(SFTDataError, match="chat.jsonl:13: not JSON"):  # in this process: one start-up less
+        preprocess_sft.main(["--input", jsonl, "--output-prefix", str(tmp_path / "chat"),
+                             "--tokenizer-model", tokenizer_dir])
+    assert not list(tmp_path.glob("chat_*"))  # nothing half-written left behind
     result = _tool("--input", jsonl, "--output-prefix", tmp_path / "chat", "--tokenizer-model", tokenizer_dir,
                    "--sft-skip-bad-lines")
     assert result.returncode == 0, result.stderr

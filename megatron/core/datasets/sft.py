@@ -199,16 +199,29 @@ def padded_length(length: int, cp_size: int) -> int:
 
 def pack_first_fit(lengths: Sequence[int], capacity: int) -> List[List[int]]:
     """Greedy first fit in the given order: each item goes into the first bin with room for it,
-    else into a new bin. lengths are at most capacity. Returns the item indices of each bin."""
-    bins, room = [], []
+    else into a new bin. lengths are at most capacity. Returns the item indices of each bin.
+
+    The first bin with room is found in O(log bins) by descending a tree of the bins' largest free
+    space (leaves: bins, each node the max of its children; unopened bins count as empty, with the
+    full capacity): 200,000 conversations pack in a few seconds of Python."""
+    leaves = 1
+    while leaves < max(len(lengths), 1):
+        leaves *= 2
+    free = [capacity] * (2 * leaves)  # free[leaves + b]: room left in bin b (a list: scalar access is its use)
+    bins: List[List[int]] = []
     for item, length in enumerate(lengths):
-        target = next((b for b, free in enumerate(room) if free >= length), None)
-        if target is None:
+        node = 1
+        while node < leaves:  # the leftmost child with room; the root always has room (an unopened bin)
+            node = 2 * node if free[2 * node] >= length else 2 * node + 1
+        target = node - leaves
+        if target == len(bins):
             bins.append([])
-            room.append(capacity)
-            target = len(bins) - 1
         bins[target].append(item)
-        room[target] -= length
+        free[node] -= length
+        node //= 2
+        while node:
+            free[node] = max(free[2 * node], free[2 * node + 1])
+            node //= 2
     return bins
 
 
@@ -324,6 +337,7 @@ class SFTDataset:
         self.sources = list(sources)
         self.num_samples = int(num_samples)
         self.seed = seed
+        self._orders = {}  # source -> (epoch, its order of the source's sequences)
         self.dataset_index, self.dataset_sample_index = build_blending_indices(
             np.asarray(normalize(weights), dtype=np.float64), self.num_samples)
 
@@ -333,8 +347,10 @@ class SFTDataset:
     def _source_index(self, source: int, index: int) -> int:
         size = len(self.sources[source])
         epoch, within = divmod(int(index), size)
-        order = np.random.RandomState((self.seed + 1000 * source + epoch) % 2**32).permutation(size)
-        return int(order[within])
+        if self._orders.get(source, (None,))[0] != epoch:  # one permutation per source and epoch, kept
+            order = np.random.RandomState((self.seed + 1000 * source + epoch) % 2**32).permutation(size)
+            self._orders[source] = (epoch, order)
+        return int(self._orders[source][1][within])
 
     def __getitem__(self, index: int) -> dict:
         source = int(self.dataset_index[index])
