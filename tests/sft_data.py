@@ -86,13 +86,16 @@ def conversation_batches(tokenizer_dir: str, count: int = 6, seed: int = 0, cp_s
     return [collate([packed[i]]) for i in range(len(packed))], [collate([sample]) for sample in unpacked]
 
 
-def sft_model_config():
-    from tests.distributed.parity import llama_config
+def sft_model_config(family: str = "llama"):
+    """Llama (rotary positions, which see only distances within a conversation) or GPT-2 (learned
+    absolute positions, which see where each conversation's positions start)."""
+    from tests.distributed.parity import gpt2_config, llama_config
 
-    return llama_config(num_layers=LAYERS, max_position_embeddings=SEQ)
+    config = llama_config if family == "llama" else gpt2_config
+    return config(num_layers=LAYERS, max_position_embeddings=SEQ)
 
 
-def sft_step(groups, micro_batches: list, sequence_parallel: bool = False) -> dict:
+def sft_step(groups, micro_batches: list, sequence_parallel: bool = False, family: str = "llama") -> dict:
     """One forward-backward with pretrain_gpt.forward_step and --calculate-per-token-loss (the loss
     of each micro-batch is its sum over assistant tokens). Returns the summed loss and assistant
     token count (last stage) and this rank's full gradients by global name."""
@@ -108,7 +111,7 @@ def sft_step(groups, micro_batches: list, sequence_parallel: bool = False) -> di
     from megatron.core.transformer.config import ExecutionConfig
     from tests.distributed.parity import gather_full_grads
 
-    config = sft_model_config()
+    config = sft_model_config(family)
     (layers,) = stage_layer_numbers(LAYERS, groups.pp_size, groups.pp_rank)
     model = GPTModel(config, groups, execution=ExecutionConfig(sequence_parallel=sequence_parallel),
                      rng_tracker=build_tracker(SEED, groups.tp_rank, groups.pp_rank, groups.device),
