@@ -114,11 +114,23 @@ def check_inputs(config: Config, tokenizer=None, vocab_size: int = 0) -> None:
     """The data files and blends, opened and checked before the model is built."""
     from megatron.core.datasets import check_data_inputs
 
+    if config.data.sft:
+        from megatron.training.data import check_sft_inputs
+
+        check_sft_inputs(config, tokenizer)
+        return
+
     check_data_inputs(gpt_dataset_config(config, tokenizer, vocab_size))
 
 
 def datasets_provider(config: Config, groups, num_samples: tuple, tokenizer=None, vocab_size: int = 0):
     from megatron.core.datasets import build_gpt_datasets
+
+    if config.data.sft:  # conversations: packed, assistant-only loss mask, document ids (docs/finetuning.md)
+        from megatron.core.datasets.sft import build_sft_datasets
+        from megatron.training.data import sft_dataset_config
+
+        return build_sft_datasets(sft_dataset_config(config), tokenizer, num_samples, log=print_rank_0)
 
     return build_gpt_datasets(gpt_dataset_config(config, tokenizer, vocab_size), num_samples=num_samples,
                               is_builder_rank=groups.global_rank == 0, barrier=comm.barrier)

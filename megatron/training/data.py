@@ -13,6 +13,7 @@ the whole dataset is dealt out rank by rank. The loader restarts for the next ep
 and `consumed_samples` resumes mid-epoch at the same place, for the same data-parallel size.
 """
 import itertools
+import os
 
 import numpy as np
 import torch
@@ -110,3 +111,49 @@ def endless(loader):
     """The micro-batches of a cyclic loader, epoch after epoch: each pass over the loader asks its
     sampler for the next epoch (Megatron-LM's `cyclic_iter`)."""
     return itertools.chain.from_iterable(iter(loader) for _ in itertools.count())
+
+
+def sft_dataset_config(config):
+    """--sft: the conversation datasets' settings, from the data, training and parallel flags."""
+    from megatron.core.datasets.sft import SFTDatasetConfig
+
+    d, t = config.data, config.training
+    return SFTDatasetConfig(
+        seq_length=t.seq_length, seed=t.seed, data_path=d.data_path or None, split=d.split,
+        train_data_path=d.train_data_path or None, valid_data_path=d.valid_data_path or None,
+        test_data_path=d.test_data_path or None, prompt_format=d.sft_tokenizer_prompt_format,
+        context_parallel_size=config.parallel.context_parallel_size, truncate=d.sft_truncation,
+        skip_bad_lines=d.sft_skip_bad_lines)
+
+
+def tokenizer_record_of(config, tokenizer) -> dict:
+    from megatron.core.datasets.tokenizer_record import tokenizer_record
+
+    d = config.data
+    return tokenizer_record(tokenizer, d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
+                            tokenizer_model=d.tokenizer_model)
+
+
+def check_sft_inputs(config, tokenizer) -> None:
+    """--sft, before the model is built: the tokenizer suits the prompt format, every JSONL file
+    reads (a bad line stops here with its file and line, unless --sft-skip-bad-lines), and every
+    preprocessed prefix has its tokens and mask, written with this tokenizer."""
+    from megatron.core.datasets.sft import (check_chat_tokenizer, is_jsonl, mask_prefix, read_conversations,
+                                            split_sources)
+    from megatron.core.datasets.tokenizer_record import check_record
+
+    sft_config = sft_dataset_config(config)
+    check_chat_tokenizer(tokenizer, sft_config.prompt_format)
+    paths = {path for source in split_sources(sft_config) if source is not None for path in source[0]}
+    for path in sorted(paths):
+        if is_jsonl(path):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"--sft data file {path} does not exist")
+            read_conversations(path, sft_config.skip_bad_lines)
+            continue
+        for prefix in (path, mask_prefix(path)):
+            for suffix in (".bin", ".idx"):
+                if not os.path.isfile(prefix + suffix):
+                    raise FileNotFoundError(f"--sft: {prefix}{suffix} does not exist (--data-path names JSONL files "
+                                            "or the prefix tools/preprocess_sft.py wrote, {prefix}_messages_document)")
+        check_record(path, tokenizer_record_of(config, tokenizer))

@@ -416,6 +416,33 @@ def _validate_data(config: Config, notes: list) -> None:
                  "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     if d.tokenizer_type in ("SentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer"):
         _require(d.tokenizer_model is not None, f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model")
+    if d.sft:
+        _validate_sft(config)
+
+
+def _validate_sft(config: Config) -> None:
+    """--sft: conversations tokenized by a Hugging Face tokenizer, packed with per-conversation attention."""
+    from megatron.core.datasets.sft import check_prompt_format
+
+    d = config.data
+    try:
+        check_prompt_format(d.sft_tokenizer_prompt_format)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    _require(not d.mock_data, "--sft reads JSONL conversations from --data-path; drop --mock-data")
+    _require(d.tokenizer_type == "HuggingFaceTokenizer",
+             f"--sft needs --tokenizer-type HuggingFaceTokenizer (got {d.tokenizer_type}): conversations are "
+             "rendered by its chat template and tokenized turn by turn")
+    _require(d.create_attention_mask_in_dataloader,
+             "--sft with --no-create-attention-mask-in-dataloader would let packed conversations attend to each "
+             "other; drop --no-create-attention-mask-in-dataloader")
+    if _cuda_available():
+        _require(config.model.attention_dropout == 0.0,
+                 f"--sft on GPU runs FlexAttention block masks (one conversation per document), which have no "
+                 f"dropout; pass --attention-dropout 0 (got {config.model.attention_dropout})")
+    _require(not (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss),
+             "--reset-position-ids, --reset-attention-mask and --eod-mask-loss act on EOD-separated pretraining "
+             "documents; --sft packs conversations with their own positions, attention and loss mask: drop them")
 
 
 def _validate_logging(config: Config) -> None:

@@ -36,8 +36,8 @@ def test_slice_batch_and_chunk_permutations():
     rank_order = torch.cat([slice_sequence(x, 1, 4, r) for r in range(4)], dim=1)
     assert torch.equal(to_sequence_order(rank_order, 1, 4), x)
     assert torch.equal(to_rank_order(x, 1, 4), rank_order)
-    with pytest.raises(ValueError, match="--reset-attention-mask"):
-        slice_batch({**batch, "document_ids": torch.zeros(2, 16, dtype=torch.int64)}, 2, 0)
+    documents = slice_batch({**batch, "document_ids": torch.arange(16).expand(2, 16) // 5}, 2, 1)
+    assert documents["document_ids"][0].tolist() == [0, 1, 1, 1, 1, 1, 2, 2]  # positions 4..11, like the tokens
     with pytest.raises(ValueError, match=r"--seq-length \(12\) must be divisible by 2 x --context-parallel-size \(4\)"):
         local_positions(12, 4, 0)
 

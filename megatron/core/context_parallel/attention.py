@@ -11,6 +11,7 @@ import torch
 
 from megatron.core.context_parallel.a2a import a2a_attention
 from megatron.core.context_parallel.all_gather import all_gather_attention
+from megatron.core.context_parallel.documents import document_masked_attention
 from megatron.core.context_parallel.kernels import flash_attn_package_usable, select_kernel
 from megatron.core.context_parallel.layout import check_divisible
 from megatron.core.context_parallel.ring import ring_attention
@@ -48,7 +49,8 @@ def check_context_parallel(*, cp_size: int, comm_type: str, num_local_heads: int
 
 
 class ContextParallelAttention(torch.nn.Module):
-    """Causal softmax(q k^T / sqrt(d)) v over the context-parallel sequence, for local heads.
+    """Causal softmax(q k^T / sqrt(d)) v over the context-parallel sequence, for local heads; with
+    an attention mask (packed documents), the masked attention of `documents`.
 
     q: [b, nq, s/C, d], k/v: [b, nkv, s/C, d] (this rank's two chunks) -> [b, nq, s/C, d]."""
 
@@ -67,9 +69,8 @@ class ContextParallelAttention(torch.nn.Module):
                                "uses SDPA's flash kernel")
 
     def forward(self, q, k, v, attention_mask=None):
-        if attention_mask is not None:
-            raise ValueError("context parallelism runs causal attention only; an explicit attention mask "
-                             "(--reset-attention-mask) needs --context-parallel-size 1")
+        if attention_mask is not None:  # packed documents: [b, 1, s/C, s] from context_parallel_document_mask
+            return document_masked_attention(q, k, v, attention_mask, self.cp_group)
         if self.comm_type == "a2a":
             return a2a_attention(q, k, v, self.cp_group)
         kernel = select_kernel(q.device, q.dtype, self.use_flash_attn_package)

@@ -42,14 +42,12 @@ def slice_sequence(tensor: torch.Tensor, dim: int, cp_size: int, cp_rank: int) -
 
 
 def slice_batch(batch: dict, cp_size: int, cp_rank: int) -> dict:
-    """A micro-batch of [b, s] tensors (tokens, labels, loss mask, position ids) cut to this rank's
-    chunks. Position ids keep their global values, so rotary and learned position embeddings see
-    the true positions. Attention masks are not sliced: context parallelism runs causal attention."""
+    """A micro-batch of [b, s] tensors (tokens, labels, loss mask, position ids, document ids) cut
+    to this rank's chunks. Position ids keep their values, so rotary and learned position
+    embeddings see the true positions; the model gathers the document ids of the whole sequence
+    for its mask (`documents.context_parallel_document_mask`)."""
     if cp_size == 1:
         return batch
-    if batch.get("document_ids") is not None:
-        raise ValueError("context parallelism runs causal attention only; batches with document boundaries "
-                         "(--reset-attention-mask) need --context-parallel-size 1")
     return {key: slice_sequence(value, 1, cp_size, cp_rank) for key, value in batch.items()}
 
 

@@ -81,3 +81,21 @@ class HuggingFaceTokenizer(MegatronTokenizer):
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode([int(i) for i in ids])
+
+    # Conversations (--sft): the tokenizer's own chat template, rendered as `transformers` renders it.
+    @property
+    def chat_template(self) -> Optional[str]:
+        return self.tokenizer.chat_template
+
+    @property
+    def pad(self) -> Optional[int]:
+        return self.tokenizer.pad_token_id
+
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
+        """The chat template's text for `messages` (and the assistant header when add_generation_prompt)."""
+        return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def encode_text(self, text: str) -> List[int]:
+        """Token ids of `text` with no special tokens added (a chat template writes its own)."""
+        return self.tokenizer(text, add_special_tokens=False).input_ids

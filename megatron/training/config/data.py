@@ -36,6 +36,17 @@ class DataConfig:
     """Stop attention across end-of-document tokens."""
     eod_mask_loss: bool = False
     """Do not compute the loss on end-of-document tokens."""
+    sft: bool = False
+    """Supervised fine-tuning: --data-path names JSONL files of conversations ("messages": role/content turns), the loss is on assistant tokens only and conversations are packed into --seq-length sequences, each attending only to itself (docs/finetuning.md)."""
+    sft_tokenizer_prompt_format: str = "chat-template"
+    """With --sft, how conversations become text: chat-template (or Megatron-LM's name default) renders the Hugging Face tokenizer's own chat_template, identity the turns' text one after the other. Megatron-LM's Nemotron and Gemma formats are not built."""
+    sft_skip_bad_lines: bool = False
+    """With --sft, skip JSONL lines that cannot be read (not JSON, no messages, an unknown role, empty content) and count them in the log, instead of stopping at the first with its file and line."""
+    sft_truncation: bool = flag_field(True, Flag(
+        "--sft-no-truncation", "store_false",
+        "With --sft, stop with the file and line of a conversation longer than --seq-length + 1 tokens instead "
+        "of truncating it."))
+    """With --sft, conversations longer than --seq-length + 1 tokens are truncated on the right (counted in the log); --sft-no-truncation makes one an error naming its file and line."""
     tokenizer_type: Optional[Literal["GPT2BPETokenizer", "SentencePieceTokenizer", "Llama2Tokenizer",
                                      "HuggingFaceTokenizer", "NullTokenizer"]] = None
     """Tokenizer: GPT2BPETokenizer, SentencePieceTokenizer, Llama2Tokenizer, HuggingFaceTokenizer, NullTokenizer."""

@@ -63,7 +63,6 @@ GROUPS = {
     "retro": error("Retro is not built here"),
     "experimental": error("hybrid/Mamba models, --spec and the precision-aware optimizer are not built here"),
     "kitchen": error("Kitchen quantization is not built here"),
-    "sft": error("supervised fine-tuning datasets are not built here"),
     "in-process restart": error("in-process restart is not built; restart with torchrun and --load (the Slurm "
                                 "script requeues and resumes)"),
     "autoresume": error("ADLR autoresume is not built; use --exit-signal-handler or --exit-duration-in-mins with "

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.context_parallel.documents import context_parallel_document_mask
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.tensor_parallel.cross_entropy import fused_vocab_parallel_cross_entropy, vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.layers import (
@@ -129,9 +130,13 @@ class GPTModel(torch.nn.Module):
         given on the last stage, logits [s, b, V/tp] on the last stage otherwise, else the hidden
         states [s, b, h] ([s/tp, b, h] with sequence parallelism) for the next stage.
 
-        `document_ids` [b, s] (packed documents, --reset-attention-mask): each token attends only
-        to earlier tokens of its own document; the mask is built once here for all layers."""
-        if document_ids is not None:
+        `document_ids` [b, s] (packed documents, --reset-attention-mask, --sft): each token attends
+        only to earlier tokens of its own document; the mask is built once here for all layers
+        (under context parallelism, [b, s/C] of this rank's chunks, and the mask spans the whole
+        sequence's keys)."""
+        if document_ids is not None and self.groups.cp_size > 1:  # this rank's chunks: ids gathered over CP
+            attention_mask = context_parallel_document_mask(document_ids, self.groups.cp)
+        elif document_ids is not None:
             attention_mask = document_attention_mask(document_ids)
         if self.fp8_scaling is not None:
             self.fp8_scaling.recording = self.training  # evaluation leaves the amax history alone
