@@ -34,7 +34,8 @@ class MoELayer(torch.nn.Module):
                              f"got {config.moe_token_dispatcher_type!r}")
         routing = dict(topk=config.moe_router_topk, num_experts=config.num_experts,
                        capacity=config.moe_expert_capacity_factor is not None,
-                       pad_to_capacity=bool(config.moe_pad_expert_input_to_capacity))
+                       pad_to_capacity=bool(config.moe_pad_expert_input_to_capacity),
+                       fused=execution.moe_permute_fusion)
         if config.moe_token_dispatcher_type == "alltoall":
             self.dispatcher = AllToAllDispatcher(num_local_experts=self.num_local_experts, ep_group=groups.ep,
                                                  etp_group=groups.etp, **routing)

@@ -28,6 +28,7 @@ Communication is only through `tensor_parallel.mappings` (paired autograd collec
 import torch
 
 from megatron.core.distributed import comm
+from megatron.core.utils import pick
 from megatron.core.tensor_parallel.mappings import (
     all_to_all,
     gather_from_sequence_parallel_region,
@@ -94,14 +95,25 @@ def unpermute(rows: torch.Tensor, token_index: torch.Tensor, num_tokens: int, pr
     return out.index_add(0, token_index, rows)
 
 
+def permute_rows(hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, *, topk: int,
+                 first_expert: int, num_experts: int, may_drop: bool):
+    """`sort_by_expert` then `gather_rows` in one function (the one --moe-permute-fusion compiles):
+    (rows [N, h], token index [N], row probabilities [N], tokens per expert, row_valid)."""
+    token_index, row_probs, tokens_per_expert, row_valid = sort_by_expert(
+        probs, routing_map, topk=topk, first_expert=first_expert, num_experts=num_experts, may_drop=may_drop)
+    return gather_rows(hidden, token_index, row_valid), token_index, row_probs, tokens_per_expert, row_valid
+
+
 class _LocalPermutation:
     """Dispatch within the ranks that hold every token (etp x ep of the all-gather dispatcher, or
     one rank): static shapes, no host synchronization."""
 
     def __init__(self, *, topk: int, first_expert: int, num_local_experts: int, may_drop: bool,
-                 pad_to_capacity: bool):
+                 pad_to_capacity: bool, fused: bool):
         self.topk, self.first_expert, self.num_local_experts = topk, first_expert, num_local_experts
         self.may_drop, self.pad_to_capacity = may_drop, pad_to_capacity
+        # --moe-permute-fusion: the compiled permutation and unpermutation (fewer kernels, same result).
+        self.permute_rows, self.unpermute = pick(permute_rows, fused), pick(unpermute, fused)
 
     def dispatch(self, hidden, probs, routing_map):
         """-> (rows [N, h] sorted by local expert, tokens per expert [E_local] (device tensor))."""
@@ -112,13 +124,13 @@ class _LocalPermutation:
                                                                          routing_map[:, local])
             self.row_valid = None
             return rows, per_expert
-        self.token_index, self.row_probs, per_expert, self.row_valid = sort_by_expert(
-            probs, routing_map, topk=self.topk, first_expert=self.first_expert,
+        rows, self.token_index, self.row_probs, per_expert, self.row_valid = self.permute_rows(
+            hidden, probs, routing_map, topk=self.topk, first_expert=self.first_expert,
             num_experts=self.num_local_experts, may_drop=self.may_drop)
-        return gather_rows(hidden, self.token_index, self.row_valid), per_expert
+        return rows, per_expert
 
     def combine(self, expert_output):
-        return unpermute(expert_output, self.token_index, self.num_tokens, self.row_probs, self.row_valid)
+        return self.unpermute(expert_output, self.token_index, self.num_tokens, self.row_probs, self.row_valid)
 
 
 class AllGatherDispatcher:
@@ -126,11 +138,11 @@ class AllGatherDispatcher:
     (each rank's rows are T x g x topk, those of other ranks' experts in the sentinel group)."""
 
     def __init__(self, *, num_local_experts: int, expert_offset: int, group, topk: int,
-                 num_experts: int, capacity: bool = False, pad_to_capacity: bool = False):
+                 num_experts: int, capacity: bool = False, pad_to_capacity: bool = False, fused: bool = False):
         self.group = group  # etp x ep
         self.local = _LocalPermutation(topk=topk, first_expert=expert_offset, num_local_experts=num_local_experts,
                                        may_drop=capacity or num_local_experts < num_experts,
-                                       pad_to_capacity=pad_to_capacity)
+                                       pad_to_capacity=pad_to_capacity, fused=fused)
 
     def dispatch(self, hidden, probs, routing_map):
         """hidden [T, h], probs and routing_map [T, E] -> (rows [N, h], tokens per expert [E_local])."""
@@ -150,13 +162,13 @@ class AllToAllDispatcher:
     micro-batch (one host synchronization, as Megatron-Core's)."""
 
     def __init__(self, *, num_local_experts: int, ep_group, etp_group, topk: int, num_experts: int,
-                 capacity: bool = False, pad_to_capacity: bool = False):
+                 capacity: bool = False, pad_to_capacity: bool = False, fused: bool = False):
         self.num_local_experts = num_local_experts
         self.ep_group, self.etp_group = ep_group, etp_group
         self.exchanges = comm.size(ep_group) > 1 or comm.size(etp_group) > 1
         # Before the exchange every rank sorts its tokens over all experts (no rank-local subset).
         self.local = _LocalPermutation(topk=topk, first_expert=0, num_local_experts=num_experts,
-                                       may_drop=capacity, pad_to_capacity=pad_to_capacity)
+                                       may_drop=capacity, pad_to_capacity=pad_to_capacity, fused=fused)
 
     def dispatch(self, hidden, probs, routing_map):
         if not self.exchanges:
@@ -191,6 +203,8 @@ class AllToAllDispatcher:
         returned = all_to_all(back, self.ep_group, self.send_splits, self.recv_splits)
         local = self.local
         sent = slice(0, self.num_sent)
+        # Eager even under --moe-permute-fusion: the row count changes every micro-batch here, and a
+        # compiled version would be recompiled for each.
         return unpermute(returned, local.token_index[sent], local.num_tokens, local.row_probs[sent])
 
     def _gather_etp(self, rows):
