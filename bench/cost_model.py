@@ -222,6 +222,11 @@ MOE_PRESETS = {
                                  vocab=32000, micro=1),
     "qwen3-30b-a3b-4layers": dict(h=2048, layers=4, heads=32, groups=4, kv=128, experts=128, topk=8, expert_f=768,
                                   vocab=151936, micro=1),
+    "deepseek-v3-4layers": dict(h=2048, layers=4, heads=16, groups=8, kv=128, experts=256, topk=8, expert_f=448,
+                                vocab=129280, micro=1, shared_f=448,
+                                routing=dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                                             moe_router_num_groups=8, moe_router_group_topk=4,
+                                             moe_shared_expert_intermediate_size=448)),
 }
 # Passes over the routed rows [tokens x topk, h] per MoE layer and micro-batch, forward and backward,
 # as megatron/core/transformer/moe/token_dispatcher.py (alltoall, EP1) and experts.py make them:
@@ -247,7 +252,7 @@ def moe_config(name: str):
         group_query_attention=True, kv_channels=p["kv"], ffn_hidden_size=p["expert_f"], padded_vocab_size=p["vocab"],
         swiglu=True, add_bias_linear=False, normalization="RMSNorm", position_embedding_type="rope",
         untie_embeddings_and_output_weights=True, max_position_embeddings=SEQ, num_experts=p["experts"],
-        moe_ffn_hidden_size=p["expert_f"], moe_router_topk=p["topk"], moe_grouped_gemm=True))
+        moe_ffn_hidden_size=p["expert_f"], moe_router_topk=p["topk"], moe_grouped_gemm=True, **p.get("routing", {})))
 
 
 def moe_parameters(name: str) -> int:
@@ -283,7 +288,8 @@ def moe_host_ops(name: str) -> int:
         ffn_hidden_size=16, padded_vocab_size=64, swiglu=True, add_bias_linear=False, normalization="RMSNorm",
         position_embedding_type="rope", max_position_embeddings=64, num_experts=p["experts"],
         moe_ffn_hidden_size=16, moe_router_topk=p["topk"], moe_token_dispatcher_type="alltoall",
-        untie_embeddings_and_output_weights=True, **p.get("routing", {})))
+        untie_embeddings_and_output_weights=True,
+        **{**p.get("routing", {}), **({"moe_shared_expert_intermediate_size": 16} if "shared_f" in p else {})}))
     model = GPTModel(narrow, single_process())
     model.initialize_parameters(1)
     tokens = torch.randint(0, 64, (1, 33), generator=torch.Generator().manual_seed(0))
@@ -297,7 +303,9 @@ def moe_layer_flops(p: dict) -> dict:
     attention linears, the router, each expert's GEMMs at its share of the routed rows, attention."""
     tokens, q, kv = p["micro"] * SEQ, p["heads"] * p["kv"], p["kv"] * p["groups"]
     per_expert = tokens * p["topk"] // p["experts"]
-    return {"linears": gemm_flops(tokens, p["h"], q + 2 * kv) + gemm_flops(tokens, q, p["h"]),
+    shared = p.get("shared_f", 0)  # the shared expert, every token
+    return {"linears": gemm_flops(tokens, p["h"], q + 2 * kv) + gemm_flops(tokens, q, p["h"])
+            + (gemm_flops(tokens, p["h"], 2 * shared) + gemm_flops(tokens, shared, p["h"]) if shared else 0),
             "router": gemm_flops(tokens, p["h"], p["experts"]),
             "experts": p["experts"] * (gemm_flops(per_expert, p["h"], 2 * p["expert_f"])
                                        + gemm_flops(per_expert, p["expert_f"], p["h"])),
