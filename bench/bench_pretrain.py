@@ -2,7 +2,7 @@
 
     python bench/bench_pretrain.py --preset llama3-8b-8layers          # bf16, seq 4096, 8 micro-batches
     python bench/bench_pretrain.py --preset llama3.2-1b
-    python bench/bench_pretrain.py --preset mixtral-8x7b-2layers       # MoE (also qwen3-30b-a3b-4layers, deepseek-v3-4layers)
+    python bench/bench_pretrain.py --preset mixtral-8x7b-2layers       # MoE (qwen3-30b-a3b-4layers, deepseek-v3-4layers)
     python bench/bench_pretrain.py --preset qwen3-30b-a3b-4layers --profile   # then one step under torch.profiler
     python bench/bench_pretrain.py --preset tiny --device cpu          # smoke run of this script on CPU (also tiny-moe)
     python bench/bench_pretrain.py --preset llama3.2-1b -- --recompute-granularity full ...  (extra flags)
@@ -70,9 +70,9 @@ PRESETS = {
                             "--moe-router-topk", "8", "--moe-router-num-groups", "8", "--moe-router-group-topk", "4",
                             "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
                             "--moe-router-topk-scaling-factor", "2.5", "--vocab-size", "129280",
-                            "--micro-batch-size", "1", "--rotary-base", "10000", "--untie-embeddings-and-output-weights",
-                            "--seq-length", "4096", "--bf16", *MOE, "--moe-router-load-balancing-type", "seq_aux_loss",
-                            "--moe-aux-loss-coeff", "1e-4"],
+                            "--micro-batch-size", "1", "--rotary-base", "10000",
+                            "--untie-embeddings-and-output-weights", "--seq-length", "4096", "--bf16", *MOE,
+                            "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-4"],
     "tiny": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--ffn-hidden-size", "128",
              "--vocab-size", "256", "--micro-batch-size", "2", "--seq-length", "64"],
 }

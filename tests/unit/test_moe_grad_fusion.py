@@ -9,9 +9,10 @@ added by the data-parallel hook). The looped fused backward makes no tensor of a
 shape (the unfused one makes one per weight and micro-batch: 2 + 2 + 4 + 4 bytes per weight element
 moved that the fused GEMM does not); the grouped one makes exactly one, the grouped GEMM's product
 that one add puts into main_grad (torch._grouped_mm has no accumulating form). Both leave
-`param.grad` None and tell the hook once per weight and backward. Under FP8 (tensorwise and delayed, the loop of per-expert `_scaled_mm`) the fused path
-writes a step's first weight gradient into fp32 `main_grad` with the GEMM itself and adds the
-others, and agrees with the unfused path within bf16's rounding.
+`param.grad` None and tell the hook once per weight and backward. Under FP8 (tensorwise and delayed,
+the loop of per-expert `_scaled_mm`) the fused path writes a step's first weight gradient into fp32
+`main_grad` with the GEMM itself and adds the others, and agrees with the unfused path within
+bf16's rounding.
 """
 import pytest
 import torch
