@@ -7,7 +7,11 @@ The mixture-of-experts presets (`MOE_PRESETS`: a few layers of Mixtral 8x7B and 
 are predicted the same way, their FLOPs per expert GEMM counted at the rows each expert gets with
 tokens spread evenly (--moe-router-force-load-balancing), the dispatch's passes over the routed rows
 added to the glue, and MFU from Megatron's FLOPs with the active parameters (top-k experts per token,
-megatron/training/logging.py).
+megatron/training/logging.py). Their host time is predicted too, from counted operators: the
+operators of one micro-batch's forward + backward, counted on the CPU on a narrow copy of the preset
+(the count depends on the layers, experts and top-k, not the width) times the host time of one
+operator measured on the H200 (`HOST_SECONDS_PER_OP`); a step is host-bound when that exceeds the
+GPU's time, which the MoE layer's old per-expert loop and host reads made Qwen3-MoE's.
 
 Nothing here runs on a GPU. Per optimizer step (8 micro-batches, seq 4096, the presets of
 bench/bench_pretrain.py) the step is cut into parts, each with the work it does and a time from the
@@ -28,6 +32,7 @@ residual add fused into the next norm and the clipping folded into the update; "
 version. Both are predictions.
 """
 import argparse
+import functools
 import json
 
 import torch
@@ -217,12 +222,21 @@ MOE_PRESETS = {
                                  vocab=32000, micro=1),
     "qwen3-30b-a3b-4layers": dict(h=2048, layers=4, heads=32, groups=4, kv=128, experts=128, topk=8, expert_f=768,
                                   vocab=151936, micro=1),
+    "deepseek-v3-4layers": dict(h=2048, layers=4, heads=16, groups=8, kv=128, experts=256, topk=8, expert_f=448,
+                                vocab=129280, micro=1, shared_f=448,
+                                routing=dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                                             moe_router_num_groups=8, moe_router_group_topk=4,
+                                             moe_shared_expert_intermediate_size=448)),
 }
 # Passes over the routed rows [tokens x topk, h] per MoE layer and micro-batch, forward and backward,
 # as megatron/core/transformer/moe/token_dispatcher.py (alltoall, EP1) and experts.py make them:
 # permute's gather, the sort into expert order, the probs product, the return to token order and
 # the combine's scatter-add, each a read and a write forward (10) and about 1.5x that backward (15).
 DISPATCH_PASSES = 25
+# The host's time per operator: the 2026-11-28 H200 run's Qwen3-MoE step (899 ms, host-bound, 4
+# micro-batches) over the operators the code of then made (its per-expert weight-gradient loop and
+# host reads: about 10,300 per micro-batch, counted as `moe_host_ops` counts), 22 us each.
+HOST_SECONDS_PER_OP = 22e-6
 # Bytes per parameter held across a step: bf16 weight 2, fp32 main_grad 4, fp32 master 4, Adam's two
 # moments 8; FP8 adds the cached weight casts (forward and transposed, 1 byte each).
 STATE_BYTES = {"bf16": 18, "fp8": 20}
@@ -238,7 +252,7 @@ def moe_config(name: str):
         group_query_attention=True, kv_channels=p["kv"], ffn_hidden_size=p["expert_f"], padded_vocab_size=p["vocab"],
         swiglu=True, add_bias_linear=False, normalization="RMSNorm", position_embedding_type="rope",
         untie_embeddings_and_output_weights=True, max_position_embeddings=SEQ, num_experts=p["experts"],
-        moe_ffn_hidden_size=p["expert_f"], moe_router_topk=p["topk"], moe_grouped_gemm=True))
+        moe_ffn_hidden_size=p["expert_f"], moe_router_topk=p["topk"], moe_grouped_gemm=True, **p.get("routing", {})))
 
 
 def moe_parameters(name: str) -> int:
@@ -250,12 +264,48 @@ def moe_parameters(name: str) -> int:
     return sum(param.numel() for param in model.parameters())
 
 
+@functools.lru_cache(maxsize=None)
+def moe_host_ops(name: str) -> int:
+    """Operators of one micro-batch's forward + backward of the preset's model (aten ops under a
+    dispatch mode, as tests/unit/test_moe_op_count.py counts a layer's), counted on the CPU at width
+    32 with the preset's layers, experts and top-k: the grouped experts' count does not depend on
+    the width or the expert count."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.parallel_state import single_process
+    from megatron.core.transformer.config import TransformerConfig, derive
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    p = MOE_PRESETS[name]
+    narrow = derive(TransformerConfig(
+        num_layers=p["layers"], hidden_size=32, num_attention_heads=4, num_query_groups=2, group_query_attention=True,
+        ffn_hidden_size=16, padded_vocab_size=64, swiglu=True, add_bias_linear=False, normalization="RMSNorm",
+        position_embedding_type="rope", max_position_embeddings=64, num_experts=p["experts"],
+        moe_ffn_hidden_size=16, moe_router_topk=p["topk"], moe_token_dispatcher_type="alltoall",
+        untie_embeddings_and_output_weights=True,
+        **{**p.get("routing", {}), **({"moe_shared_expert_intermediate_size": 16} if "shared_f" in p else {})}))
+    model = GPTModel(narrow, single_process())
+    model.initialize_parameters(1)
+    tokens = torch.randint(0, 64, (1, 33), generator=torch.Generator().manual_seed(0))
+    with Count():
+        model(tokens[:, :-1], torch.arange(32).unsqueeze(0), labels=tokens[:, 1:]).mean().backward()
+    return Count.ops
+
+
 def moe_layer_flops(p: dict) -> dict:
     """Forward and backward FLOPs of one MoE layer and micro-batch, counted on meta tensors: the
     attention linears, the router, each expert's GEMMs at its share of the routed rows, attention."""
     tokens, q, kv = p["micro"] * SEQ, p["heads"] * p["kv"], p["kv"] * p["groups"]
     per_expert = tokens * p["topk"] // p["experts"]
-    return {"linears": gemm_flops(tokens, p["h"], q + 2 * kv) + gemm_flops(tokens, q, p["h"]),
+    shared = p.get("shared_f", 0)  # the shared expert, every token
+    return {"linears": gemm_flops(tokens, p["h"], q + 2 * kv) + gemm_flops(tokens, q, p["h"])
+            + (gemm_flops(tokens, p["h"], 2 * shared) + gemm_flops(tokens, shared, p["h"]) if shared else 0),
             "router": gemm_flops(tokens, p["h"], p["experts"]),
             "experts": p["experts"] * (gemm_flops(per_expert, p["h"], 2 * p["expert_f"])
                                        + gemm_flops(per_expert, p["expert_f"], p["h"])),
@@ -277,9 +327,10 @@ def moe_step_parts(name: str, precision: str) -> dict:
     a, r, f = 2 * tokens * p["h"], 2 * tokens * (q + 2 * kv), 2 * rows * p["expert_f"]
     expert_weights = p["experts"] * 3 * p["h"] * p["expert_f"]
     glue_layer = (2 * a + 2 * r + 3 * a + 3 * f + 3 * a) + (3 * a + 2 * r + 5 * f + 2 * 3 * a)  # as glue_bytes
-    # The dispatch's passes over the routed rows. The experts' weight gradients accumulate into the
-    # fp32 main_grad inside their GEMMs (one per expert, fp32 output), as the dense linears' do.
-    glue_layer += DISPATCH_PASSES * 2 * rows * p["h"]
+    # The dispatch's passes over the routed rows. The experts' weight gradients (bf16): one grouped
+    # GEMM per weight writes an fp32 product [E, n, k] (4 bytes per element), added into main_grad
+    # (read 4, read and write main_grad 8); FP8's products are counted with its casts below.
+    glue_layer += DISPATCH_PASSES * 2 * rows * p["h"] + (16 * expert_weights if precision == "bf16" else 0)
     glue = m * layers * glue_layer
     loss = m * tokens * p["vocab"] * 6
     optimizer = moe_parameters(name) * 46
@@ -302,6 +353,11 @@ def moe_step_parts(name: str, precision: str) -> dict:
         casts = m * layers * (6 * (x + g) + 12 * (attention_weights + expert_weights))
         casts += layers * 6 * (expert_weights + attention_weights)
         parts["FP8 casts"] = (casts / HBM, f"{casts / 1e9:.0f} GB")
+    # The host runs ahead of the GPU (no read-back in the MoE layer at EP 1): only host time beyond
+    # the GPU's adds to the step.
+    ops = m * moe_host_ops(name)
+    host, gpu = ops * HOST_SECONDS_PER_OP, sum(t for t, _ in parts.values())
+    parts["host beyond the GPU"] = (max(0.0, host - gpu), f"{ops} ops, {host * 1e3:.0f} ms of CPU")
     return parts
 
 

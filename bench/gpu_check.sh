@@ -13,14 +13,17 @@
 # with a time limit so the whole run fits one 10-minute command (GPU_CHECK_BUDGET, default 570 s):
 #   1. pip install --no-build-isolation --no-deps -e .
 #   2. bench_pretrain.py, in the order of bench/gpu_plan.py: llama3-8b-8layers and llama3.2-1b in
-#      bf16, llama3-8b-8layers in FP8 (hybrid, delayed), the MoE presets mixtral-8x7b-2layers and
-#      qwen3-30b-a3b-4layers in bf16 and mixtral-8x7b-2layers in FP8 (hybrid, tensorwise),
-#      [--tunableop: bf16 with TunableOp,] then the --no-torch-compile, --no-gradient-accumulation-fusion
-#      and --no-cross-entropy-loss-fusion A/Bs on llama3-8b-8layers. Each run is limited to 1.5x its
-#      predicted duration (at least +30 s); a run that no longer fits is skipped and logged.
+#      bf16, llama3-8b-8layers in FP8 (hybrid, delayed), the MoE presets mixtral-8x7b-2layers,
+#      qwen3-30b-a3b-4layers and deepseek-v3-4layers in bf16 and mixtral-8x7b-2layers in FP8 (hybrid,
+#      tensorwise), each MoE run with one more step under torch.profiler (--profile: its top kernels
+#      and CPU/GPU time ratio go to the run's log and the report), [--tunableop: bf16 with TunableOp,]
+#      then the --no-torch-compile and --no-gradient-accumulation-fusion A/Bs on llama3-8b-8layers.
+#      Each run is limited to 1.5x its predicted duration (at least +30 s); a run that no longer fits
+#      is skipped and logged.
 #   3. pytest -m gpu (tests/gpu; a small built-in runner if pytest is not installed) with the time left
 #   4. bench/gpu_report.py writes the report: device, versions, the test lane's outcome and, per
-#      run, TFLOP/s/GPU, MFU, tokens/s/GPU, peak memory and the fast paths that ran.
+#      run, TFLOP/s/GPU, MFU, tokens/s/GPU, peak memory and the fast paths that ran; per MoE run the
+#      profiled step's top kernels and CPU-time / GPU-time ratio.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -82,9 +85,11 @@ for run in "${RUNS[@]}"; do
   fi
   micro=()
   if [ "$DRY_RUN" = 1 ]; then micro=(--micro-batches 2); fi
+  profile=()   # the MoE presets profile one more step: top kernels and CPU/GPU time, in the report
+  case "$preset" in mixtral-*|qwen3-*|deepseek-*|tiny-moe) profile=(--profile) ;; esac
   # shellcheck disable=SC2086
   env $env timeout "$limit" "$PYTHON" bench/bench_pretrain.py --preset "$preset" \
-      "${BENCH_ARGS[@]}" "${micro[@]}" --warmup "$warmup" --steps "$steps" --json "$WORK/run$index.json" \
+      "${BENCH_ARGS[@]}" "${micro[@]}" "${profile[@]}" --warmup "$warmup" --steps "$steps" --json "$WORK/run$index.json" \
       -- "${PRECISION[@]}" $flags > "$WORK/run$index.log" 2>&1
   status=$?
   log "bench $name $preset: exit status $status (limit ${limit}s, predicted ${estimate}s)"

@@ -4,14 +4,16 @@
     python bench/gpu_plan.py --lines [--tunableop] [--smoke]        # what gpu_check.sh reads (--smoke: tiny)
 
 Order: the benchmarks first (bf16 on both presets, FP8 delayed on llama3-8b-8layers, the MoE
-presets, a few Mixtral 8x7B and Qwen3-30B-A3B layers, in bf16 and Mixtral's in FP8 tensorwise, then
-with --tunableop the bf16 run with PyTorch TunableOp, then each optimization's off-switch as an A/B
-on llama3-8b-8layers), the GPU test lane last with what is left. A run's estimate = start-up (model,
+presets, a few Mixtral 8x7B, Qwen3-30B-A3B and DeepSeek-V3-routed layers, in bf16 and Mixtral's in FP8
+tensorwise, then with --tunableop the bf16 run with PyTorch TunableOp, then the compile and
+gradient-accumulation-fusion off-switches as A/Bs on llama3-8b-8layers), the GPU test lane last
+with what is left. A run's estimate = start-up (model,
 data, NCCL) + compilation (cold for the first run, warm from inductor's cache after it) + its steps
 at the step time bench/cost_model.py predicts; the MoE runs and the A/Bs take fewer steps (2
 warm-up, 4 timed) so that all of it fits one 10-minute command. Each run costs about 45 s before its
-first step, so the plan holds 9 runs: FP8 on llama3.2-1b and FP8 tensorwise on llama3-8b-8layers
-gave way to the MoE runs (run them by hand: docs/performance.md). The estimates are predictions:
+first step, so the plan holds 9 runs: FP8 on llama3.2-1b, FP8 tensorwise on llama3-8b-8layers and
+the --no-cross-entropy-loss-fusion A/B gave way to the MoE runs (run them by hand:
+docs/performance.md). The estimates are predictions:
 gpu_check.sh gives each run 1.5x its estimate (at least +30 s), and skips what no longer fits.
 `--smoke` (gpu_check.sh's CPU dry run) runs each entry on the tiny preset, the MoE ones on tiny-moe.
 """
@@ -23,6 +25,8 @@ FP8_DELAYED = "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1
 FP8_TENSORWISE = "--fp8-format hybrid --fp8-recipe tensorwise"
 BIG, SMALL = "llama3-8b-8layers", "llama3.2-1b"
 MIXTRAL, QWEN3_MOE = "mixtral-8x7b-2layers", "qwen3-30b-a3b-4layers"  # a few MoE layers each, EP1
+DEEPSEEK = "deepseek-v3-4layers"  # DeepSeek-V3's routing (256 experts, group-limited, sigmoid) at h 2048
+MOE_PRESETS = (MIXTRAL, QWEN3_MOE, DEEPSEEK)
 TUNABLEOP_ENV = "PYTORCH_TUNABLEOP_ENABLED=1 PYTORCH_TUNABLEOP_TUNING=1 PYTORCH_TUNABLEOP_MAX_TUNING_DURATION_MS=30"
 
 
@@ -31,11 +35,11 @@ def runs(tunableop: bool) -> list:
     protocol, ab = (3, 8), (2, 4)
     plan = [("bf16", BIG, "", *protocol, ""), ("bf16", SMALL, "", *protocol, ""),
             ("fp8-delayed", BIG, FP8_DELAYED, *protocol, ""),
-            ("bf16", MIXTRAL, "", *ab, ""), ("bf16", QWEN3_MOE, "", *ab, ""),
+            ("bf16", MIXTRAL, "", *ab, ""), ("bf16", QWEN3_MOE, "", *ab, ""), ("bf16", DEEPSEEK, "", *ab, ""),
             ("fp8-tensorwise", MIXTRAL, FP8_TENSORWISE, *ab, "")]
     if tunableop:
         plan.append(("bf16-tunableop", BIG, "", *protocol, TUNABLEOP_ENV))
-    for switch in ("--no-torch-compile", "--no-gradient-accumulation-fusion", "--no-cross-entropy-loss-fusion"):
+    for switch in ("--no-torch-compile", "--no-gradient-accumulation-fusion"):
         plan.append((f"bf16{switch.removeprefix('-')}", BIG, switch, *ab, ""))
     return plan
 
@@ -46,7 +50,7 @@ def estimates(plan: list) -> list:
     step = {(name, precision): prediction(name, precision, after=True)["step_seconds"]
             for name in (BIG, SMALL) for precision in ("bf16", "fp8")}
     step.update({(name, precision): moe_prediction(name, precision)["step_seconds"]
-                 for name in (MIXTRAL, QWEN3_MOE) for precision in ("bf16", "fp8")})
+                 for name in MOE_PRESETS for precision in ("bf16", "fp8")})
     seconds, compiled = [], set()
     for name, preset, flags, warmup, timed, env in plan:
         precision = "fp8" if "--fp8-format" in flags else "bf16"
@@ -69,7 +73,7 @@ def main() -> None:
     plan = runs(args.tunableop)
     if args.lines and args.smoke:
         for name, preset, flags, _, _, env in plan:
-            print(f"{name}|{'tiny-moe' if preset in (MIXTRAL, QWEN3_MOE) else 'tiny'}|{flags}|1|2|600|{env}")
+            print(f"{name}|{'tiny-moe' if preset in MOE_PRESETS else 'tiny'}|{flags}|1|2|600|{env}")
         return
     seconds = estimates(plan)
     if args.lines:

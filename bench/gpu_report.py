@@ -101,6 +101,21 @@ def _fast_paths(work: Path) -> list:
     return lines or ["(no run finished)"]
 
 
+def _profiles(work: Path) -> list:
+    """The profiled step of each run that has one (the MoE presets): its CPU/GPU time and top kernels."""
+    from bench_pretrain import profile_text
+
+    lines = []
+    runs = (work / "runs.txt").read_text().splitlines() if (work / "runs.txt").exists() else []
+    for index, line in enumerate(runs, start=1):
+        name, preset = line.split("|")[:2]
+        figures_file = work / f"run{index}.json"
+        profile = json.loads(figures_file.read_text()).get("profile") if figures_file.exists() else None
+        if profile:
+            lines += [f"### {name} {preset}", "", profile_text(profile), ""]
+    return lines or ["(no run was profiled)"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--work", required=True)
@@ -114,6 +129,7 @@ def main() -> None:
             "warm-up steps; MFU against 989 (BF16) and 1979 (FP8) TFLOP/s dense.", "",
             "## GPU test lane (`pytest -m gpu`)", "", *_lane(work), "", "## Benchmarks", "", *_runs(work), "",
             "## Fast paths (the start-up line of each run)", "", *_fast_paths(work), "",
+            "## Where the time goes (one more step of each MoE run under torch.profiler)", "", *_profiles(work),
             "## Steps", "", "```", *(work / "steps.log").read_text().splitlines(), "```", ""]
     Path(args.report).write_text("\n".join(text))
 

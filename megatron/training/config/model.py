@@ -42,5 +42,9 @@ class ModelConfig(TransformerConfig):
     """Layers at the start kept in bf16 with --first-last-layers-bf16."""
     num_layers_at_end_in_bf16: int = 1
     """Layers at the end kept in bf16 with --first-last-layers-bf16."""
+    moe_permute_fusion: bool = False
+    """Mixture of experts: permute the tokens (one sort, one gather) and unpermute them (one probability-weighted scatter-add) as torch.compile'd functions, fused into fewer kernels (Megatron-Core uses Transformer Engine's); eager PyTorch ops otherwise, with the same result."""
+    moe_router_fusion: bool = False
+    """Mixture of experts: the router's score function, top-k, normalization and auxiliary-loss scores as one torch.compile'd function (Megatron-Core uses Transformer Engine's fused kernels); eager PyTorch ops otherwise, with the same result."""
     moe_layer_recompute: bool = False
     """Recompute each mixture-of-experts block in backward instead of keeping its activations (how the model runs, not its architecture)."""

@@ -119,8 +119,6 @@ PREFIXES = {
 
 FLAGS = {
     # mixture of experts (the flags not listed here are built, or refused by the "moe" group entry)
-    "--moe-permute-fusion": note(_MOE_KERNEL),
-    "--moe-router-fusion": note(_MOE_KERNEL),
     "--moe-use-legacy-grouped-gemm": note(_MOE_KERNEL),
     "--moe-shared-expert-overlap": note(_MOE_OVERLAP),
     "--overlap-moe-expert-parallel-comm": note(_MOE_OVERLAP),

@@ -13,13 +13,17 @@ balanced (what --moe-router-force-load-balancing gives, and what the auxiliary l
 
 Saved for backward (counted tensor by tensor from megatron/core/transformer/moe/, checked against
 saved-tensor hooks in tests/distributed/test_planning_moe.py):
-- router: the top-k indices (int64) and their softmax (fp32), T x k each; the routing mask (bool)
-  and the probabilities, T x E each, which the dispatcher's permutation keeps (the allgather
-  dispatcher keeps them for all EP x ETP ranks' tokens); a load-balancing loss keeps its scores
+- router: the top-k indices (int64) and their softmax (fp32), T x k each; the probabilities, T x E,
+  and the slots' expert indices, T x k int64, which the dispatcher's permutation keeps (the
+  allgather dispatcher keeps them for all EP x ETP ranks' tokens; with
+  --moe-pad-expert-input-to-capacity the routing mask, T x E bool, instead of the slots); a load-balancing loss keeps its scores
   (fp32, T x E) and top-k; capacity keeps the kept rows' indices (int64, C x E); --moe-router-dtype
   keeps an fp32 copy of the input and of the router weight;
-- dispatcher: the permutation's row indices (nonzero's [rows, 2] int64); alltoall also the inverse
-  order (int64, N) and the returned rows [T k, h];
+- dispatcher: the permutation's row indices and order (int64, two per row); without an exchange
+  (the allgather dispatcher, or alltoall at EP x ETP 1) every slot is a row, N = permuted tokens x k
+  (at EP > 1 the slots of other ranks' experts too: static shapes); alltoall with an exchange also
+  the experts' order (int64, N) and, at ETP 1, the returned rows [T k, h] (the combine weights them;
+  measured: with ETP > 1 the experts' terms below already cover what the combine keeps);
 - experts: their input [N, h], fc1's output, the activation's output and (gated) the product
   [N, 4f or 2f], the probabilities [N], fc2's output and the weighted output [N, h] each (the
   experts' activation is never compiled);
@@ -76,16 +80,20 @@ def block_activation_terms(arch, lay) -> dict:
     sent, n = rows_sent(a, lay), rows_computed(a, lay)
     f = a.moe_ffn_hidden_size / lay.etp
     permuted = T * lay.ep * lay.etp if a.moe_dispatcher == "allgather" else T  # the tokens permute sees
-    router = (INT64 + FP32) * T * k + (1 + probs) * permuted * E
+    static = not a.moe_pad_to_capacity  # the sort of top-k slots; padding to capacity keeps nonzero's mask
+    exchanges = a.moe_dispatcher == "alltoall" and lay.ep * lay.etp > 1
+    if static and not exchanges:  # every gathered slot is a row, those of other ranks' experts too
+        n = permuted * k
+    router = (INT64 + FP32) * T * k + ((probs * E + INT64 * k) if static else (1 + probs) * E) * permuted
     if a.moe_router_fp32 and e != FP32:
         router += FP32 * (T + E) * h - (0 if a.moe_shared_expert_size else e * T * h)
     if a.moe_aux_loss:
         router += FP32 * T * E + INT64 * T * k
     if a.moe_capacity_factor is not None:
         router += INT64 * capacity(a, T) * E + (0 if a.moe_pad_to_capacity else T * E)
-    dispatch = 2 * INT64 * (n if a.moe_dispatcher == "allgather" else sent)
-    if a.moe_dispatcher == "alltoall":
-        dispatch += INT64 * n + e * sent * h
+    dispatch = 2 * INT64 * (sent if exchanges else n)
+    if exchanges:  # the experts' order, and (ETP 1) the returned rows the combine weights by the probabilities
+        dispatch += INT64 * n + (e * sent * h if lay.etp == 1 else 0)
     experts = e * n * (3 * h + (4 if a.gated_linear_unit else 2) * f + 1)
     terms = {"router": router, "dispatch": dispatch, "experts": experts}
     if a.moe_shared_expert_size:  # a dense MLP: over the TP group's gathered tokens with SP

@@ -182,7 +182,7 @@ class TransformerConfig:
     moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = arch_field("allgather", RUN, applies=_moe)
     """How tokens reach their experts' ranks: allgather or alltoall (flex needs DeepEP and is refused)."""
     moe_grouped_gemm: bool = arch_field(False, RUN, applies=_moe)
-    """Run the experts as grouped GEMMs (torch._grouped_mm on GPUs with bf16 and compute capability 9.0+; a loop of GEMMs elsewhere, the same arithmetic)."""
+    """Accepted: the experts run as grouped GEMMs (torch._grouped_mm) wherever PyTorch has them for the device and dtype (GPUs of compute capability 9.0+ in bf16; the CPU build in fp32 and bf16), with or without this flag; a loop of GEMMs elsewhere, the same arithmetic."""
     moe_expert_capacity_factor: Optional[float] = arch_field(None, RUN, applies=_moe)
     """Each expert takes at most ceil(tokens x topk / experts x factor) of a rank's tokens; the rest are dropped. Unset: no dropping."""
     moe_pad_expert_input_to_capacity: bool = arch_field(False, RUN, applies=_moe)

@@ -17,6 +17,8 @@ class ExecutionConfig:
     recompute_method: Optional[str] = None       # "uniform" or "block" (with full)
     recompute_num_layers: Optional[int] = None
     moe_layer_recompute: bool = False            # re-run each mixture-of-experts block in backward
+    moe_permute_fusion: bool = False             # torch.compile the MoE permute and unpermute (token_dispatcher)
+    moe_router_fusion: bool = False              # torch.compile the router's arithmetic (moe_utils.route)
     cp_comm_type: str = "p2p"                    # context parallelism: "p2p", "all_gather" or "a2a"
     gradient_accumulation_fusion: bool = True    # linears/embedding accumulate weight grads into main_grad
     cross_entropy_loss_fusion: bool = True       # chunked fused cross entropy (tensor_parallel.cross_entropy)

@@ -6,15 +6,18 @@ the model's activation (SwiGLU or GeLU):
     linear_fc1.weight [E_local, ffn/etp (x2 when gated: gate then up), h]
     linear_fc2.weight [E_local, h, ffn/etp]
 
-Tokens arrive sorted by expert (`tokens_per_expert` rows each). With --moe-grouped-gemm on a GPU
-that has `torch._grouped_mm` (bf16, compute capability 9.0+) the experts run as two grouped GEMMs;
-elsewhere as a loop of GEMMs over the experts, the same arithmetic. Either way each expert's
-weight gradient accumulates straight into the fp32 `main_grad` that data parallelism attaches, one
-GEMM per expert, as the dense linears' do (--gradient-accumulation-fusion): no stacked gradient in
-the weights' dtype is written, read back and added by the data-parallel hook. Under FP8
-(`attach_fp8`) the experts' GEMMs run in FP8, each expert with its own scaling state, on rows padded
-per expert to a multiple of 16 (moe/fp8_experts.py). Expert-tensor parallelism splits the expert
-hidden size as the dense MLP's TP does (fc2's partial sums are added by the dispatcher).
+Tokens arrive sorted by expert (`tokens_per_expert` rows each, a device tensor). Wherever PyTorch
+has `torch._grouped_mm` for the device and dtype (CUDA compute capability 9.0+ in bf16; the CPU build
+in fp32 and bf16) each weight's three GEMMs are one grouped GEMM each, forward, input gradient and
+weight gradient, with the offsets computed on the device: the work per layer does not grow with the
+expert count, and nothing is read back to the host. The weight gradient reaches the fp32 `main_grad`
+that data parallelism attaches in one add per weight (--gradient-accumulation-fusion), never a
+stacked gradient added by the data-parallel hook. Where `torch._grouped_mm` does not run (and under
+FP8) the experts loop over GEMMs with the row counts read back once, each expert's weight gradient
+accumulated into its `main_grad` slice. Under FP8 (`attach_fp8`) the experts' GEMMs run in FP8, each
+expert with its own scaling state, on rows padded per expert to a multiple of 16
+(moe/fp8_experts.py). Expert-tensor parallelism splits the expert hidden size as the dense MLP's TP
+does (fc2's partial sums are added by the dispatcher).
 
 Initialization is per global expert index (`initialize_expert_param`), so an expert starts from the
 same weights whatever the expert-parallel layout.
@@ -50,7 +53,6 @@ class GroupedMLP(torch.nn.Module):
         self.activation = _ACTIVATIONS[config.activation]
         self.num_local_experts = num_local_experts
         self.expert_offset = expert_offset  # global index of local expert 0
-        self.grouped_gemm = config.moe_grouped_gemm
         self.gradient_accumulation_fusion = execution.gradient_accumulation_fusion
         self.fp8 = None  # {"fc1": ExpertsFP8, "fc2": ExpertsFP8}, set by `attach_fp8`
         ffn, hidden = config.moe_ffn_hidden_size, config.hidden_size
@@ -93,36 +95,59 @@ class GroupedMLP(torch.nn.Module):
                     for name in ("fc1", "fc2")}
         return self.fp8["fc1"].linears + self.fp8["fc2"].linears
 
-    def forward(self, tokens: torch.Tensor, tokens_per_expert: list, probs: torch.Tensor) -> torch.Tensor:
-        """tokens [N, h] sorted by local expert, probs [N] -> probs-weighted expert outputs [N, h]
-        (partial sums over expert-tensor-parallel ranks)."""
-        counts = padded_counts(tokens_per_expert) if self.fp8 is not None else tokens_per_expert
-        if counts != list(tokens_per_expert):
-            # FP8: rows per expert padded to its alignment, the padding dropped again at the end.
-            rows = real_rows(tokens_per_expert, counts, tokens.device)
-            out = self._mlp(pad_rows(tokens, rows, sum(counts)), counts).index_select(0, rows)
+    def forward(self, tokens: torch.Tensor, tokens_per_expert, probs=None) -> torch.Tensor:
+        """tokens [N, h] sorted by local expert (`tokens_per_expert` [E_local] rows each, a device
+        tensor or a list; rows past their sum are the dispatcher's sentinel rows) -> expert outputs
+        [N, h] (partial sums over expert-tensor-parallel ranks), weighted by `probs` [N] if given
+        (the MoE layer's dispatcher weights them itself, in its combine)."""
+        if self.fp8 is None and self.uses_grouped_mm(tokens):
+            out = self._mlp(tokens, tokens_per_expert, grouped=True)
         else:
-            out = self._mlp(tokens, tokens_per_expert)
-        return out * probs.unsqueeze(-1).to(out.dtype)
+            out = self._host_counted(tokens, tokens_per_expert)
+        return out if probs is None else out * probs.unsqueeze(-1).to(out.dtype)
 
-    def _mlp(self, tokens: torch.Tensor, tokens_per_expert: list) -> torch.Tensor:
-        h = self._linear(tokens, "fc1", tokens_per_expert)
+    def uses_grouped_mm(self, tokens: torch.Tensor) -> bool:
+        """Whether the experts run as grouped GEMMs with offsets on the device (wherever PyTorch has
+        `torch._grouped_mm` for this device, dtype and these widths), whatever --moe-grouped-gemm
+        says: the loop is only the fallback, so the path the CPU tests run is the GPU's."""
+        return _grouped_mm_supported(tokens) and _grouped_mm_aligned(tokens, self.fc1_weight, self.fc2_weight)
+
+    def _host_counted(self, tokens: torch.Tensor, tokens_per_expert) -> torch.Tensor:
+        """The paths that need the row counts on the host (one read-back): the loop of GEMMs where
+        `torch._grouped_mm` does not run, and FP8 (rows padded per expert to its alignment). Sentinel
+        rows past the counted ones get zeros."""
+        counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
+        num_rows = sum(counts)
+        rows = tokens[:num_rows]
+        padded = padded_counts(counts) if self.fp8 is not None else counts
+        if padded != counts:
+            # FP8: rows per expert padded to its alignment, the padding dropped again at the end.
+            real = real_rows(counts, padded, tokens.device)
+            out = self._mlp(pad_rows(rows, real, sum(padded)), padded, grouped=False).index_select(0, real)
+        else:
+            out = self._mlp(rows, counts, grouped=False)
+        if num_rows == tokens.shape[0]:
+            return out
+        return torch.cat([out, out.new_zeros((tokens.shape[0] - num_rows, out.shape[-1]))])
+
+    def _mlp(self, tokens: torch.Tensor, tokens_per_expert, grouped: bool) -> torch.Tensor:
+        row_expert = None
         if self.fc1_bias is not None:
-            h = h + _per_token(self.fc1_bias, tokens_per_expert)
-        out = self._linear(self._activate(h), "fc2", tokens_per_expert)
+            row_expert = _row_experts(tokens_per_expert, tokens.shape[0], tokens.device)
+        h = self._linear(tokens, "fc1", tokens_per_expert, grouped)
+        if self.fc1_bias is not None:
+            h = h + _per_row(self.fc1_bias, row_expert)
+        out = self._linear(self._activate(h), "fc2", tokens_per_expert, grouped)
         if self.fc2_bias is not None and self.add_fc2_bias:
-            out = out + _per_token(self.fc2_bias, tokens_per_expert)
+            out = out + _per_row(self.fc2_bias, row_expert)
         return out
 
-    def _linear(self, x: torch.Tensor, name: str, tokens_per_expert: list) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, name: str, tokens_per_expert, grouped: bool) -> torch.Tensor:
         weight = self.fc1_weight if name == "fc1" else self.fc2_weight
         fuse_wgrad = fuses_grad_accumulation(weight, self.gradient_accumulation_fusion)
         if self.fp8 is not None:
             return self.fp8[name](x, weight, tokens_per_expert, fuse_wgrad)
-        grouped = self.grouped_gemm and _grouped_mm_supported(x)
-        if grouped and not fuse_wgrad:
-            return _grouped_linear(x, weight, tokens_per_expert)
-        return _ExpertsFunction.apply(x, weight, list(tokens_per_expert), grouped, fuse_wgrad)
+        return _ExpertsFunction.apply(x, weight, tokens_per_expert, grouped, fuse_wgrad)
 
     def _activate(self, h):
         if not self.gated:
@@ -132,46 +157,80 @@ class GroupedMLP(torch.nn.Module):
 
 
 class _ExpertsFunction(torch.autograd.Function):
-    """Per expert e, rows_e @ weight[e]^T: one grouped GEMM (`grouped`) or a loop of GEMMs.
-    Backward: the input gradient rows_grad_e @ weight[e] (grouped or looped likewise), and the
-    weight gradient rows_grad_e^T rows_e either accumulated into `weight.main_grad[e]` (`fuse_wgrad`:
-    one GEMM per expert into the fp32 buffer where the device has one with an fp32 output, as
-    Transformer Engine's grouped linear accumulates per GEMM; the data-parallel hook is then told
-    once) or returned stacked [E, n, k] (the loop only: unfused grouped GEMMs run under autograd).
+    """Per expert e, rows_e @ weight[e]^T: one grouped GEMM (`grouped`: `counts` a device tensor or a
+    list, the offsets computed on the device) or a loop of GEMMs (`counts` a list).
+
+    Backward, grouped: the input gradient is one grouped GEMM grad_e @ weight[e], and the weight
+    gradient one grouped GEMM grad^T x with the groups along the contracted (row) dimension, giving
+    all experts' [n, k] products at once ([E, n, k]; an expert without rows gets zeros). With
+    `fuse_wgrad` that product reaches the fp32 `weight.main_grad` in one add per weight and
+    micro-batch: `torch._grouped_mm` has no accumulating form, so its output is fp32 where the
+    device's kernel writes fp32 from the weights' dtype (no rounding of the product), else the
+    weights' dtype; one add of E x n x k elements costs far less than a GEMM per expert. Looped:
+    a GEMM per expert for each gradient, the weight's accumulated into `main_grad[e]` (`fuse_wgrad`)
+    or returned stacked. Either way data parallelism's hook is told once.
     """
 
     @staticmethod
     def forward(ctx, x, weight, counts, grouped, fuse_wgrad):
+        ctx.grouped, ctx.fuse_wgrad = grouped, fuse_wgrad
+        if grouped:
+            counts = torch.as_tensor(counts, device=x.device)
+            offsets = _offsets(counts)
+            ctx.save_for_backward(x, weight, offsets, counts)
+            return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
         ctx.save_for_backward(x, weight)
-        ctx.counts, ctx.grouped, ctx.fuse_wgrad = counts, grouped, fuse_wgrad
-        return _grouped_linear(x, weight, counts) if grouped else _looped_linear(x, weight, counts)
+        ctx.counts = counts
+        return _looped_linear(x, weight, counts)
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_input = None
-        if ctx.needs_input_grad[0] and ctx.grouped:
-            grad_input = torch._grouped_mm(grad, weight, offs=_offsets(ctx.counts, grad.device))
-        elif ctx.needs_input_grad[0]:
-            grad_input = _looped_linear(grad, weight.transpose(1, 2), ctx.counts)
-        if not ctx.needs_input_grad[1]:
-            return grad_input, None, None, None, None
-        pairs = list(zip(grad.split(ctx.counts), x.split(ctx.counts)))
-        if ctx.fuse_wgrad:
-            for index, (rows_grad, rows) in enumerate(pairs):
-                if rows.shape[0]:
-                    accumulate_matmul_(weight.main_grad[index], rows_grad.t(), rows)
-            weight.main_grad_empty = False
-            main_grad_ready(weight)
-            return grad_input, None, None, None, None
-        grad_weight = torch.empty_like(weight)
+        if ctx.grouped:
+            return _grouped_backward(ctx, grad)
+        return _looped_backward(ctx, grad)
+
+
+def _grouped_backward(ctx, grad):
+    x, weight, offsets, counts = ctx.saved_tensors
+    grad_input = torch._grouped_mm(grad, weight, offs=offsets) if ctx.needs_input_grad[0] else None
+    if not ctx.needs_input_grad[1]:
+        return grad_input, None, None, None, None
+    fused = ctx.fuse_wgrad
+    out_dtype = weight.main_grad.dtype if fused and _grouped_mm_writes(grad, weight.main_grad.dtype) else None
+    product = torch._grouped_mm(grad.t(), x, offs=offsets, out_dtype=out_dtype)    # [E, n, k]
+    # An expert without rows: zeros whatever the kernel leaves in its slot.
+    product.masked_fill_(counts.eq(0).view(-1, 1, 1), 0)
+    if not fused:
+        return grad_input, product, None, None, None
+    weight.main_grad.add_(product)
+    weight.main_grad_empty = False
+    main_grad_ready(weight)
+    return grad_input, None, None, None, None
+
+
+def _looped_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    grad_input = None
+    if ctx.needs_input_grad[0]:
+        grad_input = _looped_linear(grad, weight.transpose(1, 2), ctx.counts)
+    if not ctx.needs_input_grad[1]:
+        return grad_input, None, None, None, None
+    pairs = list(zip(grad.split(ctx.counts), x.split(ctx.counts)))
+    if ctx.fuse_wgrad:
         for index, (rows_grad, rows) in enumerate(pairs):
             if rows.shape[0]:
-                torch.mm(rows_grad.t(), rows, out=grad_weight[index])
-            else:
-                grad_weight[index].zero_()
-        return grad_input, grad_weight, None, None, None
+                accumulate_matmul_(weight.main_grad[index], rows_grad.t(), rows)
+        weight.main_grad_empty = False
+        main_grad_ready(weight)
+        return grad_input, None, None, None, None
+    grad_weight = torch.empty_like(weight)
+    for index, (rows_grad, rows) in enumerate(pairs):
+        if rows.shape[0]:
+            torch.mm(rows_grad.t(), rows, out=grad_weight[index])
+        else:
+            grad_weight[index].zero_()
+    return grad_input, grad_weight, None, None, None
 
 
 def _looped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list) -> torch.Tensor:
@@ -182,24 +241,63 @@ def _looped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: lis
     return torch.cat(pieces)
 
 
-def _offsets(tokens_per_expert: list, device) -> torch.Tensor:
-    """The end row of each expert's group, as `torch._grouped_mm` takes them."""
-    return torch.tensor(tokens_per_expert, device=device).cumsum(0).to(torch.int32)
+def _offsets(tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """The end row of each expert's group, as `torch._grouped_mm` takes them, computed on the device."""
+    return tokens_per_expert.cumsum(0).to(torch.int32)
 
 
-def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list) -> torch.Tensor:
-    return torch._grouped_mm(x, weight.transpose(1, 2), offs=_offsets(tokens_per_expert, x.device))
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert) -> torch.Tensor:
+    return _ExpertsFunction.apply(x, weight, tokens_per_expert, True, False)
 
 
 def _grouped_mm_supported(x: torch.Tensor) -> bool:
-    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+    """Where PyTorch has a `torch._grouped_mm` for x: CUDA devices of compute capability 9.0 or later
+    in bf16, and the CPU build (a reference kernel) in fp32 or bf16."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.is_cuda:
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
 
 
-def _per_token(bias: torch.Tensor, tokens_per_expert: list) -> torch.Tensor:
-    """[E_local, n] bias -> [N, n]: each token's expert's bias."""
-    counts = torch.tensor(tokens_per_expert, device=bias.device)
-    return bias.repeat_interleave(counts, dim=0)
+def _grouped_mm_aligned(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """The kernel takes operands whose row strides are multiples of 16 bytes: the widths of x and of
+    both weights' rows and columns."""
+    widths = [x.shape[-1]] + [size for weight in weights for size in weight.shape[1:]]
+    return all(width * x.element_size() % 16 == 0 for width in widths)
+
+
+_GROUPED_OUT_DTYPES = {}
+
+
+def _grouped_mm_writes(x: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether this device's `torch._grouped_mm` writes `out_dtype` from x's dtype (CUDA writes fp32
+    from bf16; the CPU build only its inputs' dtype). Tried once per device type and dtype pair."""
+    if x.dtype == out_dtype:
+        return True
+    key = (x.device.type, x.dtype, out_dtype)
+    if key not in _GROUPED_OUT_DTYPES:
+        a = torch.zeros(16, 8, dtype=x.dtype, device=x.device)
+        try:
+            torch.ops.aten._grouped_mm(a.t(), a, offs=torch.tensor([8, 16], dtype=torch.int32, device=x.device),
+                                       out_dtype=out_dtype)
+            _GROUPED_OUT_DTYPES[key] = True
+        except RuntimeError:
+            _GROUPED_OUT_DTYPES[key] = False
+    return _GROUPED_OUT_DTYPES[key]
+
+
+def _row_experts(tokens_per_expert, num_rows: int, device) -> torch.Tensor:
+    """The local expert of each row [N], computed on the device; sentinel rows past the counted ones
+    get E_local (the zero row `_per_row` appends)."""
+    counts = torch.as_tensor(tokens_per_expert, device=device)
+    ends = counts.cumsum(0)
+    return torch.searchsorted(ends, torch.arange(num_rows, device=device), right=True)
+
+
+def _per_row(bias: torch.Tensor, row_expert: torch.Tensor) -> torch.Tensor:
+    """[E_local, n] bias -> [N, n]: each row's expert's bias (zeros for sentinel rows)."""
+    return torch.cat([bias, bias.new_zeros((1, bias.shape[-1]))]).index_select(0, row_expert)
 
 
 def expert_param_names(global_name: str, param) -> list:

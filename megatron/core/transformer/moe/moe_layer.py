@@ -2,8 +2,8 @@
 
     x [s, b, h] -> router -> probs, routing_map [s*b, E]
                 -> dispatch (tokens to their experts' ranks, sorted by expert)
-                -> experts (each token's chosen experts, outputs weighted by probs)
-                -> combine (back to the tokens' ranks, summed over experts)  [s, b, h]
+                -> experts (each row through its expert: grouped GEMMs)
+                -> combine (back to the tokens' ranks, weighted by probs, summed over experts)  [s, b, h]
                 (+ shared experts, every token)
 
 With sequence parallelism x is this rank's sequence shard [s/tp, b, h] and so is the output; the
@@ -32,12 +32,16 @@ class MoELayer(torch.nn.Module):
         if config.moe_token_dispatcher_type not in DISPATCHER_TYPES:
             raise ValueError(f"--moe-token-dispatcher-type must be one of {DISPATCHER_TYPES}, "
                              f"got {config.moe_token_dispatcher_type!r}")
+        routing = dict(topk=config.moe_router_topk, num_experts=config.num_experts,
+                       capacity=config.moe_expert_capacity_factor is not None,
+                       pad_to_capacity=bool(config.moe_pad_expert_input_to_capacity),
+                       fused=execution.moe_permute_fusion)
         if config.moe_token_dispatcher_type == "alltoall":
             self.dispatcher = AllToAllDispatcher(num_local_experts=self.num_local_experts, ep_group=groups.ep,
-                                                 etp_group=groups.etp)
+                                                 etp_group=groups.etp, **routing)
         else:
             self.dispatcher = AllGatherDispatcher(num_local_experts=self.num_local_experts,
-                                                  expert_offset=expert_offset, group=groups.etp_ep)
+                                                  expert_offset=expert_offset, group=groups.etp_ep, **routing)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExpertMLP(config, execution=execution, tp_group=groups.tp, device=device, **tp)
@@ -45,10 +49,9 @@ class MoELayer(torch.nn.Module):
     def forward(self, x):
         shape = x.shape                                                   # [s, b, h]
         probs, routing_map = self.router(x)                               # [s*b, E] each
-        tokens, tokens_per_expert, token_probs = self.dispatcher.dispatch(x.reshape(-1, shape[-1]), probs,
-                                                                          routing_map)
-        expert_output = self.experts(tokens, tokens_per_expert, token_probs)  # [N, h]
-        out = self.dispatcher.combine(expert_output).view(shape)
+        tokens, tokens_per_expert = self.dispatcher.dispatch(x.reshape(-1, shape[-1]), probs, routing_map)
+        expert_output = self.experts(tokens, tokens_per_expert)          # [N, h], not yet weighted
+        out = self.dispatcher.combine(expert_output).view(shape)          # weighted by probs, summed
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

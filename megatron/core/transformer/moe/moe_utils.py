@@ -81,6 +81,21 @@ def scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str):
     return torch.zeros_like(logits, dtype=torch.bool).scatter(1, chosen, True), scores
 
 
+def route(logits: torch.Tensor, topk: int, *, score_function: str, pre_softmax: bool,
+          num_groups: Optional[int], group_topk: Optional[int], scaling_factor: Optional[float],
+          expert_bias: Optional[torch.Tensor], aux_scores: bool):
+    """The router's arithmetic on logits [T, E] in one function, which --moe-router-fusion compiles
+    (score function, top-k, normalization, and the scores of the load-balancing losses):
+    (probs, routing_map) of `topk_routing`, then with `aux_scores` the (routing_map, scores) of
+    `scores_for_aux_loss`, else (None, None)."""
+    probs, routing_map = topk_routing(logits, topk, score_function=score_function, pre_softmax=pre_softmax,
+                                      num_groups=num_groups, group_topk=group_topk,
+                                      scaling_factor=scaling_factor, expert_bias=expert_bias)
+    if not aux_scores:
+        return probs, routing_map, None, None
+    return (probs, routing_map) + scores_for_aux_loss(logits, topk, score_function)
+
+
 def switch_load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, total_num_tokens,
                                topk: int, num_experts: int, coeff: float) -> torch.Tensor:
     """Switch Transformer's loss E * sum_i f_i * P_i, with f_i the fraction of the `total_num_tokens`

@@ -19,6 +19,7 @@ from megatron.core.distributed import comm
 from megatron.core.tensor_parallel.layers import replicated_layout, set_layout
 from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.moe import moe_utils
+from megatron.core.utils import pick
 
 _ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
@@ -61,6 +62,7 @@ class TopKRouter(torch.nn.Module):
         self.tp_cp_group, self.tp_dp_cp_group = tp_cp_group, tp_dp_cp_group
         self.coeffs = aux_loss_coeffs(config)
         self.router_dtype = _ROUTER_DTYPES[config.moe_router_dtype]
+        self.route = pick(moe_utils.route, execution.moe_router_fusion)  # compiled under --moe-router-fusion
         self.weight = torch.nn.Parameter(torch.empty(config.num_experts, config.hidden_size,
                                                      dtype=execution.params_dtype, device=device))
         # Sequence-parallel ranks route different tokens: their gradients are partial sums.
@@ -97,16 +99,17 @@ class TopKRouter(torch.nn.Module):
         if training and self.config.moe_z_loss_coeff is not None:
             logits = self._attach_z_loss(logits)
         c = self.config
-        probs, routing_map = moe_utils.topk_routing(
+        losses = training and bool(self.coeffs)
+        probs, routing_map, aux_map, aux_scores = self.route(
             logits, self.topk, score_function=c.moe_router_score_function, pre_softmax=c.moe_router_pre_softmax,
             num_groups=c.moe_router_num_groups, group_topk=c.moe_router_group_topk,
-            scaling_factor=c.moe_router_topk_scaling_factor, expert_bias=self.expert_bias)
+            scaling_factor=c.moe_router_topk_scaling_factor, expert_bias=self.expert_bias, aux_scores=losses)
         if c.moe_expert_capacity_factor is not None:
             probs, routing_map = moe_utils.drop_tokens_over_capacity(
                 probs, routing_map, self.topk, c.moe_expert_capacity_factor, c.moe_token_drop_policy,
                 c.moe_pad_expert_input_to_capacity)
-        if training and self.coeffs:
-            probs = self._attach_load_balancing_losses(probs, logits, seq_length, batch)
+        if losses:
+            probs = self._attach_load_balancing_losses(probs, aux_map, aux_scores, seq_length, batch)
         if training and self.expert_bias is not None:
             self.local_tokens_per_expert += routing_map.sum(dim=0)
         return probs, routing_map
@@ -117,8 +120,8 @@ class TopKRouter(torch.nn.Module):
         self._track("z_loss", loss / coeff)
         return moe_utils.attach_aux_loss(logits, loss, self.aux_loss_scale)
 
-    def _attach_load_balancing_losses(self, probs, logits, seq_length: int, batch: int):
-        routing_map, scores = moe_utils.scores_for_aux_loss(logits, self.topk, self.config.moe_router_score_function)
+    def _attach_load_balancing_losses(self, probs, routing_map, scores, seq_length: int, batch: int):
+        """routing_map, scores [T, E]: the plain top-k and normalized scores the losses count."""
         num_experts, topk = self.config.num_experts, self.topk
         for kind, coeff in self.coeffs.items():
             group = self.tp_dp_cp_group if kind == "global_aux_loss" else self.tp_cp_group

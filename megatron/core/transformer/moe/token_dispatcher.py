@@ -1,21 +1,34 @@
 """Token dispatchers: bring each token to the ranks holding its experts, sorted by expert, and back.
 
     dispatch: hidden [T, h], probs [T, E], routing_map [T, E]
-              -> tokens [N, h] sorted by local expert, tokens_per_expert, probs [N]
-    combine:  expert outputs [N, h] (already weighted by probs) -> hidden [T, h], summed over experts
+              -> rows [N, h] sorted by local expert, tokens_per_expert [E_local] (a device tensor)
+    combine:  expert outputs [N, h] -> hidden [T, h]: each row weighted by its routing probability
+              and summed into its token (one scatter-add)
+
+The permutation has static shapes: each token has top-k slots, so N = T x topk rows (x the ranks
+whose tokens an all-gather brought); one stable sort of the slots' expert indices orders them by
+expert, then token, and one gather builds the rows. Slots that carry nothing for this rank's experts
+(tokens dropped by capacity; experts of other ranks under the all-gather dispatcher) sort into a
+sentinel group after the last expert, which the grouped GEMMs' offsets leave out. So neither the
+routing nor `tokens_per_expert` ever comes back to the host: at EP 1 and with the all-gather
+dispatcher the layer makes no host synchronization. Only --moe-pad-expert-input-to-capacity (rows
+per expert fixed, per token not) still counts its rows on the host.
 
 `allgather` (--moe-token-dispatcher-type allgather): the etp x ep ranks all-gather every token with
 its routing, each keeps the tokens routed to its own experts, and the outputs return by a
 reduce-scatter (which also adds the expert-tensor-parallel partial sums).
 `alltoall`: each rank sends each token only to the ranks holding its chosen experts (all-to-all
 over ep), then expert-tensor-parallel ranks all-gather what each of them received (each holds a part
-of every local expert); combine runs the same steps back, summing the etp partial sums.
+of every local expert); combine runs the same steps back, summing the etp partial sums. Its split
+sizes come back to the host once per layer and micro-batch (all of them in one read); the routing
+probabilities stay on the token's rank and weight the returned rows there.
 
 Communication is only through `tensor_parallel.mappings` (paired autograd collectives).
 """
 import torch
 
 from megatron.core.distributed import comm
+from megatron.core.utils import pick
 from megatron.core.tensor_parallel.mappings import (
     all_to_all,
     gather_from_sequence_parallel_region,
@@ -27,73 +40,172 @@ DISPATCHER_TYPES = ("allgather", "alltoall")
 
 def permute(hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
     """Rows of `hidden` [T, h] repeated once per chosen expert and sorted by expert (then token):
-    (tokens [N, h], probs [N], token index of each row [N], tokens per expert [E])."""
+    (tokens [N, h], probs [N], token index of each row [N], tokens per expert [E]). N is the number
+    of routed entries, read back from the device (`nonzero`): only routing maps of no fixed size per
+    token (--moe-pad-expert-input-to-capacity) take this path; `permute_static` serves the others."""
     expert_major = routing_map.t()                           # [E, T]
     token_index = expert_major.nonzero()[:, 1]               # expert-major order
     permuted_probs = probs.t().masked_select(expert_major)   # same order
     return hidden.index_select(0, token_index), permuted_probs, token_index, expert_major.sum(dim=1)
 
 
-def unpermute(rows: torch.Tensor, token_index: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The inverse of `permute` with the copies of a token summed: [N, h] -> [T, h]."""
+def sort_by_expert(probs: torch.Tensor, routing_map: torch.Tensor, *, topk: int, first_expert: int = 0,
+                   num_experts: int, may_drop: bool):
+    """The permutation of a routing in static shapes: each token has `topk` slots, N = T x topk rows.
+
+    Returns (token index of each row [N], its probability [N], tokens per expert [num_experts] on the
+    device, row_valid [N] or None). Rows are sorted by expert (experts first_expert ..
+    first_expert + num_experts - 1), then by token, with one sort. With `may_drop` (capacity, or
+    experts held by other ranks) a slot whose entry was dropped or whose expert is not among these
+    goes to a sentinel group after the last expert: those rows are at the end, past the last GEMM
+    offset, and `row_valid` marks them False."""
+    present, chosen = routing_map.to(torch.uint8).topk(topk, dim=1)   # [T, k] each token's slots
+    slot_probs = probs.gather(1, chosen)                               # [T, k]
+    local = chosen - first_expert
+    if may_drop:
+        valid = present.bool() & (local >= 0) & (local < num_experts)
+        local = local.masked_fill(~valid, num_experts)                 # the sentinel group sorts last
+    order = torch.argsort(local.reshape(-1), stable=True)              # [N]: by expert, then token
+    token_index = torch.div(order, topk, rounding_mode="floor")
+    row_probs = slot_probs.reshape(-1).index_select(0, order)
+    tokens_per_expert = routing_map[:, first_expert:first_expert + num_experts].sum(dim=0)
+    row_valid = local.reshape(-1).index_select(0, order) < num_experts if may_drop else None
+    return token_index, row_probs, tokens_per_expert, row_valid
+
+
+def gather_rows(hidden: torch.Tensor, token_index: torch.Tensor, row_valid=None) -> torch.Tensor:
+    """hidden [T, h] -> the permuted rows [N, h] (one gather). Sentinel rows are zeros, so that what
+    the experts leave in them (their GEMMs stop at the last offset) never reaches hidden's gradient."""
+    rows = hidden.index_select(0, token_index)
+    if row_valid is not None:
+        rows = torch.where(row_valid.unsqueeze(-1), rows, 0)
+    return rows
+
+
+def unpermute(rows: torch.Tensor, token_index: torch.Tensor, num_tokens: int, probs=None,
+              row_valid=None) -> torch.Tensor:
+    """The inverse of the permutation with the copies of a token summed: [N, h] -> [T, h], each row
+    weighted by its routing probability `probs` [N] on the way (one scatter-add). Sentinel rows
+    (`row_valid` False) add nothing."""
+    if row_valid is not None:
+        rows = torch.where(row_valid.unsqueeze(-1), rows, 0)
+    if probs is not None:
+        rows = rows * probs.unsqueeze(-1).to(rows.dtype)
     out = rows.new_zeros((num_tokens, rows.shape[-1]))
     return out.index_add(0, token_index, rows)
 
 
-class AllGatherDispatcher:
-    def __init__(self, *, num_local_experts: int, expert_offset: int, group):
-        self.num_local_experts = num_local_experts
-        self.expert_offset = expert_offset
-        self.group = group  # etp x ep
+def permute_rows(hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, *, topk: int,
+                 first_expert: int, num_experts: int, may_drop: bool):
+    """`sort_by_expert` then `gather_rows` in one function (the one --moe-permute-fusion compiles):
+    (rows [N, h], token index [N], row probabilities [N], tokens per expert, row_valid)."""
+    token_index, row_probs, tokens_per_expert, row_valid = sort_by_expert(
+        probs, routing_map, topk=topk, first_expert=first_expert, num_experts=num_experts, may_drop=may_drop)
+    return gather_rows(hidden, token_index, row_valid), token_index, row_probs, tokens_per_expert, row_valid
+
+
+class _LocalPermutation:
+    """Dispatch within the ranks that hold every token (etp x ep of the all-gather dispatcher, or
+    one rank): static shapes, no host synchronization."""
+
+    def __init__(self, *, topk: int, first_expert: int, num_local_experts: int, may_drop: bool,
+                 pad_to_capacity: bool, fused: bool):
+        self.topk, self.first_expert, self.num_local_experts = topk, first_expert, num_local_experts
+        self.may_drop, self.pad_to_capacity = may_drop, pad_to_capacity
+        # --moe-permute-fusion: the compiled permutation and unpermutation (fewer kernels, same result).
+        self.permute_rows, self.unpermute = pick(permute_rows, fused), pick(unpermute, fused)
 
     def dispatch(self, hidden, probs, routing_map):
+        """-> (rows [N, h] sorted by local expert, tokens per expert [E_local] (device tensor))."""
+        self.num_tokens = hidden.shape[0]
+        local = slice(self.first_expert, self.first_expert + self.num_local_experts)
+        if self.pad_to_capacity:
+            rows, self.row_probs, self.token_index, per_expert = permute(hidden, probs[:, local],
+                                                                         routing_map[:, local])
+            self.row_valid = None
+            return rows, per_expert
+        rows, self.token_index, self.row_probs, per_expert, self.row_valid = self.permute_rows(
+            hidden, probs, routing_map, topk=self.topk, first_expert=self.first_expert,
+            num_experts=self.num_local_experts, may_drop=self.may_drop)
+        return rows, per_expert
+
+    def combine(self, expert_output):
+        return self.unpermute(expert_output, self.token_index, self.num_tokens, self.row_probs, self.row_valid)
+
+
+class AllGatherDispatcher:
+    """All-gather over etp x ep, then the local permutation: no host synchronization at any EP size
+    (each rank's rows are T x g x topk, those of other ranks' experts in the sentinel group)."""
+
+    def __init__(self, *, num_local_experts: int, expert_offset: int, group, topk: int,
+                 num_experts: int, capacity: bool = False, pad_to_capacity: bool = False, fused: bool = False):
+        self.group = group  # etp x ep
+        self.local = _LocalPermutation(topk=topk, first_expert=expert_offset, num_local_experts=num_local_experts,
+                                       may_drop=capacity or num_local_experts < num_experts,
+                                       pad_to_capacity=pad_to_capacity, fused=fused)
+
+    def dispatch(self, hidden, probs, routing_map):
+        """hidden [T, h], probs and routing_map [T, E] -> (rows [N, h], tokens per expert [E_local])."""
         hidden = gather_from_sequence_parallel_region(hidden, self.group)     # [T*g, h]
         probs = gather_from_sequence_parallel_region(probs, self.group)       # [T*g, E]
         routing_map = _all_gather_rows(routing_map, self.group)
-        local = slice(self.expert_offset, self.expert_offset + self.num_local_experts)
-        tokens, tokens_probs, self.token_index, per_expert = permute(hidden, probs[:, local], routing_map[:, local])
-        self.num_tokens = hidden.shape[0]
-        return tokens, per_expert.tolist(), tokens_probs
+        return self.local.dispatch(hidden, probs, routing_map)
 
     def combine(self, expert_output):
-        out = unpermute(expert_output, self.token_index, self.num_tokens)
-        return reduce_scatter_to_sequence_parallel_region(out, self.group)   # [T, h]
+        """Expert outputs [N, h] (not yet weighted) -> [T, h], weighted by the routing probabilities."""
+        return reduce_scatter_to_sequence_parallel_region(self.local.combine(expert_output), self.group)
 
 
 class AllToAllDispatcher:
-    def __init__(self, *, num_local_experts: int, ep_group, etp_group):
+    """Tokens go only to the ranks of their chosen experts. At EP 1 (and ETP 1) this is the local
+    permutation; at EP > 1 the split sizes of the all-to-alls are read back once per layer and
+    micro-batch (one host synchronization, as Megatron-Core's)."""
+
+    def __init__(self, *, num_local_experts: int, ep_group, etp_group, topk: int, num_experts: int,
+                 capacity: bool = False, pad_to_capacity: bool = False, fused: bool = False):
         self.num_local_experts = num_local_experts
         self.ep_group, self.etp_group = ep_group, etp_group
+        self.exchanges = comm.size(ep_group) > 1 or comm.size(etp_group) > 1
+        # Before the exchange every rank sorts its tokens over all experts (no rank-local subset).
+        self.local = _LocalPermutation(topk=topk, first_expert=0, num_local_experts=num_experts,
+                                       may_drop=capacity, pad_to_capacity=pad_to_capacity, fused=fused)
 
     def dispatch(self, hidden, probs, routing_map):
-        ep = comm.size(self.ep_group)
-        tokens, tokens_probs, self.token_index, per_expert = permute(hidden, probs, routing_map)  # all E experts
-        self.num_tokens = hidden.shape[0]
+        if not self.exchanges:
+            return self.local.dispatch(hidden, probs, routing_map)
+        ep, etp = comm.size(self.ep_group), comm.size(self.etp_group)
+        tokens, per_expert = self.local.dispatch(hidden, probs, routing_map)   # all E experts
         # per_expert [E] -> how many rows go to each ep rank, and how many come back per (rank, expert).
         send_counts = per_expert.view(ep, self.num_local_experts)             # [ep, E_local]
         recv_counts = _exchange_counts(send_counts, self.ep_group)            # [ep, E_local]
-        self.send_splits = send_counts.sum(dim=1).tolist()
-        self.recv_splits = recv_counts.sum(dim=1).tolist()
-        received = all_to_all(tokens, self.ep_group, self.recv_splits, self.send_splits)
-        received_probs = all_to_all(tokens_probs.unsqueeze(-1), self.ep_group, self.recv_splits,
-                                    self.send_splits).squeeze(-1)
-        # Rows arrive grouped by source rank, then expert; the experts want them by expert, then rank.
         # With etp > 1 the etp ranks' received rows are all-gathered: [etp rank][ep rank][expert].
-        etp = comm.size(self.etp_group)
         all_counts = _all_gather_rows(recv_counts.reshape(1, -1), self.etp_group).view(etp * ep, -1)
-        self.etp_splits = all_counts.sum(dim=1).view(etp, ep).sum(dim=1).tolist()
+        # The one host synchronization: every split size at once.
+        host = torch.cat([send_counts.sum(dim=1), recv_counts.sum(dim=1),
+                          all_counts.sum(dim=1).view(etp, ep).sum(dim=1)]).tolist()
+        self.send_splits, self.recv_splits, self.etp_splits = host[:ep], host[ep:2 * ep], host[2 * ep:]
+        # Dropped slots (capacity) sort after the last expert: they are not sent.
+        self.num_sent = sum(self.send_splits)
+        received = all_to_all(tokens[:self.num_sent], self.ep_group, self.recv_splits, self.send_splits)
+        # Rows arrive grouped by source rank, then expert; the experts want them by expert, then rank.
         received = self._gather_etp(received)
-        received_probs = self._gather_etp(received_probs.unsqueeze(-1)).squeeze(-1)
-        self.to_expert_order = _chunk_order(all_counts.reshape(-1), self.num_local_experts, etp * ep)
-        received = received.index_select(0, self.to_expert_order)
-        received_probs = received_probs.index_select(0, self.to_expert_order)
-        return received, all_counts.sum(dim=0).tolist(), received_probs
+        self.to_expert_order = _chunk_order(all_counts.reshape(-1), self.num_local_experts, etp * ep,
+                                            sum(self.etp_splits))
+        return received.index_select(0, self.to_expert_order), all_counts.sum(dim=0)
 
     def combine(self, expert_output):
+        """Expert outputs [N, h] (not yet weighted) -> [T, h]: back to the tokens' ranks, then weighted
+        by the routing probabilities and summed over each token's experts."""
+        if not self.exchanges:
+            return self.local.combine(expert_output)
         back = torch.empty_like(expert_output).index_copy(0, self.to_expert_order, expert_output)
         back = self._reduce_scatter_etp(back)
         returned = all_to_all(back, self.ep_group, self.send_splits, self.recv_splits)
-        return unpermute(returned, self.token_index, self.num_tokens)
+        local = self.local
+        sent = slice(0, self.num_sent)
+        # Eager even under --moe-permute-fusion: the row count changes every micro-batch here, and a
+        # compiled version would be recompiled for each.
+        return unpermute(returned, local.token_index[sent], local.num_tokens, local.row_probs[sent])
 
     def _gather_etp(self, rows):
         """All-gather of uneven row counts over etp, as an all-to-all of copies (backward: the
@@ -113,13 +225,14 @@ class AllToAllDispatcher:
         return copies.view(etp, mine, *rows.shape[1:]).sum(dim=0)
 
 
-def _chunk_order(counts: torch.Tensor, inner: int, outer: int) -> torch.Tensor:
-    """Row indices that reorder chunks laid out [outer][inner] (sizes `counts`, flattened) into
-    [inner][outer] order."""
-    starts = torch.cumsum(counts, 0) - counts
-    pieces = [torch.arange(starts[o * inner + i], starts[o * inner + i] + counts[o * inner + i], device=counts.device)
-              for i in range(inner) for o in range(outer)]
-    return torch.cat(pieces) if pieces else counts.new_zeros((0,))
+def _chunk_order(counts: torch.Tensor, inner: int, outer: int, num_rows: int) -> torch.Tensor:
+    """Row indices that reorder chunks laid out [outer][inner] (sizes `counts` [outer*inner], on the
+    device; `num_rows` their sum, known on the host) into [inner][outer] order: one stable sort of
+    each row's destination chunk, no host synchronization."""
+    chunk = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts,
+                                    output_size=num_rows)                    # [rows] source chunk
+    destination = (chunk % inner) * outer + torch.div(chunk, inner, rounding_mode="floor")
+    return torch.argsort(destination, stable=True)
 
 
 def _all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
