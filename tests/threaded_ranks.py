@@ -3,7 +3,9 @@ PyTorch's threaded process group (the one its own distributed tests use): the co
 (each rank's all-to-all sends its rows to the other threads), so what a layout builds and exchanges
 is checked in a unit test, in seconds, without spawning processes.
 
-    results = run_ranks(world_size, fn, *args)   # fn(rank, *args) on every rank, results in rank order
+    results = run_ranks(world_size, fn, *args)   # fn(rank, world_size, *args) -> results in rank order
+
+as `tests/distributed/harness.run_distributed` takes them, so a test can move between the two.
 
 Each thread initializes the default process group as its own rank, so `initialize_model_parallel`
 and every group it makes work as under torchrun. Threads share the GIL: this is for small layers
@@ -30,7 +32,7 @@ def _threaded_backend():
 
 
 def run_ranks(world_size: int, fn, *args) -> list:
-    """fn(rank, *args) on ranks 0 .. world_size - 1, each in its own thread with the default process
+    """fn(rank, world_size, *args) on ranks 0 .. world_size - 1, each in its own thread with the default process
     group initialized as that rank. Returns their results in rank order; raises AssertionError with
     the traceback of every rank that raised, or naming the ranks still running at the timeout."""
     if dist.is_initialized():
@@ -43,7 +45,7 @@ def run_ranks(world_size: int, fn, *args) -> list:
         try:
             dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
             try:
-                results[rank] = fn(rank, *args)
+                results[rank] = fn(rank, world_size, *args)
             finally:
                 dist.destroy_process_group()
         except SystemExit:  # ended by the threaded group because another rank failed

@@ -78,8 +78,8 @@ def _tokens(world_size: int) -> torch.Tensor:
     return torch.randn(world_size * SEQ, BATCH, HIDDEN, generator=generator, dtype=torch.float64)
 
 
-def _layer_rank(rank, layout, config, reference):
-    world_size, tp, ep, etp = layout
+def _layer_rank(rank, world_size, layout, config, reference):
+    _, tp, ep, etp = layout
     groups = initialize_model_parallel(tp, 1, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     layer = MoELayer(config, execution=ExecutionConfig(params_dtype=torch.float64, sequence_parallel=tp > 1),
                      layer_number=0, groups=groups, device=CPU)
@@ -147,7 +147,7 @@ def _built_rank(rank, tp, ep, etp, distributed_optimizer):
     return groups, model, chunk
 
 
-def _reduce_groups_rank(rank, tp, ep, etp, distributed_optimizer):
+def _reduce_groups_rank(rank, world_size, tp, ep, etp, distributed_optimizer):
     groups, model, chunk = _built_rank(rank, tp, ep, etp, distributed_optimizer)
     reduced_over = {}
     for buffer in chunk.buffers:
@@ -177,7 +177,7 @@ def test_each_gradient_is_reduced_over_the_ranks_holding_the_same_copy(name):
             assert ranks == want, f"rank {rank}: {param_name}'s gradient reduced over ranks {ranks}, held by {want}"
 
 
-def _checkpoint_rank(rank, tp, ep, etp):
+def _checkpoint_rank(rank, world_size, tp, ep, etp):
     groups, model, chunk = _built_rank(rank, tp, ep, etp, False)
     state = ShardedState()
     ckpt_state.add_model(state, [chunk], groups)
