@@ -131,8 +131,10 @@ def test_moe_layer_at_each_layout_equals_one_process(layout_name, dispatcher):
     assert {expert for _, expert, _ in summed} == set(range(EXPERTS))
 
 
-# (world size, tp, ep, etp, distributed optimizer): layouts where the data-parallel group and the
-# expert-data-parallel group differ (ep > 1 always leaves fewer ranks holding one expert).
+# (world size, tp, ep, etp, distributed optimizer). At dp4 ep2 and tp2 dp2 ep2 etp2 fewer ranks hold
+# an expert than a dense slice, so expert gradients reduced over the dense group fail there; at tp2
+# dp4 ep2 etp1 the two groups have the same members (each expert on every other rank, as each dense
+# slice), and the check is that the tp2 layouts assign both right.
 GROUP_LAYOUTS = {"dp4 ep2": (4, 1, 2, 1, False), "dp4 ep2 distributed optimizer": (4, 1, 2, 1, True),
                  "tp2 dp2 ep2 etp2": (4, 2, 2, 2, False), "tp2 dp4 ep2 etp1": (8, 2, 2, 1, False)}
 
