@@ -1,10 +1,12 @@
 """Expert parallelism: parity with one process running the same global batch (gloo, fp32, no token
 dropping). A tiny MoE model (both layers mixtures of 4 experts, top-2, load-balancing and z losses
 on) trains 3 AdamW steps with clipping active; losses and gradient norms must equal the
-single-process run at rtol 1e-5, for EP2 and EP4 (both dispatchers), EP2 x TP2 with sequence
-parallelism (expert-tensor-parallel sizes 1 and 2), EP2 with the distributed optimizer, and EP2 with
---overlap-grad-reduce. The reference is gradient accumulation over all micro-batches; each parallel
-rank takes its data-parallel share of them.
+single-process run at rtol 1e-5, for EP2 and EP4 (both dispatchers), EP1 x ETP2 and EP2 x TP2 with
+sequence parallelism (expert-tensor-parallel sizes 1 and 2), EP2 with the distributed optimizer, and
+EP2 with --overlap-grad-reduce; then the options that change what is summed over ranks (biases,
+shared experts) crossed with the layouts where that sum happens (OPTIONS). The reference is
+gradient accumulation over all micro-batches; each parallel rank takes its data-parallel share of
+them. tests/unit/test_expert_layouts_in_threads.py checks one MoE layer at these layouts in seconds.
 """
 import contextlib
 import functools
@@ -95,12 +97,14 @@ def _parallel(tp: int, ep: int, etp=None, overrides: tuple = (), distributed_opt
 
 ALLGATHER = (("moe_token_dispatcher_type", "allgather"),)
 ALLTOALL = (("moe_token_dispatcher_type", "alltoall"),)
-SCENARIOS = {
+LAYOUTS = {
     2: {"ep2 alltoall": (1, 2, None, ALLTOALL, False, False),
         "ep2 allgather": (1, 2, None, ALLGATHER, False, False),
         "ep2 distributed optimizer": (1, 2, None, ALLTOALL, True, False),
         "ep2 overlap grad reduce": (1, 2, None, ALLTOALL, False, True),
-        "ep1 dp2": (1, 1, None, ALLTOALL, False, False)},
+        "ep1 dp2": (1, 1, None, ALLTOALL, False, False),
+        "ep1 tp2 sp etp2 alltoall": (2, 1, 2, ALLTOALL, False, False),
+        "ep1 tp2 sp etp2 allgather": (2, 1, 2, ALLGATHER, False, False)},
     4: {"ep4 alltoall": (1, 4, None, ALLTOALL, False, False),
         "ep4 allgather": (1, 4, None, ALLGATHER, False, False),
         "ep2 tp2 sp etp1 alltoall": (2, 2, 1, ALLTOALL, False, False),
@@ -108,6 +112,34 @@ SCENARIOS = {
         "ep2 tp2 sp etp2 allgather": (2, 2, 2, ALLGATHER, False, False),
         "ep2 tp2 sp etp1 distributed optimizer": (2, 2, 1, ALLGATHER, True, False)},
 }
+# Options that change what is summed over the ranks, each crossed with the layouts where that sum
+# happens: biases (fc2's bias is added on one expert-tensor-parallel rank only and its gradient summed
+# over them) with every etp2 layout; shared experts (a tensor-parallel MLP beside the routed ones,
+# independent of the expert layout) with the cheapest tp2 layouts, one per dispatcher. Token dropping
+# is left out: the capacity is per rank's tokens, so it depends on the layout by definition
+# (Megatron-Core's rule); tests/unit/test_moe_router.py checks it against Megatron-Core.
+OPTIONS = {
+    "biases": ((("add_bias_linear", True),), lambda world_size, tp, etp: etp == 2),
+    "shared experts": ((("moe_shared_expert_intermediate_size", 32),), lambda world_size, tp, etp: tp == 2
+                       and world_size == 2),
+}
+
+
+def _scenarios() -> dict:
+    """{world size: {name: (tp, ep, etp, overrides, distributed optimizer, overlap)}}: the layouts,
+    then each option of OPTIONS added to the layouts it applies to."""
+    scenarios = {}
+    for world_size, layouts in LAYOUTS.items():
+        scenarios[world_size] = dict(layouts)
+        for option, (overrides, applies) in OPTIONS.items():
+            for name, (tp, ep, etp, dispatcher, distributed_optimizer, overlap) in layouts.items():
+                if applies(world_size, tp, etp if etp is not None else tp) and not distributed_optimizer:
+                    scenarios[world_size][f"{name} {option}"] = (tp, ep, etp, dispatcher + overrides,
+                                                                 distributed_optimizer, overlap)
+    return scenarios
+
+
+SCENARIOS = _scenarios()
 
 
 def _run_scenarios(rank, world_size):
@@ -121,10 +153,10 @@ def _results(world_size: int) -> list:
 
 @pytest.mark.parametrize("world_size, name", [(w, n) for w, names in SCENARIOS.items() for n in names])
 def test_expert_parallel_matches_one_process(world_size, name):
-    tp = SCENARIOS[world_size][name][0]
+    tp, _, _, overrides, _, _ = SCENARIOS[world_size][name]
     dp = world_size // tp
     got = _results(world_size)[0][name]
-    want = reference(dp)
+    want = reference(dp, tuple(item for item in overrides if item[0] != "moe_token_dispatcher_type"))
     assert all(norm > CLIP for norm in want["norms"]), "clipping must be active in the test"
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=RTOL, atol=0)
     torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(want["norms"]), rtol=RTOL, atol=0)

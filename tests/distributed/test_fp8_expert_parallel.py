@@ -13,6 +13,8 @@ saw only a rank's own tokens, would differ by FP8's rounding (percents), far out
 With expert-tensor parallelism each expert's weights are split and each shard scales its own
 tensors, so the reference for EP2 x ETP2 (TP 2 with SP, 4 ranks) is EP1 x ETP2 (TP 2, 2 ranks, both
 data-parallel halves of the batch in one): each shard sees the same rows at either EP size.
+The ranks run as threads of this process over PyTorch's threaded process group (tests/threaded_ranks.py):
+the same collectives on one layer, without spawning and importing torch in 16 processes.
 """
 import functools
 
@@ -25,7 +27,7 @@ from megatron.core.transformer.config import ExecutionConfig, TransformerConfig,
 from megatron.core.transformer.fp8 import DelayedScaling, FP8Linear, FP8Options
 from megatron.core.transformer.moe.experts import initialize_expert_param
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from tests.distributed.harness import run_distributed
+from tests.threaded_ranks import run_ranks
 
 EXPERTS, HIDDEN, SEQ, BATCH, RTOL = 4, 32, 12, 2, 1e-5
 
@@ -81,7 +83,7 @@ def _ep2(rank, world_size, dispatcher):
 
 @functools.lru_cache(maxsize=None)
 def _results(dispatcher):
-    return run_distributed(2, _ep2, dispatcher, timeout=300)
+    return run_ranks(2, _ep2, dispatcher)
 
 
 def _etp2(rank, world_size, dispatcher, ep):
@@ -112,9 +114,9 @@ def test_fp8_experts_at_ep2_etp2_equal_ep1_etp2(dispatcher):
     """Expert-tensor parallelism splits each expert's weights, so each shard has its own weight scale;
     the rows an expert's shard sees, and so every other amax, are the same at any EP. EP 2 x ETP 2
     (TP 2, SP, 4 ranks) equals EP 1 x ETP 2 (TP 2, 2 ranks, the whole batch) at the same tolerance."""
-    want = {passes[0]["etp_rank"]: passes for passes in run_distributed(2, _etp2, dispatcher, 1, timeout=300)}
+    want = {passes[0]["etp_rank"]: passes for passes in run_ranks(2, _etp2, dispatcher, 1)}
     half = SEQ // 2
-    for rank, passes in enumerate(run_distributed(4, _etp2, dispatcher, 2, timeout=300)):
+    for rank, passes in enumerate(run_ranks(4, _etp2, dispatcher, 2)):
         for got, reference in zip(passes, want[passes[0]["etp_rank"]]):
             assert got["tp_rank"] == reference["tp_rank"]  # the same sequence half and expert shard
             batch = slice(got["dp_rank"] * BATCH, (got["dp_rank"] + 1) * BATCH)

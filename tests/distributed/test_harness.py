@@ -5,6 +5,7 @@ import torch
 from megatron.core.distributed import comm
 from megatron.core.parallel_state import initialize_model_parallel
 from tests.distributed.harness import run_distributed
+from tests.threaded_ranks import run_ranks
 
 
 def _layout(rank, world_size, tp, pp):
@@ -16,7 +17,9 @@ def _layout(rank, world_size, tp, pp):
 
 
 def test_rank_order_is_tp_cp_dp_pp():
-    results = run_distributed(8, _layout, 2, 2)
+    # Bookkeeping and one all-reduce: eight ranks as threads of this process (tests/threaded_ranks.py)
+    # rather than eight spawned processes, each importing torch.
+    results = run_ranks(8, _layout, 2, 2)
     for rank, r in enumerate(results):
         assert r["tp_rank"] == rank % 2
         assert r["dp_rank"] == (rank // 2) % 2

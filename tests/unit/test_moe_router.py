@@ -34,8 +34,12 @@ ROUTER_OPTIONS = [
     dict(score_function="softmax", pre_softmax=True, topk=3, num_groups=None, group_topk=None, scaling_factor=1.5,
          coeffs={"aux_loss": 0.02, "seq_aux_loss": 0.05}, z_loss_coeff=0.01),
 ]
-DROP_OPTIONS = [dict(drop_policy=policy, pad_to_capacity=pad, capacity_factor=factor)
-                for policy in ("probs", "position") for pad in (False, True) for factor in (0.5, 1.0, 4.0)]
+# Every drop policy x padding x capacity factor, at two token counts: with 24 tokens (48 routed
+# rows over 8 experts) the capacities are whole numbers, with 10 tokens (20 rows) they are fractional
+# (1.25, 2.5, 10), so rounding the capacity down instead of up changes which tokens are kept.
+DROP_OPTIONS = [dict(drop_policy=policy, pad_to_capacity=pad, capacity_factor=factor, tokens=tokens)
+                for tokens in (TOKENS, 10) for policy in ("probs", "position") for pad in (False, True)
+                for factor in (0.5, 1.0, 4.0)]
 
 
 def moe_config(**overrides) -> TransformerConfig:
@@ -53,9 +57,10 @@ def _cases(generator):
             case["expert_bias"] = torch.randn(EXPERTS, generator=generator) * 0.1
         cases.append(case)
     for options in DROP_OPTIONS:
-        logits = torch.randn(TOKENS, EXPERTS, generator=generator)
+        logits = torch.randn(options["tokens"], EXPERTS, generator=generator)
         probs, routing_map = moe_utils.topk_routing(logits, 2)
-        cases.append(dict(kind="dropping", probs=probs, routing_map=routing_map, topk=2, **options))
+        cases.append(dict(kind="dropping", probs=probs, routing_map=routing_map, topk=2,
+                          **{k: v for k, v in options.items() if k != "tokens"}))
     for options in ROUTER_OPTIONS:
         cases.append(dict(kind="router", weight=torch.randn(EXPERTS, 16, generator=generator) * 0.5,
                           x=torch.randn(6, 4, 16, generator=generator),
