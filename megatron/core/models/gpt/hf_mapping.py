@@ -72,25 +72,33 @@ def hf_config_to_transformer_config(hf_config, *, make_vocab_size_divisible_by: 
 
 def architecture_for_hf(config: TransformerConfig) -> str:
     """The name of the first registered family that computes exactly this model (up to the weight
-    transforms in the module docstring). Raises ValueError naming the first setting the family
-    cannot express."""
+    transforms in the module docstring). Raises ValueError naming the first setting the first
+    family with the model's layer choices cannot express."""
     config = derive(config)
     registered = families.registry()
-    family = next((family for family in registered if _implied(config, family)), None)
-    if family is None:
+    candidates = [family for family in registered if _implied(config, family)]
+    if not candidates:
         raise ValueError("this model has no Hugging Face equivalent here: its --normalization, "
                          "--position-embedding-type, --swiglu and other layer choices match none of the families "
                          f"{tuple(f.name for f in registered)} (docs/models.md lists what each implies)")
+    refusals = [_unexpressed(config, family) for family in candidates]
+    for family, refusal in zip(candidates, refusals):
+        if refusal is None:
+            return family.name
+    raise ValueError(refusals[0])
+
+
+def _unexpressed(config: TransformerConfig, family: Family) -> Optional[str]:
+    """The error naming the first setting of a derived config `family` cannot express, or None."""
     entries = _to_entries(config, family, vocab_size=config.padded_vocab_size)
     back = _from_entries(lambda key: _lookup(entries, key), family, config.make_vocab_size_divisible_by,
                          config.padded_vocab_size, 1)
     for spec in _FIELDS:
-        value = getattr(config, spec.name)
         if (role_of(spec, config) != RUN and _key(spec, family) is not IN_WEIGHTS
                 and compared_value(spec, back) != compared_value(spec, config)):
-            raise ValueError(f"{setting(spec, value)} {family.context}has no Hugging Face {family.title} "
-                             f"equivalent{family.note}")
-    return family.name
+            return (f"{setting(spec, getattr(config, spec.name))} {family.context}has no Hugging Face "
+                    f"{family.title} equivalent{family.note}")
+    return None
 
 
 def hf_config_from_transformer_config(config: TransformerConfig, vocab_size: int):
