@@ -1,5 +1,5 @@
 """Mapping between Hugging Face `transformers` checkpoints and GPTModel, for any family of
-`models.gpt.families` (Llama, Qwen3, GPT-2, Mixtral, Qwen3-MoE, Qwen2-MoE, Falcon ...).
+`models.gpt.families` (Llama, Qwen3, GPT-2, Mixtral, Qwen3-MoE, Qwen2-MoE, Falcon).
 
 The meeting point is the *logical* state: {global parameter name: {part name: full tensor}}, the
 unsharded tensors a `TPLayout` cuts each rank's parameter from (see tensor_parallel.layers). So:
@@ -14,7 +14,8 @@ TransformerConfig's fields reads them) and its weight entries (a loop over them 
 Differences the mapping absorbs, whatever the family:
 - HF keeps q/k/v and gate/up as separate tensors or fuses them otherwise; GPTModel fuses them, and
   the fused parameters' layouts carry the parts by name ("q", "k", "v", "gate", "up").
-- GPT-2 uses `Conv1D`, whose weight is [in, out]: the transpose of `nn.Linear`.
+- GPT-2 uses `Conv1D`, whose weight is [in, out]: the transpose of `nn.Linear`. Falcon's fused
+  query/key/value goes group by group (a group's query heads, its key, its value): reordered.
 - The vocabulary is padded to a multiple of `make_vocab_size_divisible_by * tp_size` (as Megatron
   does); padded rows are zeros going in and dropped coming out.
 - HF checkpoints are in the rotate-half rotary convention. A model trained with
@@ -123,6 +124,7 @@ def _implied(config: TransformerConfig, family: Family) -> bool:
 def _from_entries(read, family: Family, make_vocab_size_divisible_by: int, vocab_size: int,
                   tp_size: int) -> TransformerConfig:
     """The derived config of a family's entries, `read(key)` giving each (None when absent)."""
+    read = family.reader(read)
     values = dict(family.implies, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     for spec in _FIELDS:
         key = _key(spec, family)
@@ -151,7 +153,7 @@ def _to_entries(config: TransformerConfig, family: Family, vocab_size: int) -> d
     if family.layer_pattern:
         pattern = moe_layer_pattern(config.moe_layer_freq, config.num_layers)
         entries.update(decoder_sparse_step=1, mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe])
-    return entries
+    return family.writer(entries)
 
 
 def _lookup(entries: dict, key: str):
@@ -248,7 +250,21 @@ def _rotary_permutation(config: TransformerConfig, heads: int) -> torch.Tensor:
     return (torch.arange(heads).unsqueeze(1) * d + within).reshape(-1)
 
 
+def _grouped_qkv_order(config: TransformerConfig, groups: int) -> torch.Tensor:
+    """For each row of a [q; k; v] projection (q: heads x d rows, then k and v: groups x d each),
+    its row in the group-by-group layout: group g holds its heads/groups query heads, then its key,
+    then its value head (d = kv_channels)."""
+    d, per_group = config.kv_channels, config.num_attention_heads // groups
+    heads = torch.arange(config.num_attention_heads)
+    slots = torch.cat((heads // per_group * (per_group + 2) + heads % per_group,  # query head h
+                       torch.arange(groups) * (per_group + 2) + per_group,  # key of group g
+                       torch.arange(groups) * (per_group + 2) + per_group + 1))  # value of group g
+    return (slots.unsqueeze(1) * d + torch.arange(d)).reshape(-1)
+
+
 def _to_hf(tensor: torch.Tensor, entry: Entry, config: TransformerConfig) -> torch.Tensor:
+    if entry.qkv_groups:
+        tensor = tensor[torch.argsort(_grouped_qkv_order(config, entry.qkv_groups))]
     if entry.norm and config.apply_layernorm_1p:
         tensor = tensor + 1.0
     if entry.rotary_heads and config.rotary_interleaved:
@@ -257,6 +273,8 @@ def _to_hf(tensor: torch.Tensor, entry: Entry, config: TransformerConfig) -> tor
 
 
 def _to_ours(tensor: torch.Tensor, entry: Entry, config: TransformerConfig) -> torch.Tensor:
+    if entry.qkv_groups:
+        tensor = tensor[_grouped_qkv_order(config, entry.qkv_groups)]
     if entry.norm and config.apply_layernorm_1p:
         tensor = tensor - 1.0
     if entry.rotary_heads and config.rotary_interleaved:

@@ -88,6 +88,11 @@ class TransformerConfig:
     """Normalize each query and key head (over its channels, with --normalization) before the rotary embedding."""
     swiglu: bool = arch_field(False)
     """Use a SwiGLU MLP (Llama) instead of GeLU."""
+    parallel_attn: bool = arch_field(False, flag=Flag("--parallel_attn", aliases=("--parallel-attn",)))
+    """Attention and MLP side by side on the same input, both added to the residual: x + attention(norm(x)) + mlp(norm(x)) (Falcon; Megatron-LLM's flag)."""
+    parallel_layernorm: bool = arch_field(False, flag=Flag("--parallel_layernorm", aliases=("--parallel-layernorm",)),
+                                          applies=lambda config: config.parallel_attn)
+    """With --parallel_attn: the MLP reads a norm of its own, x + attention(norm1(x)) + mlp(norm2(x)) (Falcon-40B's new decoder architecture); without, one norm feeds both (Falcon-7B)."""
     openai_gelu: bool = arch_field(False, NUMERICS, applies=lambda config: not config.swiglu)
     """Use the tanh approximation of GeLU (GPT-2)."""
     untie_embeddings_and_output_weights: bool = arch_field(False)

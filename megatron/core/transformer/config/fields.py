@@ -33,11 +33,13 @@ FROM_NAME = "from name"
 @dataclass(frozen=True)
 class Flag:
     """An irregular flag: its spelling, an argparse action (None: the field's typed handling under
-    this name), and --help text (None: the field's docstring)."""
+    this name), --help text (None: the field's docstring), and other spellings it accepts
+    (`aliases`: another project's, such as Megatron-LLM's `--parallel_attn` in Megatron-LM's dashes)."""
 
     name: str
     action: Any = None
     help: Optional[str] = None
+    aliases: tuple = ()
 
 
 @dataclass(frozen=True)

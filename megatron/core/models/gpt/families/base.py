@@ -26,7 +26,9 @@ class Entry:
     `vocab`: rows are vocabulary entries (padded in the logical state). `norm`: a norm's scale
     (shifted by one for zero-centered norms). `rotary_heads`: query/key rows of this many heads,
     permuted for an interleaved-RoPE model. `expert`: this tensor is expert `expert` of a stacked
-    logical tensor.
+    logical tensor. `qkv_groups`: a fused query/key/value projection whose rows go group by group
+    (each key/value group's query heads, then its key head, then its value head: Falcon), of this
+    many groups; its rows are put in [q; k; v] order before the split into parts.
     """
 
     hf_name: str
@@ -38,6 +40,7 @@ class Entry:
     norm: bool = False
     rotary_heads: int = 0
     expert: Optional[int] = None
+    qkv_groups: int = 0
 
 
 def _no_extra_tensors(key: str, config) -> bool:
@@ -46,6 +49,10 @@ def _no_extra_tensors(key: str, config) -> bool:
 
 def _same_key(key: str) -> str:
     return key
+
+
+def _same_entries(entries):
+    return entries
 
 
 @dataclass(frozen=True)
@@ -63,7 +70,10 @@ class Family:
     `copies`: entries written on export from a field ({key: field}). `layer_pattern`: the family
     keeps --moe-layer-freq as `mlp_only_layers` and `decoder_sparse_step` (Qwen-MoE).
     `weights(config)`: the weight-name map, a list of `Entry`. `ignored(key, config)`: state-dict
-    keys holding no weights of their own (buffers); `normalize_key`: a key's canonical spelling."""
+    keys holding no weights of their own (buffers); `normalize_key`: a key's canonical spelling.
+    `reader(read)`: given `read(key)` of the HF config's entries, the `read` the keys use (a family
+    whose config spells one setting several ways puts it in one form: Falcon's attention layouts);
+    `writer(entries)`: the exported entries from those the keys wrote (its inverse)."""
 
     name: str
     title: str
@@ -81,6 +91,8 @@ class Family:
     note: str = ""  # appended to the error naming a setting it cannot express
     ignored: Callable = _no_extra_tensors
     normalize_key: Callable = _same_key
+    reader: Callable = _same_entries
+    writer: Callable = _same_entries
 
     def key(self, spec: dataclasses.Field) -> Optional[HFKey]:
         """The HF key of a TransformerConfig field in this family, or None."""
