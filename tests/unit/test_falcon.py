@@ -1,8 +1,15 @@
 """Falcon: attention and MLP in parallel (--parallel_attn), from one norm (Falcon-7B, multi-query)
 or two (Falcon-40B's new decoder architecture, --parallel_layernorm, grouped-query), against
 `transformers`' FalconForCausalLM on tiny models built here (fp32, random weights): equal logits,
-the round trip gives the files back, 5 training steps track transformers + torch AdamW; and the
-flags under Megatron-LLM's names."""
+the round trip gives the files back (also through tools/checkpoint/convert.py, and
+tools/verify_correctness.py agrees), 5 training steps track transformers + torch AdamW; the flags
+under Megatron-LLM's names, and examples/falcon/train_falcon.sh."""
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
@@ -12,6 +19,7 @@ transformers = require_module("transformers")
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.checkpointing.conversion import read_hf  # noqa: E402
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.hf_mapping import (  # noqa: E402
     architecture_for_hf,
@@ -24,6 +32,7 @@ from megatron.core.models.gpt.hf_mapping import (  # noqa: E402
     model_to_logical,
 )
 from megatron.training.arguments import parse_args  # noqa: E402
+from megatron.training.validation import validate  # noqa: E402
 from tests.unit.test_arguments import MINIMAL  # noqa: E402
 from tests.unit.test_hf_parity import randomize  # noqa: E402
 
@@ -156,3 +165,39 @@ def test_unsupported_falcon_layouts_and_settings_are_named():
     config.parallel_attn = True
     with pytest.raises(ValueError, match="--parallel_attn has no Hugging Face Llama equivalent"):
         architecture_for_hf(config)
+
+
+def test_falcon_converts_and_verifies_through_the_tools(tmp_path):
+    from tests.unit.test_checkpoint_convert import convert, verify
+
+    hf = randomize(FalconForCausalLM(transformers.FalconConfig(**SHAPE, **CASES["40b"][0])))
+    hf.save_pretrained(tmp_path / "hf")
+    convert.convert(["--source-format", "hf", "--source", str(tmp_path / "hf"), "--target", str(tmp_path / "ours")])
+    convert.convert(["--source-format", "torch_dist", "--source", str(tmp_path / "ours"), "--target-format", "hf",
+                     "--target", str(tmp_path / "back")])
+    back = FalconForCausalLM.from_pretrained(tmp_path / "back", local_files_only=True)
+    for key, tensor in hf.state_dict().items():
+        assert torch.equal(back.state_dict()[key], tensor), key
+    tokens = tmp_path / "tokens"
+    builder = IndexedDatasetBuilder(f"{tokens}.bin", dtype=np.uint16)
+    builder.add_item(np.random.default_rng(0).integers(0, VOCAB, 60))
+    builder.end_document()
+    builder.finalize(f"{tokens}.idx")
+    result = verify.compare(["--hf", str(tmp_path / "hf"), "--checkpoint", str(tmp_path / "ours"), "--data-path",
+                             str(tokens), "--num-samples", "2", "--seq-length", "24"])
+    assert result["max_logit_difference"] < TOLERANCE
+
+
+@pytest.mark.parametrize("env, world", [({}, 1), ({"MODEL_SIZE": "7B", "NPROC": "8"}, 8),
+                                        ({"MODEL_SIZE": "40B", "TP": "8", "NPROC": "8", "NNODES": "4"}, 32)])
+def test_example_script_passes_valid_falcon_flags(env, world):
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(["bash", str(root / "examples/falcon/train_falcon.sh")], capture_output=True, text=True,
+                            env={**os.environ, "DRY_RUN": "1", "PATH": os.environ["PATH"], **env}, timeout=60)
+    assert result.returncode == 0, result.stderr
+    command = shlex.split(result.stdout.strip().splitlines()[-1])
+    config = parse_args(command[next(i for i, c in enumerate(command) if c.endswith("pretrain_gpt.py")) + 1:])
+    validate(config, world)
+    model = config.model
+    assert model.parallel_attn and model.parallel_layernorm == (env.get("MODEL_SIZE") == "40B")
+    assert model.num_query_groups == (8 if env.get("MODEL_SIZE") == "40B" else 1)
