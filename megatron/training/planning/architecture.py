@@ -36,6 +36,7 @@ class Architecture:
     tied_embeddings: bool
     hidden_dropout: float
     attention_dropout: float
+    layer_norms: int = 2           # norms over the hidden size per layer (1: --parallel_attn with one norm, Falcon-7B)
     # Mixture of experts (num_experts None: a dense model; the other fields then unused)
     num_experts: Optional[int] = None
     moe_ffn_hidden_size: int = 0
@@ -79,7 +80,8 @@ def architecture(model_config) -> Architecture:
         rope=c.position_embedding_type == "rope", rotary_dim=int(c.kv_channels * c.rotary_percent),
         max_position_embeddings=c.max_position_embeddings,
         tied_embeddings=not c.untie_embeddings_and_output_weights, hidden_dropout=c.hidden_dropout,
-        attention_dropout=c.attention_dropout, **_moe_fields(c))
+        attention_dropout=c.attention_dropout, layer_norms=1 if c.parallel_attn and not c.parallel_layernorm else 2,
+        **_moe_fields(c))
 
 
 def _moe_fields(c) -> dict:
@@ -124,7 +126,7 @@ def layer_parameters(arch: Architecture, tp: int, moe: bool = False) -> int:
     else:
         mlp = mlp_parameters(a, a.ffn_hidden_size, tp)
     qk_norms = 2 * _norm_parameters(a, a.kv_channels) if a.qk_layernorm else 0
-    return 2 * _norm_parameters(a, h) + qkv + proj + qk_norms + mlp
+    return a.layer_norms * _norm_parameters(a, h) + qkv + proj + qk_norms + mlp
 
 
 def expert_layer_parameters(arch: Architecture, ep: int, etp: int, weights_only: bool = False) -> int:
