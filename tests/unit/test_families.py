@@ -65,7 +65,7 @@ def qwen2_config(vocab_size=1000):
 
 def test_the_registry_is_the_list_of_the_family_modules():
     names = [family.name for family in families.registry()]
-    assert names == ["falcon", "gpt2", "llama", "mixtral", "qwen3", "qwen3_moe", "qwen2_moe"]
+    assert names == ["deepseek_v3", "falcon", "gpt2", "llama", "mixtral", "qwen3", "qwen3_moe", "qwen2_moe"]
     assert len({family.architecture for family in families.registry()}) == len(names)
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.mla import MultiLatentAttention
 from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.mlp import MLP
@@ -23,8 +24,8 @@ class TransformerLayer(torch.nn.Module):
         super().__init__()
         common = dict(execution=execution, tp_size=tp_size, tp_rank=tp_rank, device=device)
         self.input_layernorm = build_norm(config, config.hidden_size, **common)
-        self.self_attention = SelfAttention(config, tp_group=tp_group, rng_tracker=rng_tracker, cp_group=cp_group,
-                                            **common)
+        attention = MultiLatentAttention if config.multi_latent_attention else SelfAttention
+        self.self_attention = attention(config, tp_group=tp_group, rng_tracker=rng_tracker, cp_group=cp_group, **common)
         self.parallel_attn = config.parallel_attn
         self.pre_mlp_layernorm = (build_norm(config, config.hidden_size, **common)
                                   if not config.parallel_attn or config.parallel_layernorm else None)

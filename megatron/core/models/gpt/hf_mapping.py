@@ -1,5 +1,5 @@
 """Mapping between Hugging Face `transformers` checkpoints and GPTModel, for any family of
-`models.gpt.families` (Llama, Qwen3, GPT-2, Mixtral, Qwen3-MoE, Qwen2-MoE, Falcon).
+`models.gpt.families` (Llama, Qwen3, GPT-2, Mixtral, Qwen3-MoE, Qwen2-MoE, Falcon, DeepSeek-V3).
 
 The meeting point is the *logical* state: {global parameter name: {part name: full tensor}}, the
 unsharded tensors a `TPLayout` cuts each rank's parameter from (see tensor_parallel.layers). So:

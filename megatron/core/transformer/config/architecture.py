@@ -37,6 +37,10 @@ def _moe(config) -> bool:
     return config.num_experts is not None
 
 
+def _mla(config) -> bool:
+    return config.multi_latent_attention
+
+
 def _shared_experts(config) -> bool:
     return _moe(config) and config.moe_shared_expert_intermediate_size is not None
 
@@ -97,6 +101,19 @@ class TransformerConfig:
     """Use the tanh approximation of GeLU (GPT-2)."""
     untie_embeddings_and_output_weights: bool = arch_field(False)
     """Separate input embedding and output layer weights."""
+    # -- Multi-latent attention (DeepSeek-V3; the fields apply only with --multi-latent-attention) ---
+    multi_latent_attention: bool = arch_field(False)
+    """Multi-latent attention (DeepSeek-V2/V3): queries and keys/values are projected through low-rank latents, and each head's query and key are a part without position embedding and a rotated part (the key's shared by all heads)."""
+    q_lora_rank: Optional[int] = arch_field(None, applies=_mla)
+    """Rank of the query latent (normalized, then projected to the heads); unset: queries are projected from the hidden state directly."""
+    kv_lora_rank: int = arch_field(32, applies=_mla)
+    """Rank of the key/value latent (normalized, then projected to each head's key and value)."""
+    qk_head_dim: int = arch_field(128, applies=_mla)
+    """Channels per query/key head without position embedding."""
+    qk_pos_emb_head_dim: int = arch_field(64, applies=_mla)
+    """Channels per query/key head that carry the rotary embedding (projected from the hidden state for the key, shared by all heads)."""
+    v_head_dim: int = arch_field(128, applies=_mla)
+    """Channels per value head."""
     add_bias_linear: bool = arch_field(True, flag=Flag(
         "--disable-bias-linear", "store_false",
         "Disable the biases of the linear layers (as Llama); by default they have biases (as GPT)."))

@@ -40,8 +40,9 @@ KEYS = dict(
     init_method_std="initializer_range",
 )
 SHAPE = dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, add_qkv_bias=False,
-             position_embedding_type="rope", hidden_dropout=0.0)
-SELECTS = ("normalization", "position_embedding_type", "swiglu", "qk_layernorm")
+             position_embedding_type="rope", hidden_dropout=0.0, multi_latent_attention=False)
+# The layer choices that pick a family of this shape on export (DeepSeek-V3's is multi-latent attention).
+SELECTS = ("normalization", "position_embedding_type", "swiglu", "qk_layernorm", "multi_latent_attention")
 
 
 def weights(config, experts=None) -> list:
