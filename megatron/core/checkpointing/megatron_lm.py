@@ -449,7 +449,8 @@ def check_supported(args: dict, source: str = "checkpoint") -> None:
     if args.get("multi_latent_attention"):
         raise ValueError(f"{source}: --multi-latent-attention checkpoints cannot be imported yet: GPTModel builds "
                          "multi-latent attention, but Megatron-LM's tensors of it (the fused latent norms and "
-                         "replicated down projections) are not mapped here; convert the checkpoint to Hugging Face format first")
+                         "replicated down projections) are not mapped here; convert the checkpoint to Hugging "
+                         "Face format first")
     for name, flag, what in _UNSUPPORTED:
         if args.get(name):
             raise ValueError(f"{source}: {flag} ({what}; {name}={args[name]!r}) cannot be imported: GPTModel does "
