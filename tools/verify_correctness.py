@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt import GPTModel, families  # noqa: E402
 from megatron.core.models.gpt.hf_mapping import load_logical_into_model  # noqa: E402
 from megatron.core.parallel_state import single_process  # noqa: E402
 from megatron.core.checkpointing import conversion  # noqa: E402
@@ -65,8 +65,11 @@ def compare(argv=None) -> dict:
     args = parse(argv)
     import transformers
 
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(args.hf, local_files_only=True, dtype=torch.float32,
-                                                                 attn_implementation="eager").eval()
+    # The model class of the family that claims the directory's config (none: one error listing
+    # the families there are).
+    family = families.of_hf_config(transformers.AutoConfig.from_pretrained(args.hf, local_files_only=True))
+    hf_model = getattr(transformers, family.architecture).from_pretrained(
+        args.hf, local_files_only=True, dtype=torch.float32, attn_implementation="eager").eval()
     logical, config, vocab_size, _ = conversion.read_weights(args.checkpoint, args.iteration)
     vocab_size = vocab_size or config.padded_vocab_size  # not recorded (a Megatron-LM import): the padded size
     model = GPTModel(config, single_process())

@@ -32,6 +32,10 @@ ACCEPTED_SWITCHES = {
                                                         "default (see --no-overlap-p2p-communication)."),
 }
 
+# epfLLM Megatron-LLM's spelling of multi-query attention (and Megatron-LM's dashes): it sets
+# --group-query-attention --num-query-groups 1, which checkpoints and conversions record.
+MULTIQUERY_FLAGS = ("--use_multiquery_attn", "--use-multiquery-attn")
+
 _MISSING = dataclasses.MISSING
 
 
@@ -106,21 +110,21 @@ def _add_field(group, field: dataclasses.Field, annotation, help_text: str) -> N
     has_default = field.default is not _MISSING or field.default_factory is not _MISSING
     default = field.default if field.default is not _MISSING else (
         field.default_factory() if field.default_factory is not _MISSING else None)
-    flag = flag_of(field)
     irregular = field.metadata.get("flag")
+    flags = (flag_of(field), *(irregular.aliases if isinstance(irregular, Flag) else ()))
     if isinstance(irregular, Flag):
         help_text = irregular.help or help_text
         if irregular.action is not None:
-            group.add_argument(flag, dest=name, action=irregular.action, default=default, help=help_text)
+            group.add_argument(*flags, dest=name, action=irregular.action, default=default, help=help_text)
             return
     kind = _unwrap_optional(annotation)
     kwargs = dict(dest=name, help=help_text)
     if kind is bool:
-        group.add_argument(flag, action="store_true", **kwargs)
+        group.add_argument(*flags, action="store_true", **kwargs)
         return
     if kind is list or typing.get_origin(kind) is list:
         item = (typing.get_args(kind) or (str,))[0]
-        group.add_argument(flag, nargs="*", default=default, type=item, **kwargs)
+        group.add_argument(*flags, nargs="*", default=default, type=item, **kwargs)
         return
     if typing.get_origin(kind) is typing.Literal:
         choices = list(typing.get_args(kind))
@@ -131,7 +135,7 @@ def _add_field(group, field: dataclasses.Field, annotation, help_text: str) -> N
         kwargs["default"] = default
     else:
         kwargs["required"] = True
-    group.add_argument(flag, **kwargs)
+    group.add_argument(*flags, **kwargs)
 
 
 def build_parser(extra_sections: Optional[dict] = None, megatron_lm_flags: bool = True) -> argparse.ArgumentParser:
@@ -151,6 +155,9 @@ def build_parser(extra_sections: Optional[dict] = None, megatron_lm_flags: bool 
                 _add_field(group, field, hints[field.name], docs.get(field.name, ""))
     for flag, (name, help_text) in ACCEPTED_SWITCHES.items():
         parser.add_argument(flag, dest=name, action="store_true", default=argparse.SUPPRESS, help=help_text)
+    parser.add_argument(*MULTIQUERY_FLAGS, dest="use_multiquery_attn", action="store_true",
+                        default=argparse.SUPPRESS, help="Multi-query attention: one key/value head shared by "
+                        "all query heads (--group-query-attention --num-query-groups 1; Megatron-LLM's flag).")
     if megatron_lm_flags:
         megatron_lm.add_to_parser(parser)
     return parser
@@ -169,6 +176,11 @@ def parse_args(argv: Optional[list] = None) -> Config:
                 action.required = False
     namespace = parser.parse_args(argv)
     values = vars(namespace)
+    if values.pop("use_multiquery_attn", False):
+        if values["group_query_attention"] and values["num_query_groups"] != 1:
+            parser.error(f"--use_multiquery_attn is --num-query-groups 1, but --num-query-groups "
+                         f"{values['num_query_groups']} was given: drop one of them")
+        values.update(group_query_attention=True, num_query_groups=1)
     try:
         megatron_lm.apply_aliases(megatron_lm.given(namespace), values)
     except ValueError as error:

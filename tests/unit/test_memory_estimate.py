@@ -25,6 +25,14 @@ CASES = {
     "gpt2-tied-biases": gpt2_config(),
     "gpt2-qkv-bias-qknorm": gpt2_config(add_bias_linear=False, add_qkv_bias=True, qk_layernorm=True,
                                         untie_embeddings_and_output_weights=True),
+    "falcon-7b-one-norm": gpt2_config(add_bias_linear=False, position_embedding_type="rope", parallel_attn=True,
+                                      group_query_attention=True, num_query_groups=1),
+    "mla-q-latent-norms": llama_config(multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=16,
+                                       qk_pos_emb_head_dim=8, v_head_dim=12, qk_layernorm=True),
+    "mla-direct-biases": llama_config(multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=16,
+                                      qk_pos_emb_head_dim=8, v_head_dim=12, add_bias_linear=True),
+    "falcon-40b-two-norms": gpt2_config(add_bias_linear=False, position_embedding_type="rope", parallel_attn=True,
+                                        parallel_layernorm=True, group_query_attention=True, num_query_groups=2),
 }
 
 

@@ -10,8 +10,9 @@
 The format of this framework is layout-independent, so there is no target parallel size: the
 converted checkpoint loads at any --tensor-model-parallel-size / --pipeline-model-parallel-size /
 data-parallel layout. Train from it with `--load DIR --finetune --use-checkpoint-args`.
-Hugging Face Llama 2/3/3.1, Qwen3, Mixtral, Qwen3-MoE, Qwen2-MoE and GPT-2 models convert; nothing is
-downloaded and no remote code runs. Hugging Face formats need the `hf` extra: pip install -e ".[hf]".
+Hugging Face models of the families in megatron/core/models/gpt/families (Llama 2/3/3.1, Qwen3,
+Mixtral, Qwen3-MoE, Qwen2-MoE, GPT-2, Falcon, DeepSeek-V3 with dense layers; docs/models.md)
+convert; nothing is downloaded and no remote code runs. Hugging Face formats need the `hf` extra: pip install -e ".[hf]".
 An export to Hugging Face also writes the run's tokenizer (GPT2BPETokenizer, Llama2Tokenizer,
 HuggingFaceTokenizer; from the files the run was given) and puts its bos/eos/pad ids in config.json
 and generation_config.json.

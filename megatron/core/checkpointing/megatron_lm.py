@@ -405,7 +405,6 @@ _UNSUPPORTED = (
     ("moe_mlp_glu_interleave_size", "--moe-mlp-glu-interleave-size", "interleaved gate/up rows of the experts"),
     ("moe_shared_expert_glu_interleave_size", "--moe-shared-expert-glu-interleave-size",
      "interleaved gate/up rows of the shared experts"),
-    ("multi_latent_attention", "--multi-latent-attention", "multi-latent attention"),
     ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction"),
     ("rotary_seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor", "rotary interpolation"),
     ("apply_residual_connection_post_layernorm", "--apply-residual-connection-post-layernorm",
@@ -445,7 +444,13 @@ def _vocab_rows(tensors: dict, source: str) -> int:
 
 
 def check_supported(args: dict, source: str = "checkpoint") -> None:
-    """Raises ValueError naming the first option in Megatron's arguments that GPTModel lacks."""
+    """Raises ValueError naming the first option in Megatron's arguments that GPTModel lacks, or
+    whose tensors this importer does not map."""
+    if args.get("multi_latent_attention"):
+        raise ValueError(f"{source}: --multi-latent-attention checkpoints cannot be imported yet: GPTModel builds "
+                         "multi-latent attention, but Megatron-LM's tensors of it (the fused latent norms and "
+                         "replicated down projections) are not mapped here; convert the checkpoint to Hugging "
+                         "Face format first")
     for name, flag, what in _UNSUPPORTED:
         if args.get(name):
             raise ValueError(f"{source}: {flag} ({what}; {name}={args[name]!r}) cannot be imported: GPTModel does "

@@ -1,11 +1,15 @@
 """One pre-norm transformer layer: x + attention(norm(x)), then x + mlp(norm(x)).
 
 The first residual add and the norm after it are one call (`add_and_norm`: one kernel when the
-fusions are compiled, forward and backward)."""
+fusions are compiled, forward and backward). With --parallel_attn (Falcon) attention and MLP read
+the same input and both join the residual at once: x + attention(norm(x)) + mlp(norm(x)), the MLP
+reading a norm of its own with --parallel_layernorm (Falcon-40B), the attention's otherwise
+(Falcon-7B, which then has no `pre_mlp_layernorm`)."""
 import torch
 import torch.nn.functional as F
 
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.mla import MultiLatentAttention
 from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.mlp import MLP
@@ -20,9 +24,11 @@ class TransformerLayer(torch.nn.Module):
         super().__init__()
         common = dict(execution=execution, tp_size=tp_size, tp_rank=tp_rank, device=device)
         self.input_layernorm = build_norm(config, config.hidden_size, **common)
-        self.self_attention = SelfAttention(config, tp_group=tp_group, rng_tracker=rng_tracker, cp_group=cp_group,
-                                            **common)
-        self.pre_mlp_layernorm = build_norm(config, config.hidden_size, **common)
+        attention = MultiLatentAttention if config.multi_latent_attention else SelfAttention
+        self.self_attention = attention(config, tp_group=tp_group, rng_tracker=rng_tracker, cp_group=cp_group, **common)
+        self.parallel_attn = config.parallel_attn
+        self.pre_mlp_layernorm = (build_norm(config, config.hidden_size, **common)
+                                  if not config.parallel_attn or config.parallel_layernorm else None)
         # Mixture-of-experts layers (per --moe-layer-freq) take the model's ParallelGroups: their
         # experts and tokens are laid out over the expert groups.
         self.is_moe = config.num_experts is not None and moe_layer_pattern(config.moe_layer_freq,
@@ -40,10 +46,19 @@ class TransformerLayer(torch.nn.Module):
 
     def forward(self, x, rotary=None, attention_mask=None):
         # x: [s, b, h] ([s/tp, b, h] with sequence parallelism)
+        if self.parallel_attn:
+            return self._parallel_forward(x, rotary, attention_mask)
         attention = self._dropout(self.self_attention(self.input_layernorm(x), rotary, attention_mask))
         x, normed = self.pre_mlp_layernorm.add_and_norm(x, attention)  # x + attention, and its norm
         x = x + self._dropout(self._mlp(normed))
         return x
+
+    def _parallel_forward(self, x, rotary, attention_mask):
+        normed = self.input_layernorm(x)
+        mlp_input = normed if self.pre_mlp_layernorm is None else self.pre_mlp_layernorm(x)
+        attention = self._dropout(self.self_attention(normed, rotary, attention_mask))
+        mlp = self._dropout(self._mlp(mlp_input))
+        return x + attention + mlp
 
     def _mlp(self, x):
         if self.recompute_mlp and self.training:

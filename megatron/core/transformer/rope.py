@@ -9,7 +9,9 @@ import torch
 
 
 def inverse_frequencies(config) -> torch.Tensor:
-    rotary_dim = int(config.kv_channels * config.rotary_percent)
+    # Multi-latent attention rotates a part of its own per head (--qk-pos-emb-head-dim).
+    rotary_dim = (config.qk_pos_emb_head_dim if config.multi_latent_attention
+                  else int(config.kv_channels * config.rotary_percent))
     inv_freq = 1.0 / (config.rotary_base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
     if config.use_rope_scaling:
         inv_freq = _llama31_scaling(inv_freq, config)

@@ -58,7 +58,8 @@ GROUPS = {
     "biencoder": error("biencoder/ICT retrieval models are not built here"),
     "vision": error("vision models are not built here"),
     "moe": error("this mixture-of-experts option is not built here (docs/moe.md lists what is)"),
-    "mla": error("multi-latent attention is not built here"),
+    "mla": error("this option of multi-latent attention is not built here (YaRN scaling, latent caching, "
+                 "fused down projections; the attention itself is: docs/models.md)"),
     "heterogeneous architecture": error("heterogeneous layer configurations are not built here"),
     "retro": error("Retro is not built here"),
     "experimental": error("hybrid/Mamba models, --spec and the precision-aware optimizer are not built here"),
@@ -159,7 +160,6 @@ FLAGS = {
     "--glu-linear-offset": only("0", "0.0", text="only a zero offset in the gated linear unit is built"),
     "--onnx-safe": note("ONNX export is not part of training; no effect"),
     "--bert-no-binary-head": note(_NOT_GPT),
-    "--multi-latent-attention": error("multi-latent attention is not built"),
     "--mtp-num-layers": error("multi-token prediction is not built"),
     "--mtp-loss-scaling-factor": error("multi-token prediction is not built"),
     # regularization
@@ -527,8 +527,7 @@ FLAGS = {
                                           "--decoder-first-pipeline-num-layers"),
     "--renormalize-blend-weights": note("blend weights are normalized to sum to 1, as Megatron-Core does"),
     "--fused-padded-mla-attention": note("a multi-latent attention kernel choice (the fork's fused CK kernel); "
-                                         "multi-latent attention is not built (--multi-latent-attention is an "
-                                         "error), so no effect"),
+                                         "multi-latent attention runs PyTorch's attention here, so no effect"),
     "--attention-sink-k": only("0", text="attention sink tokens are not built"),
     "--keep_fp8_weight_transpose_cache": note("the fork's deprecated spelling of --keep-fp8-weight-transpose-cache-te: "
                                               "the FP8 weight and its transpose are cached once per optimizer step, "
@@ -570,8 +569,8 @@ FLAGS = {
     "--z-loss-weight": only("0", "0.0", text="the z-loss is not built"),
     "--attention-head-type": only("multihead", text="the PAI patch's multi-query spelling is not built; use "
                                                     "--group-query-attention --num-query-groups 1"),
-    "--qk-nope-head-dim": error("multi-latent attention is not built"),
-    "--qk-rope-head-dim": error("multi-latent attention is not built"),
+    "--qk-nope-head-dim": alias("the PAI patch's spelling of --qk-head-dim", qk_head_dim=int),
+    "--qk-rope-head-dim": alias("the PAI patch's spelling of --qk-pos-emb-head-dim", qk_pos_emb_head_dim=int),
     "--transformer-timers": note("per-layer timers are not built; the iteration time is in the log line"),
     "--convert-checkpoint-from-megatron-to-transformers": note("a switch of the PAI conversion tools: no effect on "
                                                                "pretraining (convert with tools/checkpoint/convert.py)"),

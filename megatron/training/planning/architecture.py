@@ -36,6 +36,14 @@ class Architecture:
     tied_embeddings: bool
     hidden_dropout: float
     attention_dropout: float
+    layer_norms: int = 2           # norms over the hidden size per layer (1: --parallel_attn with one norm, Falcon-7B)
+    # Multi-latent attention (--multi-latent-attention; mla False: the fields are unused)
+    mla: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 0
+    qk_head_dim: int = 0
+    qk_pos_emb_head_dim: int = 0
+    v_head_dim: int = 0
     # Mixture of experts (num_experts None: a dense model; the other fields then unused)
     num_experts: Optional[int] = None
     moe_ffn_hidden_size: int = 0
@@ -79,7 +87,15 @@ def architecture(model_config) -> Architecture:
         rope=c.position_embedding_type == "rope", rotary_dim=int(c.kv_channels * c.rotary_percent),
         max_position_embeddings=c.max_position_embeddings,
         tied_embeddings=not c.untie_embeddings_and_output_weights, hidden_dropout=c.hidden_dropout,
-        attention_dropout=c.attention_dropout, **_moe_fields(c))
+        attention_dropout=c.attention_dropout, layer_norms=1 if c.parallel_attn and not c.parallel_layernorm else 2,
+        **_mla_fields(c), **_moe_fields(c))
+
+
+def _mla_fields(c) -> dict:
+    if not c.multi_latent_attention:
+        return {}
+    return dict(mla=True, q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank, qk_head_dim=c.qk_head_dim,
+                qk_pos_emb_head_dim=c.qk_pos_emb_head_dim, v_head_dim=c.v_head_dim)
 
 
 def _moe_fields(c) -> dict:
@@ -112,19 +128,42 @@ def layer_parameters(arch: Architecture, tp: int, moe: bool = False) -> int:
     router [E, h] and the shared experts (with their gate) in place of the MLP; its routed experts
     are `expert_layer_parameters`."""
     a, h = arch, arch.hidden_size
-    q_local = a.query_size // tp
-    kv_local = a.kv_channels * a.num_query_groups // min(tp, a.num_query_groups)
-    qkv_out = q_local + 2 * kv_local
-    qkv = h * qkv_out + (qkv_out if a.add_bias_linear or a.add_qkv_bias else 0)
-    proj = q_local * h + (h if a.add_bias_linear else 0)
+    if a.mla:
+        attention = mla_parameters(a, tp)
+    else:
+        q_local = a.query_size // tp
+        kv_local = a.kv_channels * a.num_query_groups // min(tp, a.num_query_groups)
+        qkv_out = q_local + 2 * kv_local
+        qkv = h * qkv_out + (qkv_out if a.add_bias_linear or a.add_qkv_bias else 0)
+        attention = qkv + q_local * h + (h if a.add_bias_linear else 0)
     if moe:
         mlp = a.num_experts * h
         if a.moe_shared_expert_size:
             mlp += mlp_parameters(a, a.moe_shared_expert_size, tp) + (h if a.moe_shared_expert_gate else 0)
     else:
         mlp = mlp_parameters(a, a.ffn_hidden_size, tp)
-    qk_norms = 2 * _norm_parameters(a, a.kv_channels) if a.qk_layernorm else 0
-    return 2 * _norm_parameters(a, h) + qkv + proj + qk_norms + mlp
+    qk_norms = 2 * _norm_parameters(a, a.kv_channels) if a.qk_layernorm and not a.mla else 0
+    return a.layer_norms * _norm_parameters(a, h) + attention + qk_norms + mlp
+
+
+def mla_parameters(arch: Architecture, tp: int) -> int:
+    """Elements of one multi-latent attention on one tensor-parallel rank: the down projections
+    and the latents' norms (--qk-layernorm) whole, the up projections and the output projection
+    split by heads."""
+    a, h = arch, arch.hidden_size
+    heads = a.num_attention_heads // tp
+    q_head = a.qk_head_dim + a.qk_pos_emb_head_dim
+
+    def latent_norm(width: int) -> int:  # the latents' norms come with --qk-layernorm
+        return _norm_parameters(a, width) if a.qk_layernorm else 0
+
+    if a.q_lora_rank is None:
+        query = h * heads * q_head
+    else:
+        query = h * a.q_lora_rank + a.q_lora_rank * heads * q_head + latent_norm(a.q_lora_rank)
+    key_value = (h * (a.kv_lora_rank + a.qk_pos_emb_head_dim) + a.kv_lora_rank * heads * (a.qk_head_dim + a.v_head_dim)
+                 + latent_norm(a.kv_lora_rank))
+    return query + key_value + heads * a.v_head_dim * h + (h if a.add_bias_linear else 0)
 
 
 def expert_layer_parameters(arch: Architecture, ep: int, etp: int, weights_only: bool = False) -> int:

@@ -1,10 +1,10 @@
 """TransformerConfig: the model's architecture, once. Field names are Megatron-LM's argument names;
-each field's docstring is its --help text and its metadata (see `fields`) says what the flags, the
-checkpoints and the Hugging Face conversion do with it."""
+each field's docstring is its --help text and its metadata (see `fields`) says what the flags and
+the checkpoints do with it. Hugging Face keys are the families' (models.gpt.families)."""
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from megatron.core.transformer.config.fields import ARCHITECTURE, IN_WEIGHTS, NUMERICS, RUN, Flag, HFKey, arch_field
+from megatron.core.transformer.config.fields import ARCHITECTURE, NUMERICS, RUN, Flag, arch_field
 from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
 from megatron.core.utils import divide
 
@@ -19,21 +19,6 @@ def _rope_scaling(config) -> bool:
 
 def _learned_positions_are_a_shape(config) -> str:
     return ARCHITECTURE if config.position_embedding_type == "learned_absolute" else NUMERICS
-
-
-def _rope_type(rope_type) -> bool:
-    if rope_type not in (None, "default", "llama3"):
-        raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default' and 'llama3')")
-    return rope_type == "llama3"
-
-
-_GPT2_ACTIVATIONS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}
-
-
-def _gpt2_activation(name) -> bool:
-    if name not in _GPT2_ACTIVATIONS:
-        raise ValueError(f"GPT-2 activation_function {name!r} is not supported; supported: {sorted(_GPT2_ACTIVATIONS)}")
-    return _GPT2_ACTIVATIONS[name]
 
 
 def _dense_ffn_is_a_shape(config) -> str:
@@ -52,110 +37,116 @@ def _moe(config) -> bool:
     return config.num_experts is not None
 
 
+def _mla(config) -> bool:
+    return config.multi_latent_attention
+
+
 def _shared_experts(config) -> bool:
     return _moe(config) and config.moe_shared_expert_intermediate_size is not None
 
 
-_NORM_TOPK = HFKey("norm_topk_prob", to_hf=lambda pre_softmax: not pre_softmax, from_hf=lambda norm: not norm)
-_SHARED_SIZE = HFKey("shared_expert_intermediate_size", to_hf=lambda size: size or 0, from_hf=lambda size: size or None)
-
-_TIED = HFKey("tie_word_embeddings", to_hf=lambda untie: not untie, from_hf=lambda tie: not tie)
-
-
 @dataclass
 class TransformerConfig:
-    num_layers: int = arch_field(hf={"llama": "num_hidden_layers", "gpt2": "n_layer"})
+    num_layers: int = arch_field()
     """Number of transformer layers."""
-    hidden_size: int = arch_field(hf={"llama": "hidden_size", "gpt2": "n_embd"})
+    hidden_size: int = arch_field()
     """Transformer hidden size."""
-    num_attention_heads: int = arch_field(hf={"llama": "num_attention_heads", "gpt2": "n_head"})
+    num_attention_heads: int = arch_field()
     """Number of attention (query) heads."""
-    ffn_hidden_size: Optional[int] = arch_field(None, _dense_ffn_is_a_shape, hf={"llama": "intermediate_size", "gpt2": "n_inner"})
+    ffn_hidden_size: Optional[int] = arch_field(None, _dense_ffn_is_a_shape)
     """Hidden size of the MLP; default 4 x --hidden-size, or with --swiglu int(8 x --hidden-size / 3 / 64) x 64 (as Megatron-LM)."""
-    kv_channels: Optional[int] = arch_field(None, hf={"llama": "head_dim"})
+    kv_channels: Optional[int] = arch_field(None)
     """Channels per attention head; default --hidden-size / --num-attention-heads."""
-    group_query_attention: bool = arch_field(
-        False, hf={"llama": HFKey("num_key_value_heads", to_hf=None, from_hf=lambda heads: heads is not None)})
+    group_query_attention: bool = arch_field(False)
     """Use grouped-query attention (see --num-query-groups)."""
-    num_query_groups: int = arch_field(1, hf={"llama": "num_key_value_heads"})
+    num_query_groups: int = arch_field(1)
     """Number of key/value groups with --group-query-attention."""
-    max_position_embeddings: Optional[int] = arch_field(None, _learned_positions_are_a_shape,
-                                                        hf={"llama": "max_position_embeddings", "gpt2": "n_positions"})
+    max_position_embeddings: Optional[int] = arch_field(None, _learned_positions_are_a_shape)
     """Maximum sequence length the position embeddings cover; default --seq-length."""
     position_embedding_type: Literal["learned_absolute", "rope", "none"] = arch_field("learned_absolute")
     """Position embedding: learned absolute (GPT) or rotary (Llama)."""
-    rotary_base: int = arch_field(10000, NUMERICS, hf={"llama": "rope_parameters.rope_theta"}, applies=_rope)
+    rotary_base: int = arch_field(10000, NUMERICS, applies=_rope)
     """Base of the rotary embedding frequencies (Llama 2: 10000, Llama 3: 500000)."""
     rotary_percent: float = arch_field(1.0, NUMERICS, applies=_rope)
     """Fraction of each head's channels that is rotated."""
-    rotary_interleaved: bool = arch_field(False, hf={"llama": IN_WEIGHTS}, applies=_rope)
+    rotary_interleaved: bool = arch_field(False, applies=_rope)
     """Rotary embedding on interleaved channel pairs (2i, 2i+1) instead of halves (i, i + d/2)."""
-    use_rope_scaling: bool = arch_field(False, NUMERICS, applies=_rope, hf={"llama": HFKey(
-        "rope_parameters.rope_type", to_hf=lambda scaled: "llama3" if scaled else "default", from_hf=_rope_type)})
+    use_rope_scaling: bool = arch_field(False, NUMERICS, applies=_rope)
     """Apply Llama 3.1 rotary frequency scaling (factor 8, low 1, high 4, original 8192)."""
-    rope_scaling_factor: float = arch_field(8.0, NUMERICS, hf={"llama": "rope_parameters.factor"},
-                                            applies=_rope_scaling)
+    rope_scaling_factor: float = arch_field(8.0, NUMERICS, applies=_rope_scaling)
     """Scaling factor for --use-rope-scaling."""
-    rope_low_freq_factor: float = arch_field(1.0, NUMERICS, flag=None, hf={"llama": "rope_parameters.low_freq_factor"},
-                                             applies=_rope_scaling)
+    rope_low_freq_factor: float = arch_field(1.0, NUMERICS, flag=None, applies=_rope_scaling)
     """Llama 3.1 scaling: wavelengths above original / low_freq_factor are slowed by the factor (Megatron-LM's is 1)."""
-    rope_high_freq_factor: float = arch_field(4.0, NUMERICS, flag=None, applies=_rope_scaling,
-                                              hf={"llama": "rope_parameters.high_freq_factor"})
+    rope_high_freq_factor: float = arch_field(4.0, NUMERICS, flag=None, applies=_rope_scaling)
     """Llama 3.1 scaling: wavelengths below original / high_freq_factor are kept (Megatron-LM's is 4)."""
     rope_original_max_position_embeddings: int = arch_field(
-        8192, NUMERICS, flag=None, applies=_rope_scaling,
-        hf={"llama": "rope_parameters.original_max_position_embeddings"})
+        8192, NUMERICS, flag=None, applies=_rope_scaling)
     """Llama 3.1 scaling: the context length the model was first trained at (Megatron-LM's is 8192)."""
     normalization: Literal["LayerNorm", "RMSNorm"] = arch_field("LayerNorm")
     """Normalization layer."""
-    norm_epsilon: float = arch_field(1e-5, NUMERICS, hf={"llama": "rms_norm_eps", "gpt2": "layer_norm_epsilon"})
+    norm_epsilon: float = arch_field(1e-5, NUMERICS)
     """Epsilon of the normalization layers."""
-    apply_layernorm_1p: bool = arch_field(False, hf={"llama": IN_WEIGHTS, "gpt2": IN_WEIGHTS})
+    apply_layernorm_1p: bool = arch_field(False)
     """Zero-centered norm weights: every LayerNorm/RMSNorm scales by (1 + weight), with weight starting at 0."""
     qk_layernorm: bool = arch_field(False)
     """Normalize each query and key head (over its channels, with --normalization) before the rotary embedding."""
     swiglu: bool = arch_field(False)
     """Use a SwiGLU MLP (Llama) instead of GeLU."""
-    openai_gelu: bool = arch_field(False, NUMERICS, applies=lambda config: not config.swiglu, hf={"gpt2": HFKey(
-        "activation_function", to_hf=lambda tanh: "gelu_new" if tanh else "gelu", from_hf=_gpt2_activation)})
+    parallel_attn: bool = arch_field(False, flag=Flag("--parallel_attn", aliases=("--parallel-attn",)))
+    """Attention and MLP side by side on the same input, both added to the residual: x + attention(norm(x)) + mlp(norm(x)) (Falcon; Megatron-LLM's flag)."""
+    parallel_layernorm: bool = arch_field(False, flag=Flag("--parallel_layernorm", aliases=("--parallel-layernorm",)),
+                                          applies=lambda config: config.parallel_attn)
+    """With --parallel_attn: the MLP reads a norm of its own, x + attention(norm1(x)) + mlp(norm2(x)) (Falcon-40B's new decoder architecture); without, one norm feeds both (Falcon-7B)."""
+    openai_gelu: bool = arch_field(False, NUMERICS, applies=lambda config: not config.swiglu)
     """Use the tanh approximation of GeLU (GPT-2)."""
-    untie_embeddings_and_output_weights: bool = arch_field(False, hf={"llama": _TIED, "gpt2": _TIED})
+    untie_embeddings_and_output_weights: bool = arch_field(False)
     """Separate input embedding and output layer weights."""
+    # -- Multi-latent attention (DeepSeek-V3; the fields apply only with --multi-latent-attention) ---
+    multi_latent_attention: bool = arch_field(False)
+    """Multi-latent attention (DeepSeek-V2/V3): queries and keys/values are projected through low-rank latents, and each head's query and key are a part without position embedding and a rotated part (the key's shared by all heads)."""
+    q_lora_rank: Optional[int] = arch_field(None, applies=_mla)
+    """Rank of the query latent (normalized, then projected to the heads); unset: queries are projected from the hidden state directly."""
+    kv_lora_rank: int = arch_field(32, applies=_mla)
+    """Rank of the key/value latent (normalized, then projected to each head's key and value)."""
+    qk_head_dim: int = arch_field(128, applies=_mla)
+    """Channels per query/key head without position embedding."""
+    qk_pos_emb_head_dim: int = arch_field(64, applies=_mla)
+    """Channels per query/key head that carry the rotary embedding (projected from the hidden state for the key, shared by all heads)."""
+    v_head_dim: int = arch_field(128, applies=_mla)
+    """Channels per value head."""
     add_bias_linear: bool = arch_field(True, flag=Flag(
         "--disable-bias-linear", "store_false",
         "Disable the biases of the linear layers (as Llama); by default they have biases (as GPT)."))
     """Biases in linear layers (turned off with --disable-bias-linear)."""
     add_qkv_bias: bool = arch_field(False)
     """Bias on the query/key/value projection only."""
-    make_vocab_size_divisible_by: int = arch_field(128, NUMERICS, hf={"llama": IN_WEIGHTS, "gpt2": IN_WEIGHTS})
+    make_vocab_size_divisible_by: int = arch_field(128, NUMERICS)
     """Pad the vocabulary to a multiple of this times --tensor-model-parallel-size."""
-    hidden_dropout: float = arch_field(0.1, RUN, hf={"gpt2": "resid_pdrop"})
+    hidden_dropout: float = arch_field(0.1, RUN)
     """Dropout on the residual branches and embeddings."""
-    attention_dropout: float = arch_field(0.1, RUN, hf={"llama": "attention_dropout", "gpt2": "attn_pdrop"})
+    attention_dropout: float = arch_field(0.1, RUN)
     """Dropout on attention probabilities."""
-    init_method_std: float = arch_field(0.02, RUN, hf={"llama": "initializer_range", "gpt2": "initializer_range"})
+    init_method_std: float = arch_field(0.02, RUN)
     """Standard deviation of the normal weight initialization."""
     padded_vocab_size: Optional[int] = arch_field(None, RUN, flag=None)
     """The vocabulary padded to a multiple of --make-vocab-size-divisible-by x TP (derived: `derive`)."""
     # -- Mixture of experts (docs/moe.md; the fields apply only with --num-experts) -----------------
-    num_experts: Optional[int] = arch_field(None, hf={"mixtral": "num_local_experts", "qwen3_moe": "num_experts"})
+    num_experts: Optional[int] = arch_field(None)
     """Routed experts per mixture-of-experts layer; unset: a dense model."""
     moe_layer_freq: str = arch_field("1", applies=_moe, compared_as=_layer_pattern)
     """Which layers are mixtures of experts: an integer N (every N-th layer, from the first) or a pattern with one 0/1 per layer such as '[0]*1+[1]*27' (first layer dense)."""
     moe_ffn_hidden_size: Optional[int] = arch_field(
-        None, applies=_moe, hf={"mixtral": "intermediate_size", "qwen3_moe": "moe_intermediate_size"})
+        None, applies=_moe)
     """Hidden size of each expert; default --ffn-hidden-size."""
-    moe_shared_expert_intermediate_size: Optional[int] = arch_field(None, applies=_moe,
-                                                                    hf={"qwen2_moe": _SHARED_SIZE})
+    moe_shared_expert_intermediate_size: Optional[int] = arch_field(None, applies=_moe)
     """Total hidden size of the shared experts every token goes through (Qwen2-MoE, DeepSeek); unset: none."""
     moe_shared_expert_gate: bool = arch_field(False, applies=_shared_experts)
     """Scale the shared experts' output by a per-token sigmoid gate (Qwen2-MoE); Megatron-Core's config field, set by Hugging Face conversion."""
-    moe_router_topk: int = arch_field(2, NUMERICS, applies=_moe,
-                                      hf={"mixtral": "num_experts_per_tok", "qwen3_moe": "num_experts_per_tok"})
+    moe_router_topk: int = arch_field(2, NUMERICS, applies=_moe)
     """Experts each token is routed to."""
     moe_router_score_function: Literal["softmax", "sigmoid"] = arch_field("softmax", NUMERICS, applies=_moe)
     """Router score: softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3)."""
-    moe_router_pre_softmax: bool = arch_field(False, NUMERICS, applies=_moe, hf={"qwen3_moe": _NORM_TOPK})
+    moe_router_pre_softmax: bool = arch_field(False, NUMERICS, applies=_moe)
     """Softmax over all experts before choosing the top k (their weights then need not sum to 1)."""
     moe_router_topk_scaling_factor: Optional[float] = arch_field(None, NUMERICS, applies=_moe)
     """Multiply the chosen experts' weights by this factor."""

@@ -2,7 +2,7 @@
 
 A field of `TransformerConfig` is declared with `arch_field`:
 
-    qk_layernorm: bool = arch_field(False, ARCHITECTURE, hf={"qwen3": IMPLIED})
+    qk_layernorm: bool = arch_field(False, ARCHITECTURE)
     \"\"\"Normalize each query and key head ... (the --help text).\"\"\"
 
 - `role`: ARCHITECTURE (the shapes: saved in checkpoints, restored by --use-checkpoint-args, a
@@ -11,18 +11,14 @@ A field of `TransformerConfig` is declared with `arch_field`:
   nor checked). A role may depend on the other fields (a callable of the config).
 - `flag`: None for a field no flag sets; FROM_NAME (the default) for `--field-name`; a `Flag` for
   an irregular spelling (`--disable-bias-linear` sets `add_bias_linear` to False).
-- `hf`: {Hugging Face family: key}. A key is an attribute name of the family's `transformers`
-  config ("num_hidden_layers"), a dotted path into a dict attribute ("rope_parameters.factor"), or
-  an `HFKey` with value conversions. IN_WEIGHTS: the family stores the setting in the weights
-  (hf_mapping transforms them). A family without an entry cannot express a value other than what
-  it implies (see hf_mapping.FAMILIES).
 - `compared_as`: a callable (value, config) giving the form in which checkpoints and the Hugging
   Face round trip compare the value (--moe-layer-freq 2 and [1, 0] are the same two layers).
 - `applies`: a callable of the config saying whether the field takes part in the model
   (`rope_scaling_factor` only with `use_rope_scaling`). `derive` puts a field that does not apply
   back to its default, so that equal models have equal derived descriptions.
 
-The same `Flag` metadata serves the training flag dataclasses (megatron.training.config).
+The same `Flag` metadata serves the training flag dataclasses (megatron.training.config). A
+field's Hugging Face keys are not here: each family holds its own (models.gpt.families).
 """
 import dataclasses
 from dataclasses import dataclass
@@ -37,17 +33,21 @@ FROM_NAME = "from name"
 @dataclass(frozen=True)
 class Flag:
     """An irregular flag: its spelling, an argparse action (None: the field's typed handling under
-    this name), and --help text (None: the field's docstring)."""
+    this name), --help text (None: the field's docstring), and other spellings it accepts
+    (`aliases`: another project's, such as Megatron-LLM's `--parallel_attn` in Megatron-LM's dashes)."""
 
     name: str
     action: Any = None
     help: Optional[str] = None
+    aliases: tuple = ()
 
 
 @dataclass(frozen=True)
 class HFKey:
-    """A Hugging Face config entry with conversions: `to_hf(value)` on export (None: not written),
-    `from_hf(value)` on import (given the entry, or None when the config lacks it)."""
+    """A Hugging Face config entry of a family (models.gpt.families), with conversions:
+    `to_hf(value)` on export (None: not written), `from_hf(value)` on import (given the entry, or
+    None when the config lacks it). The key is an attribute of the `transformers` config
+    ("num_hidden_layers") or a dotted path into one of its dict attributes ("rope_parameters.factor")."""
 
     key: str
     to_hf: Optional[Callable] = lambda value: value
@@ -55,13 +55,14 @@ class HFKey:
 
 
 IN_WEIGHTS = HFKey("", to_hf=None, from_hf=lambda value: None)
+"""A family's key for a setting it stores in the weights (hf_mapping transforms them on the way)."""
 
 
 def arch_field(default=dataclasses.MISSING, role: Union[str, Callable] = ARCHITECTURE, *, flag=FROM_NAME,
-               hf: Optional[dict] = None, applies: Optional[Callable] = None, compared_as: Optional[Callable] = None,
+               applies: Optional[Callable] = None, compared_as: Optional[Callable] = None,
                default_factory=dataclasses.MISSING):
     """A field of the model description (see the module docstring); `default_factory` for a list."""
-    metadata = {"role": role, "flag": flag, "hf": hf or {}, "applies": applies, "compared_as": compared_as}
+    metadata = {"role": role, "flag": flag, "applies": applies, "compared_as": compared_as}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
