@@ -155,9 +155,9 @@ def main(argv=None):
 
 if __name__ == "__main__":
     from megatron.training.checkpointing import CheckpointSaveError
-    from megatron.training.failures import DistributedFailure
-    from megatron.training.guards import NonFiniteError
-    from megatron.training.oom import DeviceOutOfMemory
+    from megatron.training.reliability.failures import DistributedFailure
+    from megatron.training.reliability.guards import NonFiniteError
+    from megatron.training.reliability.oom import DeviceOutOfMemory
 
     try:
         main(sys.argv[1:])

@@ -26,20 +26,20 @@ from megatron.training.batch_schedule import BatchSchedule, batch_schedule
 from megatron.training.checkpointing import Checkpointer, checkpoint_dir
 from megatron.training.config import Config
 from megatron.training.data import build_loader, endless
-from megatron.training.exits import ExitConditions
-from megatron.training.failures import FailureReport, Watch
+from megatron.training.reliability.exits import ExitConditions
+from megatron.training.reliability.failures import FailureReport, Watch
 from megatron.training.fast_paths import fast_paths_line
-from megatron.training.fault_injection import FaultInjector
-from megatron.training.guards import StepGuard
+from megatron.training.reliability.fault_injection import FaultInjector
+from megatron.training.reliability.guards import StepGuard
 from megatron.training.initialize import initialize_distributed, world_size_from_env
 from megatron.training.logging import TensorBoardWriter, flops_per_iteration, iteration_line, tensorboard_scalars
 from megatron.training.memory import memory_report, theoretical_bytes
-from megatron.training.oom import MemoryWatch
+from megatron.training.reliability.oom import MemoryWatch
 from megatron.training.profiling import StepProfiler
 from megatron.training.progress import ProgressLog
-from megatron.training.save_lock import SaveLock, hold_save_directory
+from megatron.training.reliability.save_lock import SaveLock, hold_save_directory
 from megatron.training.startup import check_fits_in_memory, startup_checks
-from megatron.training.straggler import StragglerReport
+from megatron.training.reliability.straggler import StragglerReport
 
 _JOB_START_TIME = time.time()  # --exit-duration-in-mins counts from here (module import ~ job start)
 

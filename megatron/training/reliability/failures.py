@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-_PACKAGE = str(Path(__file__).resolve().parents[1])     # .../megatron
+_PACKAGE = str(Path(__file__).resolve().parents[2])     # .../megatron
 _TORCH_DISTRIBUTED = str(Path(dist.__file__).resolve().parent)
 FLIGHT_RECORDER_ENTRIES = "2000"
 
