@@ -176,7 +176,7 @@ if __name__ == "__main__":
         if os.environ.get("MEGATRON_TRACEBACK") == "1":
             raise
         from megatron.training.arguments import is_first_rank
-        from megatron.training.validation import ConfigError
+        from megatron.training.errors import ConfigError
 
         if isinstance(error, ConfigError):
             if is_first_rank():

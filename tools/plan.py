@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     if target.world_size % used:
         raise SystemExit(f"error: TP x PP x CP = {used} does not divide the cluster's {target.world_size} GPUs "
                          f"({target.nodes} nodes x {target.gpus_per_node})")
-    from megatron.training.validation import ConfigError, validate
+    from megatron.training.errors import ConfigError
+    from megatron.training.validation import validate
 
     try:
         for note in validate(config, target.world_size):

@@ -45,7 +45,7 @@ from megatron.core.checkpointing import state as ckpt_state
 from megatron.core.checkpointing.safe_pickle import check_dcp_files, read_dcp_metadata
 from megatron.core.checkpointing.sharded import ShardedState
 from megatron.core.distributed import comm
-from megatron.training.validation import ConfigError
+from megatron.training.errors import CheckpointSaveError, ConfigError
 
 def read_tracker(root: str) -> Optional[int]:
     """The iteration named by `root`'s tracker file, or None when there is no tracker."""
@@ -118,10 +118,6 @@ def fp8_layout_of(groups, num_chunks: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 def _directory_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
-
-
-class CheckpointSaveError(RuntimeError):
-    """A save failed (on any rank); the message says what survives and what to do."""
 
 
 def _root_cause(error: BaseException, rank: int) -> tuple:

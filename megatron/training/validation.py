@@ -14,10 +14,7 @@ from megatron.training import megatron_lm
 from megatron.training.batch_schedule import batch_schedule, global_batch_size
 from megatron.core.transformer.config import derive
 from megatron.training.config import Config
-
-
-class ConfigError(ValueError):
-    pass
+from megatron.training.errors import ConfigError  # noqa: F401 (raised here; its callers import it from here too)
 
 
 def _require(condition: bool, message: str) -> None:
