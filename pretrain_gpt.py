@@ -17,6 +17,7 @@ from megatron.core.context_parallel import slice_batch
 from megatron.core.distributed import comm
 from megatron.training.arguments import parse_args
 from megatron.training.config import Config
+from megatron.training.data import build_tokenizer
 from megatron.training.startup import dry_run
 from megatron.training.training import pretrain, print_rank_0
 from megatron.training.validation import implied_tokenizer_type
@@ -72,17 +73,6 @@ def forward_step(data_iterator, model, calculate_per_token_loss: bool = False):
     output = model(batch.get("tokens"), batch["position_ids"], labels=batch.get("labels"),
                    document_ids=batch.get("document_ids"))
     return output, partial(loss_func, batch.get("loss_mask"), groups.cp, calculate_per_token_loss)
-
-
-def build_tokenizer(config: Config):
-    d = config.data
-    tokenizer_type = implied_tokenizer_type(d)
-    if tokenizer_type is None:
-        return None
-    from megatron.core.tokenizers import build_tokenizer as build
-
-    return build(tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
-                 tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size)
 
 
 def _tokenizer_record(config: Config, tokenizer):
