@@ -11,7 +11,7 @@ import torch
 from megatron.core import utils
 from megatron.core.checkpointing.architecture import record_of_checkpoint
 from megatron.training import builders
-from megatron.training.batch_schedule import batch_schedule
+from megatron.training.state import batch_schedule
 from megatron.training.checkpointing import apply_checkpoint_args, architecture, check_architecture, locate, read_common
 from megatron.training.config import Config
 from megatron.training.initialize import world_size_from_env

@@ -22,7 +22,7 @@ from megatron.core.transformer.fp8 import choose_fp8_linears
 from megatron.core.transformer.moe.router import aux_loss_log_values, finish_moe_step
 from megatron.training import builders
 from megatron.training.arguments import format_config
-from megatron.training.batch_schedule import BatchSchedule, batch_schedule
+from megatron.training.state import BatchSchedule, batch_schedule
 from megatron.training.checkpointing import Checkpointer, checkpoint_dir
 from megatron.training.config import Config
 from megatron.training.data import build_loader, endless
