@@ -46,6 +46,7 @@ from megatron.core.checkpointing.safe_pickle import check_dcp_files, read_dcp_me
 from megatron.core.checkpointing.sharded import ShardedState
 from megatron.core.distributed import comm
 from megatron.training.errors import CheckpointSaveError, ConfigError
+from megatron.training.state import TrainState
 
 def read_tracker(root: str) -> Optional[int]:
     """The iteration named by `root`'s tracker file, or None when there is no tracker."""
@@ -304,7 +305,7 @@ class Checkpointer:
             comm.barrier(self.group)
 
     # -- loading -------------------------------------------------------------------------------
-    def load(self, run, directory: str, common: dict, train_state_cls):
+    def load(self, run, directory: str, common: dict):
         """Loads `directory` into the built run; returns the train state to continue from."""
         options = self.options
         optimizer_info = common.get("optimizer")
@@ -343,7 +344,7 @@ class Checkpointer:
         for chunk in run.chunks:
             chunk.finish_param_sync()
         self.loaded_rng = rng
-        train_state = train_state_cls() if options.finetune else train_state_cls(**common["train_state"])
+        train_state = TrainState() if options.finetune else TrainState(**common["train_state"])
         if not options.finetune:
             self.last_saved_iteration = train_state.iteration  # already on disk: not saved again
         what = "weights" if not load_optimizer else "weights and optimizer state"

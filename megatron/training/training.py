@@ -22,7 +22,7 @@ from megatron.core.transformer.fp8 import choose_fp8_linears
 from megatron.core.transformer.moe.router import aux_loss_log_values, finish_moe_step
 from megatron.training import builders
 from megatron.training.arguments import format_config
-from megatron.training.state import BatchSchedule, batch_schedule
+from megatron.training.state import BatchSchedule, TrainState, batch_schedule
 from megatron.training.checkpointing import Checkpointer, checkpoint_dir
 from megatron.training.config import Config
 from megatron.training.data import build_loader, endless
@@ -42,17 +42,6 @@ from megatron.training.startup import check_fits_in_memory, startup_checks
 from megatron.training.reliability.straggler import StragglerReport
 
 _JOB_START_TIME = time.time()  # --exit-duration-in-mins counts from here (module import ~ job start)
-
-
-@dataclasses.dataclass
-class TrainState:
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    consumed_valid_samples: int = 0
-    skipped_iterations: int = 0
-    nan_iterations: int = 0
-    floating_point_operations: float = 0.0  # of all iterations so far, every job of the run (--log-progress)
-    exit_reason: Optional[str] = None  # why training stopped before --train-iters (not saved)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -562,7 +551,7 @@ def pretrain(config: Config, *, forward_step_func: Callable, datasets_provider: 
     state = TrainState()
     with Watch(run.failure_report, lambda: state.iteration), MemoryWatch(run, lambda: state.iteration):
         if run.checkpoint_to_load is not None:
-            state = run.checkpointer.load(run, *run.checkpoint_to_load, TrainState)
+            state = run.checkpointer.load(run, *run.checkpoint_to_load)
         t = config.training
         train_ds, valid_ds, test_ds = datasets_provider(config, run.groups, dataset_sizes(config, run.batches))
         exits = ExitConditions(t, run.groups, _JOB_START_TIME)
