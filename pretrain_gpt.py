@@ -6,9 +6,7 @@
 This file only says what a GPT step is (batch -> model -> masked token loss) and where the data
 comes from; `megatron.training` does the rest.
 """
-import os
 import sys
-import traceback
 from functools import partial
 
 import torch
@@ -144,35 +142,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from megatron.training.checkpointing import CheckpointSaveError
-    from megatron.training.reliability.failures import DistributedFailure
-    from megatron.training.reliability.guards import NonFiniteError
-    from megatron.training.reliability.oom import DeviceOutOfMemory
+    from megatron.training.reliability.exits import exit_on_error
 
-    try:
-        main(sys.argv[1:])
-    except (NonFiniteError, DistributedFailure, DeviceOutOfMemory, CheckpointSaveError) as error:
-        # Training stopped for a reason the message names (a NaN, a dead or hung rank, memory, disk):
-        # the message, not a traceback, unless one is asked for.
-        if os.environ.get("MEGATRON_TRACEBACK") == "1":
-            raise
-        if not isinstance(error, NonFiniteError) or os.environ.get("RANK", "0") == "0":  # that one is agreed
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    except (ValueError, FileNotFoundError) as error:
-        # Configuration and input errors (bad flags, missing or malformed data files) say what and
-        # how to fix in their message: print that line alone unless a traceback is asked for. A flag
-        # error is the same on every rank: the first rank of each node prints it.
-        if os.environ.get("MEGATRON_TRACEBACK") == "1":
-            raise
-        from megatron.training.arguments import is_first_rank
-        from megatron.training.errors import ConfigError
-
-        if isinstance(error, ConfigError):
-            if is_first_rank():
-                print(f"error: {error}", file=sys.stderr, flush=True)
-            sys.exit(2)
-        frame = traceback.extract_tb(error.__traceback__)[-1]
-        print(f"error: {error}\n(raised at {frame.filename}:{frame.lineno}; "
-              "set MEGATRON_TRACEBACK=1 for the full traceback)", file=sys.stderr)
-        sys.exit(2)
+    exit_on_error(main, sys.argv[1:])
