@@ -79,6 +79,35 @@ def upward_imports() -> list:
                              f"from floor {own[0]} ({own[1]})")
     return found
 
+# The rooms of megatron/training that stand below the loop (docs/design.md, "Rooms of the
+# application"): what each may import of the application.
+ROOMS = {
+    "megatron.training.errors": (),
+    "megatron.training.state": ("megatron.training.errors",),
+    "megatron.training.checkpointing": ("megatron.training.errors", "megatron.training.state"),
+    "megatron.training.reliability": ("megatron.training.errors", "megatron.training.state",
+                                      "megatron.training.reliability", "megatron.training.arguments",
+                                      "megatron.training.config", "megatron.training.memory"),
+}
+
+
+def _within(name: str, prefixes) -> bool:
+    return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
+
+
+def test_the_rooms_below_the_loop_do_not_call_it():
+    found = []
+    for path in sources():
+        name = module_name(path)
+        room = next((r for r in ROOMS if _within(name, (r,))), None)
+        if room is None:
+            continue
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found += [f"{path.relative_to(ROOT)}:{line} imports {imported} (room {room})"
+                  for line, imported in imported_modules(ast.parse(path.read_text(), str(path)), package)
+                  if _within(imported, ("megatron.training",)) and not _within(imported, ROOMS[room])]
+    assert found == [], "\n".join(found)
+
 
 def imports_outside_public_entry_points(relative: str, source: str) -> list:
     """The imports of the tool at `relative` (its text: `source`) that reach past the application's
