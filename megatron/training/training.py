@@ -330,21 +330,13 @@ def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = 
     """Runs --train-iters optimizer steps (or until an exit condition); returns the final state.
     Logs from the logging rank; evaluates every --eval-interval iterations, continuing through the
     validation set; saves checkpoints at --save-interval and before an early exit."""
-    config, groups = run.config, run.groups
-    t, log = config.training, config.logging
+    groups, t = run.groups, run.config.training
     state = state or TrainState()
     if state.iteration >= t.train_iters:
         return state
     train_iterator = _loader(run, train_dataset, state.consumed_train_samples)
     valid_iterator = _valid_iterator(run, valid_dataset, state)
-    if run.checkpointer is not None:
-        run.checkpointer.restore_rng()
-    profiler = StepProfiler(log, groups.global_rank, groups.device)
-    for chunk in run.chunks:
-        chunk.module.train()
-    if t.manual_gc:
-        gc.disable()
-        gc.collect()
+    profiler = _start_training(run)
     window = _Window(groups.device)
     while state.iteration < t.train_iters:
         # No device synchronize and no host read of the loss inside a step: steps queue back to back
@@ -368,17 +360,7 @@ def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = 
         state.floating_point_operations += flops
         vetoed = run.guard is not None and run.guard.vetoed  # a NaN/Inf step's loss stays out of the average
         window.add(None if vetoed else losses, flops, global_batch * t.seq_length)
-        to_tensorboard = log.tensorboard_dir is not None and state.iteration % log.tensorboard_log_interval == 0
-        to_log = state.iteration % log.log_interval == 0 or state.iteration == t.train_iters
-        if to_tensorboard or to_log:
-            statistics = _step_statistics(run, global_batch, grad_norm)
-        if to_tensorboard:
-            _write_tensorboard(run, state, reduce_reported(run, [losses]), statistics)
-        if to_log:
-            _log_iteration(run, state, window, statistics)
-            window = _Window(groups.device)
-            if run.straggler is not None:
-                _log_straggler(run, state.iteration)
+        window = _report_step(run, state, window, losses, global_batch, grad_norm)
         _manual_gc(run, state.iteration)
         if valid_iterator is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
             _log_evaluation(run, valid_iterator, state, f"iteration {state.iteration}")
@@ -391,6 +373,40 @@ def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = 
             run.printer(f"> exiting after iteration {state.iteration}: {state.exit_reason}")
             break
     return state
+
+
+def _start_training(run: Run) -> StepProfiler:
+    """Before the first step: the saved RNG states back, the model in training mode, Python's
+    collector under --manual-gc's control; returns the profiler of the steps."""
+    config, groups = run.config, run.groups
+    if run.checkpointer is not None:
+        run.checkpointer.restore_rng()
+    profiler = StepProfiler(config.logging, groups.global_rank, groups.device)
+    for chunk in run.chunks:
+        chunk.module.train()
+    if config.training.manual_gc:
+        gc.disable()
+        gc.collect()
+    return profiler
+
+
+def _report_step(run: Run, state: TrainState, window: _Window, losses: dict, global_batch: int,
+                 grad_norm: Optional[float]) -> _Window:
+    """TensorBoard and the log line at their intervals (and the straggler report with the log line);
+    returns the window the next steps add to (a new one after a log line)."""
+    t, log = run.config.training, run.config.logging
+    to_tensorboard = log.tensorboard_dir is not None and state.iteration % log.tensorboard_log_interval == 0
+    to_log = state.iteration % log.log_interval == 0 or state.iteration == t.train_iters
+    if to_tensorboard or to_log:
+        statistics = _step_statistics(run, global_batch, grad_norm)
+    if to_tensorboard:
+        _write_tensorboard(run, state, reduce_reported(run, [losses]), statistics)
+    if to_log:
+        _log_iteration(run, state, window, statistics)
+        window = _Window(run.groups.device)
+        if run.straggler is not None:
+            _log_straggler(run, state.iteration)
+    return window
 
 
 def _valid_iterator(run: Run, valid_dataset, state: TrainState):
