@@ -6,9 +6,7 @@
 This file only says what a GPT step is (batch -> model -> masked token loss) and where the data
 comes from; `megatron.training` does the rest.
 """
-import os
 import sys
-import traceback
 from functools import partial
 
 import torch
@@ -17,6 +15,7 @@ from megatron.core.context_parallel import slice_batch
 from megatron.core.distributed import comm
 from megatron.training.arguments import parse_args
 from megatron.training.config import Config
+from megatron.training.data import build_tokenizer
 from megatron.training.startup import dry_run
 from megatron.training.training import pretrain, print_rank_0
 from megatron.training.validation import implied_tokenizer_type
@@ -72,17 +71,6 @@ def forward_step(data_iterator, model, calculate_per_token_loss: bool = False):
     output = model(batch.get("tokens"), batch["position_ids"], labels=batch.get("labels"),
                    document_ids=batch.get("document_ids"))
     return output, partial(loss_func, batch.get("loss_mask"), groups.cp, calculate_per_token_loss)
-
-
-def build_tokenizer(config: Config):
-    d = config.data
-    tokenizer_type = implied_tokenizer_type(d)
-    if tokenizer_type is None:
-        return None
-    from megatron.core.tokenizers import build_tokenizer as build
-
-    return build(tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
-                 tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size)
 
 
 def _tokenizer_record(config: Config, tokenizer):
@@ -154,35 +142,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from megatron.training.checkpointing import CheckpointSaveError
-    from megatron.training.failures import DistributedFailure
-    from megatron.training.guards import NonFiniteError
-    from megatron.training.oom import DeviceOutOfMemory
+    from megatron.training.reliability.exits import exit_on_error
 
-    try:
-        main(sys.argv[1:])
-    except (NonFiniteError, DistributedFailure, DeviceOutOfMemory, CheckpointSaveError) as error:
-        # Training stopped for a reason the message names (a NaN, a dead or hung rank, memory, disk):
-        # the message, not a traceback, unless one is asked for.
-        if os.environ.get("MEGATRON_TRACEBACK") == "1":
-            raise
-        if not isinstance(error, NonFiniteError) or os.environ.get("RANK", "0") == "0":  # that one is agreed
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    except (ValueError, FileNotFoundError) as error:
-        # Configuration and input errors (bad flags, missing or malformed data files) say what and
-        # how to fix in their message: print that line alone unless a traceback is asked for. A flag
-        # error is the same on every rank: the first rank of each node prints it.
-        if os.environ.get("MEGATRON_TRACEBACK") == "1":
-            raise
-        from megatron.training.arguments import is_first_rank
-        from megatron.training.validation import ConfigError
-
-        if isinstance(error, ConfigError):
-            if is_first_rank():
-                print(f"error: {error}", file=sys.stderr, flush=True)
-            sys.exit(2)
-        frame = traceback.extract_tb(error.__traceback__)[-1]
-        print(f"error: {error}\n(raised at {frame.filename}:{frame.lineno}; "
-              "set MEGATRON_TRACEBACK=1 for the full traceback)", file=sys.stderr)
-        sys.exit(2)
+    exit_on_error(main, sys.argv[1:])

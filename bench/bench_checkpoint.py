@@ -86,7 +86,7 @@ def main(argv=None):
         from megatron.training.checkpointing import read_common
 
         start = time.perf_counter()
-        checkpointer.load(run, directory, read_common(directory), TrainState)
+        checkpointer.load(run, directory, read_common(directory))
         load_times.append(time.perf_counter() - start)
         start = time.perf_counter()
         recorded = checksums.gather(directory, None)

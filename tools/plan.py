@@ -58,6 +58,7 @@ def parse(argv=None) -> tuple:
 def run_config(flags: list):
     """(training Config, vocabulary size) from pretrain_gpt.py flags."""
     from megatron.training.arguments import parse_args
+    from megatron.training.data import build_tokenizer
 
     if "--lr" not in flags:
         flags = flags + ["--lr", "0"]  # no effect on the plan
@@ -66,9 +67,7 @@ def run_config(flags: list):
     if not any(flag in flags for flag in ("--data-path", "--train-data-path", "--mock-data")):
         flags = flags + ["--mock-data"]  # the data does not change the plan
     config = parse_args(flags)
-    import pretrain_gpt
-
-    tokenizer = pretrain_gpt.build_tokenizer(config)  # as the run builds it (NullTokenizer adds an end token)
+    tokenizer = build_tokenizer(config)  # as the run builds it (NullTokenizer adds an end token)
     vocab_size = tokenizer.vocab_size if tokenizer is not None else config.data.vocab_size
     if vocab_size is None:
         raise SystemExit("error: no vocabulary size: pass --vocab-size N (or the tokenizer flags with its files)")
@@ -83,11 +82,10 @@ def main(argv=None) -> int:
                      inter_node_bandwidth=options.inter_node_bandwidth and options.inter_node_bandwidth * GB,
                      table_file=options.throughput_table)
     if options.top > 0:
-        from megatron.training.planning.layout import layout_from_config
+        from megatron.training.planning.plan import layout_for_flags
         from megatron.training.planning.search import format_table, search
-        from megatron.training import builders
 
-        base = layout_from_config(config, builders.transformer_config(config, vocab_size), target.world_size)
+        base = layout_for_flags(config, vocab_size, target.world_size)
         if config.training.global_batch_size is None:
             raise SystemExit("error: --top needs --global-batch-size (the batch every layout must train)")
         plans, tried = search(lambda tp: model_architecture(config, vocab_size, tp), base, target, options.top,
@@ -101,7 +99,8 @@ def main(argv=None) -> int:
     if target.world_size % used:
         raise SystemExit(f"error: TP x PP x CP = {used} does not divide the cluster's {target.world_size} GPUs "
                          f"({target.nodes} nodes x {target.gpus_per_node})")
-    from megatron.training.validation import ConfigError, validate
+    from megatron.training.errors import ConfigError
+    from megatron.training.validation import validate
 
     try:
         for note in validate(config, target.world_size):

@@ -23,7 +23,7 @@ from megatron.core.parallel_state import ParallelGroups
 from megatron.core.pipeline_parallel import layout
 from megatron.core.transformer.attention import resolve_attention_backend, runs_batch_first
 from megatron.core.transformer.config import ExecutionConfig, TransformerConfig, derive
-from megatron.training.batch_schedule import global_batch_size
+from megatron.training.state import global_batch_size
 from megatron.training.config import Config
 
 

@@ -45,7 +45,8 @@ from megatron.core.checkpointing import state as ckpt_state
 from megatron.core.checkpointing.safe_pickle import check_dcp_files, read_dcp_metadata
 from megatron.core.checkpointing.sharded import ShardedState
 from megatron.core.distributed import comm
-from megatron.training.validation import ConfigError
+from megatron.training.errors import CheckpointSaveError, ConfigError
+from megatron.training.state import TrainState
 
 def read_tracker(root: str) -> Optional[int]:
     """The iteration named by `root`'s tracker file, or None when there is no tracker."""
@@ -118,10 +119,6 @@ def fp8_layout_of(groups, num_chunks: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 def _directory_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
-
-
-class CheckpointSaveError(RuntimeError):
-    """A save failed (on any rank); the message says what survives and what to do."""
 
 
 def _root_cause(error: BaseException, rank: int) -> tuple:
@@ -308,7 +305,7 @@ class Checkpointer:
             comm.barrier(self.group)
 
     # -- loading -------------------------------------------------------------------------------
-    def load(self, run, directory: str, common: dict, train_state_cls):
+    def load(self, run, directory: str, common: dict):
         """Loads `directory` into the built run; returns the train state to continue from."""
         options = self.options
         optimizer_info = common.get("optimizer")
@@ -347,7 +344,7 @@ class Checkpointer:
         for chunk in run.chunks:
             chunk.finish_param_sync()
         self.loaded_rng = rng
-        train_state = train_state_cls() if options.finetune else train_state_cls(**common["train_state"])
+        train_state = TrainState() if options.finetune else TrainState(**common["train_state"])
         if not options.finetune:
             self.last_saved_iteration = train_state.iteration  # already on disk: not saved again
         what = "weights" if not load_optimizer else "weights and optimizer state"

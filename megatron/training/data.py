@@ -126,6 +126,20 @@ def sft_dataset_config(config):
         skip_bad_lines=d.sft_skip_bad_lines)
 
 
+def build_tokenizer(config):
+    """The run's tokenizer from its data flags, or None when none is implied (then --vocab-size
+    alone sizes the model). pretrain_gpt.py and tools/plan.py build it here, so they agree."""
+    from megatron.core.tokenizers import build_tokenizer as build
+    from megatron.training.validation import implied_tokenizer_type
+
+    d = config.data
+    tokenizer_type = implied_tokenizer_type(d)
+    if tokenizer_type is None:
+        return None
+    return build(tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
+                 tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size)
+
+
 def tokenizer_record_of(config, tokenizer) -> dict:
     from megatron.core.datasets.tokenizer_record import tokenizer_record
 

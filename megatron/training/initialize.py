@@ -10,8 +10,8 @@ from megatron.core import utils
 from megatron.core.parallel_state import ParallelGroups, initialize_model_parallel
 from megatron.core.tensor_parallel.random import RNGStatesTracker, build_tracker
 from megatron.training.config import Config
-from megatron.training.failures import attempt_store, enable_nccl_flight_recorder
-from megatron.training.launcher_watch import die_with_launcher
+from megatron.training.reliability.failures import attempt_store, enable_nccl_flight_recorder
+from megatron.training.reliability.launcher_watch import die_with_launcher
 
 
 def resolve_backend(config: Config) -> str:

@@ -11,13 +11,14 @@ import torch
 from megatron.core import utils
 from megatron.core.checkpointing.architecture import record_of_checkpoint
 from megatron.training import builders
-from megatron.training.batch_schedule import batch_schedule
+from megatron.training.state import batch_schedule
 from megatron.training.checkpointing import apply_checkpoint_args, architecture, check_architecture, locate, read_common
 from megatron.training.config import Config
 from megatron.training.initialize import world_size_from_env
 from megatron.training.planning.startup import (check_device_fits, persistent_bytes, persistent_hints,
                                                 print_dry_run_plan)
-from megatron.training.validation import ConfigError, resolve
+from megatron.training.errors import ConfigError
+from megatron.training.validation import resolve
 
 
 def check_fits_in_memory(config: Config, model_config, world_size: int, device: torch.device) -> None:

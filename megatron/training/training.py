@@ -22,37 +22,26 @@ from megatron.core.transformer.fp8 import choose_fp8_linears
 from megatron.core.transformer.moe.router import aux_loss_log_values, finish_moe_step
 from megatron.training import builders
 from megatron.training.arguments import format_config
-from megatron.training.batch_schedule import BatchSchedule, batch_schedule
+from megatron.training.state import BatchSchedule, TrainState, batch_schedule
 from megatron.training.checkpointing import Checkpointer, checkpoint_dir
 from megatron.training.config import Config
 from megatron.training.data import build_loader, endless
-from megatron.training.exits import ExitConditions
-from megatron.training.failures import FailureReport, Watch
+from megatron.training.reliability.exits import ExitConditions
+from megatron.training.reliability.failures import FailureReport, Watch
 from megatron.training.fast_paths import fast_paths_line
-from megatron.training.fault_injection import FaultInjector
-from megatron.training.guards import StepGuard
+from megatron.training.reliability.fault_injection import FaultInjector
+from megatron.training.reliability.guards import StepGuard
 from megatron.training.initialize import initialize_distributed, world_size_from_env
 from megatron.training.logging import TensorBoardWriter, flops_per_iteration, iteration_line, tensorboard_scalars
 from megatron.training.memory import memory_report, theoretical_bytes
-from megatron.training.oom import MemoryWatch
+from megatron.training.reliability.oom import MemoryWatch
 from megatron.training.profiling import StepProfiler
 from megatron.training.progress import ProgressLog
-from megatron.training.save_lock import SaveLock, hold_save_directory
+from megatron.training.reliability.save_lock import SaveLock, hold_save_directory
 from megatron.training.startup import check_fits_in_memory, startup_checks
-from megatron.training.straggler import StragglerReport
+from megatron.training.reliability.straggler import StragglerReport
 
 _JOB_START_TIME = time.time()  # --exit-duration-in-mins counts from here (module import ~ job start)
-
-
-@dataclasses.dataclass
-class TrainState:
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    consumed_valid_samples: int = 0
-    skipped_iterations: int = 0
-    nan_iterations: int = 0
-    floating_point_operations: float = 0.0  # of all iterations so far, every job of the run (--log-progress)
-    exit_reason: Optional[str] = None  # why training stopped before --train-iters (not saved)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,21 +330,13 @@ def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = 
     """Runs --train-iters optimizer steps (or until an exit condition); returns the final state.
     Logs from the logging rank; evaluates every --eval-interval iterations, continuing through the
     validation set; saves checkpoints at --save-interval and before an early exit."""
-    config, groups = run.config, run.groups
-    t, log = config.training, config.logging
+    groups, t = run.groups, run.config.training
     state = state or TrainState()
     if state.iteration >= t.train_iters:
         return state
     train_iterator = _loader(run, train_dataset, state.consumed_train_samples)
     valid_iterator = _valid_iterator(run, valid_dataset, state)
-    if run.checkpointer is not None:
-        run.checkpointer.restore_rng()
-    profiler = StepProfiler(log, groups.global_rank, groups.device)
-    for chunk in run.chunks:
-        chunk.module.train()
-    if t.manual_gc:
-        gc.disable()
-        gc.collect()
+    profiler = _start_training(run)
     window = _Window(groups.device)
     while state.iteration < t.train_iters:
         # No device synchronize and no host read of the loss inside a step: steps queue back to back
@@ -379,17 +360,7 @@ def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = 
         state.floating_point_operations += flops
         vetoed = run.guard is not None and run.guard.vetoed  # a NaN/Inf step's loss stays out of the average
         window.add(None if vetoed else losses, flops, global_batch * t.seq_length)
-        to_tensorboard = log.tensorboard_dir is not None and state.iteration % log.tensorboard_log_interval == 0
-        to_log = state.iteration % log.log_interval == 0 or state.iteration == t.train_iters
-        if to_tensorboard or to_log:
-            statistics = _step_statistics(run, global_batch, grad_norm)
-        if to_tensorboard:
-            _write_tensorboard(run, state, reduce_reported(run, [losses]), statistics)
-        if to_log:
-            _log_iteration(run, state, window, statistics)
-            window = _Window(groups.device)
-            if run.straggler is not None:
-                _log_straggler(run, state.iteration)
+        window = _report_step(run, state, window, losses, global_batch, grad_norm)
         _manual_gc(run, state.iteration)
         if valid_iterator is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
             _log_evaluation(run, valid_iterator, state, f"iteration {state.iteration}")
@@ -402,6 +373,40 @@ def train(run: Run, train_dataset, valid_dataset, state: Optional[TrainState] = 
             run.printer(f"> exiting after iteration {state.iteration}: {state.exit_reason}")
             break
     return state
+
+
+def _start_training(run: Run) -> StepProfiler:
+    """Before the first step: the saved RNG states back, the model in training mode, Python's
+    collector under --manual-gc's control; returns the profiler of the steps."""
+    config, groups = run.config, run.groups
+    if run.checkpointer is not None:
+        run.checkpointer.restore_rng()
+    profiler = StepProfiler(config.logging, groups.global_rank, groups.device)
+    for chunk in run.chunks:
+        chunk.module.train()
+    if config.training.manual_gc:
+        gc.disable()
+        gc.collect()
+    return profiler
+
+
+def _report_step(run: Run, state: TrainState, window: _Window, losses: dict, global_batch: int,
+                 grad_norm: Optional[float]) -> _Window:
+    """TensorBoard and the log line at their intervals (and the straggler report with the log line);
+    returns the window the next steps add to (a new one after a log line)."""
+    t, log = run.config.training, run.config.logging
+    to_tensorboard = log.tensorboard_dir is not None and state.iteration % log.tensorboard_log_interval == 0
+    to_log = state.iteration % log.log_interval == 0 or state.iteration == t.train_iters
+    if to_tensorboard or to_log:
+        statistics = _step_statistics(run, global_batch, grad_norm)
+    if to_tensorboard:
+        _write_tensorboard(run, state, reduce_reported(run, [losses]), statistics)
+    if to_log:
+        _log_iteration(run, state, window, statistics)
+        window = _Window(run.groups.device)
+        if run.straggler is not None:
+            _log_straggler(run, state.iteration)
+    return window
 
 
 def _valid_iterator(run: Run, valid_dataset, state: TrainState):
@@ -562,7 +567,7 @@ def pretrain(config: Config, *, forward_step_func: Callable, datasets_provider: 
     state = TrainState()
     with Watch(run.failure_report, lambda: state.iteration), MemoryWatch(run, lambda: state.iteration):
         if run.checkpoint_to_load is not None:
-            state = run.checkpointer.load(run, *run.checkpoint_to_load, TrainState)
+            state = run.checkpointer.load(run, *run.checkpoint_to_load)
         t = config.training
         train_ds, valid_ds, test_ds = datasets_provider(config, run.groups, dataset_sizes(config, run.batches))
         exits = ExitConditions(t, run.groups, _JOB_START_TIME)

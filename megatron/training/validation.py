@@ -11,13 +11,10 @@ from megatron.core.parallel_state import check_expert_sizes, check_sizes
 from megatron.core.pipeline_parallel.layout import validate_pipeline
 from megatron.core.transformer.moe.moe_utils import LOAD_BALANCING_TYPES, moe_layer_pattern
 from megatron.training import megatron_lm
-from megatron.training.batch_schedule import batch_schedule, global_batch_size
+from megatron.training.state import batch_schedule, global_batch_size
 from megatron.core.transformer.config import derive
 from megatron.training.config import Config
-
-
-class ConfigError(ValueError):
-    pass
+from megatron.training.errors import ConfigError  # noqa: F401 (raised here; its callers import it from here too)
 
 
 def _require(condition: bool, message: str) -> None:

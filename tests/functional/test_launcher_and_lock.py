@@ -2,9 +2,9 @@
 (gloo, fp32, CPU, two ranks).
 
 - SIGKILL to torchrun's whole process group mid-run: every worker is gone within a few seconds
-  and no later checkpoint appears (megatron/training/launcher_watch.py);
+  and no later checkpoint appears (megatron/training/reliability/launcher_watch.py);
 - a second job given the --save directory of a running one stops at start-up with one line naming
-  the holder; a lock left by a killed job is taken over with a note (megatron/training/save_lock.py).
+  the holder; a lock left by a killed job is taken over with a note (megatron/training/reliability/save_lock.py).
 """
 import os
 import re

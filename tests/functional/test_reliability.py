@@ -11,7 +11,7 @@
   last checkpoint and ends equal to the uninterrupted run;
 - running out of memory prints the start-up estimate, the measured peak and the flags to change.
 
-Faults come from the test-only MEGATRON_TEST_FAULTS variable (megatron/training/fault_injection.py).
+Faults come from the test-only MEGATRON_TEST_FAULTS variable (megatron/training/reliability/fault_injection.py).
 """
 import os
 import re

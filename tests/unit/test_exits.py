@@ -6,7 +6,7 @@ import time
 from types import SimpleNamespace
 
 from megatron.core.parallel_state import single_process
-from megatron.training.exits import ExitConditions
+from megatron.training.reliability.exits import ExitConditions
 
 
 def conditions(interval=None, minutes=None, handler=False, started=None):

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from megatron.training import launcher_watch
+from megatron.training.reliability import launcher_watch
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 
@@ -16,7 +16,7 @@ PARENT = """
 import subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", '''
 import os, threading, time
-from megatron.training import launcher_watch
+from megatron.training.reliability import launcher_watch
 threading.Thread(target=launcher_watch._watch_parent, args=(os.getppid(), 0.1), daemon=True).start()
 print(os.getpid(), flush=True)
 time.sleep(600)
@@ -61,7 +61,7 @@ def test_parent_death_signal_is_set_on_linux():
         assert launcher_watch.set_parent_death_signal(signal.SIGKILL) is False
         return
     # In a child, so that this test process keeps its own setting.
-    code = ("import ctypes, signal; from megatron.training import launcher_watch as w; "
+    code = ("import ctypes, signal; from megatron.training.reliability import launcher_watch as w; "
             "assert w.set_parent_death_signal(signal.SIGKILL); "
             "v = ctypes.c_int(); ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); print(v.value)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

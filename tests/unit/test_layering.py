@@ -19,6 +19,13 @@ FLOORS = [
     ("megatron.training",),
     ("pretrain_gpt", "tools", "bench"),
 ]
+# What tools may use of the application: its public entry points (flags to a config, the checks and
+# errors of that config, the flag tables, the tokenizer and data the flags name, the planner), never
+# pretrain_gpt or the loop's internals. Benchmarks drive the loop itself and may use all of it.
+TOOLS = "tools"
+TOOLS_MAY_IMPORT = ("megatron.core", "megatron.training.arguments", "megatron.training.validation",
+                    "megatron.training.errors", "megatron.training.megatron_lm", "megatron.training.data",
+                    "megatron.training.planning", "tools")
 
 
 def floor_of(module: str):
@@ -72,6 +79,50 @@ def upward_imports() -> list:
                              f"from floor {own[0]} ({own[1]})")
     return found
 
+# The rooms of megatron/training that stand below the loop (docs/design.md, "Rooms of the
+# application"): what each may import of the application.
+ROOMS = {
+    "megatron.training.errors": (),
+    "megatron.training.state": ("megatron.training.errors",),
+    "megatron.training.checkpointing": ("megatron.training.errors", "megatron.training.state"),
+    "megatron.training.reliability": ("megatron.training.errors", "megatron.training.state",
+                                      "megatron.training.reliability", "megatron.training.arguments",
+                                      "megatron.training.config", "megatron.training.memory"),
+}
+
+
+def _within(name: str, prefixes) -> bool:
+    return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
+
+
+def test_the_rooms_below_the_loop_do_not_call_it():
+    found = []
+    for path in sources():
+        name = module_name(path)
+        room = next((r for r in ROOMS if _within(name, (r,))), None)
+        if room is None:
+            continue
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found += [f"{path.relative_to(ROOT)}:{line} imports {imported} (room {room})"
+                  for line, imported in imported_modules(ast.parse(path.read_text(), str(path)), package)
+                  if _within(imported, ("megatron.training",)) and not _within(imported, ROOMS[room])]
+    assert found == [], "\n".join(found)
+
+
+def imports_outside_public_entry_points(relative: str, source: str) -> list:
+    """The imports of the tool at `relative` (its text: `source`) that reach past the application's
+    public entry points."""
+    package = module_name(ROOT / relative).rpartition(".")[0]
+    return [f"{relative}:{line} imports {imported}" for line, imported in imported_modules(ast.parse(source), package)
+            if floor_of(imported) is not None
+            and not any(imported == allowed or imported.startswith(allowed + ".") for allowed in TOOLS_MAY_IMPORT)]
+
+
+def test_tools_use_only_the_public_entry_points():
+    found = [line for path in sources() if module_name(path).startswith(TOOLS + ".")
+             for line in imports_outside_public_entry_points(str(path.relative_to(ROOT)), path.read_text())]
+    assert found == [], "\n".join(found)
+
 
 def test_every_module_is_on_a_floor():
     missing = [str(p.relative_to(ROOT)) for p in sources() if p.name != "__init__.py" and floor_of(module_name(p)) is None
@@ -91,3 +142,11 @@ def test_no_module_imports_a_floor_above_its_own():
 ])
 def test_the_floors_order_modules(module, imported, upward):
     assert (floor_of(imported)[0] > floor_of(module)[0]) is upward
+
+
+def test_a_tool_importing_the_entry_point_or_the_loop_is_named():
+    source = ("import pretrain_gpt\nfrom megatron.training.training import setup\n"
+              "from megatron.training.arguments import parse_args\nfrom megatron.core import utils\n")
+    assert imports_outside_public_entry_points("tools/example_tool.py", source) == [
+        "tools/example_tool.py:1 imports pretrain_gpt",
+        "tools/example_tool.py:2 imports megatron.training.training.setup"]

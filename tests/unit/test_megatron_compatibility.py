@@ -252,7 +252,7 @@ def test_what_megatron_lm_accepts_without_its_companion_runs_with_a_note(flags, 
 
 
 def test_negative_eval_iters_asks_for_no_evaluation_samples():
-    from megatron.training.batch_schedule import batch_schedule
+    from megatron.training.state import batch_schedule
     from megatron.training.training import dataset_sizes
 
     config = parse_args(MINIMAL + ["--eval-iters", "-1", "--eval-interval", "1"])

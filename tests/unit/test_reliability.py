@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from megatron.core.parallel_state import single_process
-from megatron.training import fault_injection
+from megatron.training.reliability import fault_injection
 from megatron.core.distributed import comm
-from megatron.training.failures import _first_line, enable_nccl_flight_recorder, is_collective_failure, where_it_failed
-from megatron.training.guards import MIN_HISTORY, NonFiniteError, SpikeDetector, StepGuard
-from megatron.training.oom import DeviceOutOfMemory, MemoryWatch, memory_flags
+from megatron.training.reliability.failures import _first_line, enable_nccl_flight_recorder, is_collective_failure, where_it_failed
+from megatron.training.reliability.guards import MIN_HISTORY, NonFiniteError, SpikeDetector, StepGuard
+from megatron.training.reliability.oom import DeviceOutOfMemory, MemoryWatch, memory_flags
 
 
 def training_config(**overrides):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megatron.training.save_lock import LOCK_FILE, SaveLock
+from megatron.training.reliability.save_lock import LOCK_FILE, SaveLock
 from megatron.training.validation import ConfigError
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
@@ -31,7 +31,7 @@ def test_a_second_holder_is_refused_naming_the_first(tmp_path):
 
 def test_a_killed_holders_lock_is_taken_over_with_a_note(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from megatron.training.save_lock import SaveLock; "
+        "import sys, time; from megatron.training.reliability.save_lock import SaveLock; "
         f"lock = SaveLock({str(tmp_path)!r}); lock.acquire(); print('locked', flush=True); time.sleep(600)")],
         stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
     try:

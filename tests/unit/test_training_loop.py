@@ -9,7 +9,7 @@ import pytest
 
 import pretrain_gpt
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-from megatron.training.batch_schedule import BatchSchedule
+from megatron.training.state import BatchSchedule
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "8",

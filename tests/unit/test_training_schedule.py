@@ -13,7 +13,7 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.optimizer.optimizer import param_groups
 from megatron.training.arguments import parse_args
-from megatron.training.batch_schedule import BatchSchedule
+from megatron.training.state import BatchSchedule
 from megatron.training.builders import lr_schedule_config
 from tests.distributed.parity import llama_config
 

@@ -18,7 +18,12 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 from megatron.core.checkpointing import CheckpointFormatError, checksums  # noqa: E402
 from megatron.core.checkpointing.safe_pickle import check_dcp_files, read_dcp_metadata  # noqa: E402
-from megatron.training.checkpointing import locate, read_common  # noqa: E402
+from megatron.core.checkpointing.directory import (  # noqa: E402
+    TRACKER_FILE,
+    checkpoint_dir,
+    read_common,
+    tracked_iteration,
+)
 
 _ITERATION_DIR = re.compile(r"^iter_(\d{7,})$")
 
@@ -32,10 +37,22 @@ def checkpoints(path: str, every: bool) -> list:
         if not found:
             raise CheckpointFormatError(f"{path} holds no iter_NNNNNNN checkpoint directory")
         return [os.path.join(path, name) for name in found]
-    directory, note = locate(path, None)
-    if directory is None:
-        raise CheckpointFormatError(note)
-    return [directory]
+    return [latest(path)]
+
+
+def latest(path: str) -> str:
+    """The checkpoint directory the tracker file of save directory `path` names (the messages are
+    those of a run's --load, which reads the same tracker)."""
+    iteration = tracked_iteration(path) if os.path.isdir(path) else None
+    if iteration is None:
+        raise CheckpointFormatError(f"--load {path}: no checkpoint found (no {TRACKER_FILE}); training starts "
+                                    "from randomly initialized weights")
+    directory = checkpoint_dir(path, iteration)
+    if not os.path.isdir(directory):
+        raise CheckpointFormatError(f"{os.path.join(path, TRACKER_FILE)} names iteration {iteration}, but "
+                                    f"{directory} does not exist; restore it, or point the tracker at an existing "
+                                    "iteration")
+    return directory
 
 
 def verify(directory: str) -> str:

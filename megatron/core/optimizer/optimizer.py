@@ -136,7 +136,7 @@ class MixedPrecisionOptimizer:
     @torch.no_grad()
     def step(self, guard=None) -> tuple[bool, Optional[float]]:
         """Returns (update applied, gradient norm before clipping). `guard` (optional; see
-        `megatron.training.guards.StepGuard`) may veto the update: it gets this rank's share of the
+        `megatron.training.reliability.guards.StepGuard`) may veto the update: it gets this rank's share of the
         squared norm, returns device values of its own, and they are read to the host in the same
         transfer as the norm, so a guard adds no synchronization."""
         grads = self.grads()

@@ -56,6 +56,13 @@ def model_architecture(config, vocab_size: int, tp: int = None) -> Architecture:
     return architecture(builders.transformer_config(config, vocab_size))
 
 
+def layout_for_flags(config, vocab_size: int, world_size: int) -> Layout:
+    """The layout a run's flags ask for, on `world_size` GPUs (the start of a layout search)."""
+    from megatron.training import builders
+
+    return layout_from_config(config, builders.transformer_config(config, vocab_size), world_size)
+
+
 def make_plan(arch: Architecture, layout: Layout, cluster: Cluster, margin: float = MARGIN) -> Plan:
     return Plan(arch=arch, layout=layout, cluster=cluster, stages=memory_per_stage(arch, layout),
                 time=step_time(arch, layout, cluster), margin=margin)

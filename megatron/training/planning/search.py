@@ -6,7 +6,8 @@ by predicted tokens/s."""
 import itertools
 from typing import Callable
 
-from megatron.training.validation import ConfigError, check_expert_layout
+from megatron.training.errors import ConfigError
+from megatron.training.validation import check_expert_layout
 
 from megatron.training.planning.hardware import Cluster
 from megatron.training.planning.layout import Layout

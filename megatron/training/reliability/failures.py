@@ -30,13 +30,11 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-_PACKAGE = str(Path(__file__).resolve().parents[1])     # .../megatron
+from megatron.training.errors import DistributedFailure
+
+_PACKAGE = str(Path(__file__).resolve().parents[2])     # .../megatron
 _TORCH_DISTRIBUTED = str(Path(dist.__file__).resolve().parent)
 FLIGHT_RECORDER_ENTRIES = "2000"
-
-
-class DistributedFailure(RuntimeError):
-    """A collective failed because another rank died or stopped answering; the message names it."""
 
 
 def attempt_prefix() -> str:

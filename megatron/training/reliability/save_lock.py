@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron.core.distributed import comm
-from megatron.training.validation import ConfigError
+from megatron.training.errors import ConfigError
 
 LOCK_FILE = "save.lock"
 

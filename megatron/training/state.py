@@ -1,4 +1,5 @@
-"""How many samples each iteration trains on, and for how many iterations (Megatron-LM's rules).
+"""The run's state: where training stands (`TrainState`, saved in every checkpoint) and how many
+samples each iteration trains on, and for how many iterations (Megatron-LM's rules).
 
 Training is iteration-based (--train-iters) or sample-based (--train-samples: iterations = samples /
 global batch size, the partial last batch dropped). With --rampup-batch-size START INCREMENT SAMPLES
@@ -9,6 +10,17 @@ micro-batch-size x data-parallel size.
 """
 from dataclasses import dataclass
 from typing import Optional
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+    floating_point_operations: float = 0.0  # of all iterations so far, every job of the run (--log-progress)
+    exit_reason: Optional[str] = None  # why training stopped before --train-iters (not saved)
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,11 @@ from typing import Callable
 import torch
 
 from megatron.core import utils
+from megatron.training.errors import DeviceOutOfMemory
 from megatron.training.memory import theoretical_bytes
 
 _GIB = 1024 ** 3
 _CPU_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
-
-
-class DeviceOutOfMemory(RuntimeError):
-    """The device ran out of memory; the message says how much was estimated, used, and what to change."""
 
 
 def is_out_of_memory(error: BaseException) -> bool:

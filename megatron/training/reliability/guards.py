@@ -26,13 +26,10 @@ from typing import Callable, Optional
 import torch
 
 from megatron.core.distributed import comm
+from megatron.training.errors import NonFiniteError
 
 HISTORY = 100         # values a spike is compared with
 MIN_HISTORY = 10      # values needed before anything is called a spike
-
-
-class NonFiniteError(RuntimeError):
-    """Training stopped on a NaN/Inf loss or gradient; the message names the iteration and ranks."""
 
 
 class SpikeDetector:

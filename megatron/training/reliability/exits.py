@@ -1,16 +1,22 @@
-"""When to stop early: --exit-interval, --exit-duration-in-mins and --exit-signal-handler.
+"""When to stop early: --exit-interval, --exit-duration-in-mins and --exit-signal-handler; and how a
+run that stopped on an error exits (`exit_on_error`: the message, not a traceback).
 
 Checked after every iteration. The time limit and the signals are agreed over all ranks (one
 max-reduction of two flags), so every rank stops after the same iteration, saves the same
 checkpoint and exits 0, even when only some ranks got the signal or crossed the time limit.
 """
+import os
 import signal
+import sys
 import time
-from typing import Optional
+import traceback
+from typing import Callable, Optional
 
 import torch
 
 from megatron.core.distributed import comm
+from megatron.training.errors import (CheckpointSaveError, ConfigError, DeviceOutOfMemory, DistributedFailure,
+                                      NonFiniteError)
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -52,3 +58,35 @@ class ExitConditions:
         if self.handle_signals:
             for signum in HANDLED_SIGNALS:
                 signal.signal(signum, signal.SIG_DFL)
+
+
+def exit_on_error(main: Callable, argv: list) -> None:
+    """Runs `main(argv)`; an error that says what went wrong in its message exits with that message
+    alone (1 for training stopped, 2 for bad flags or inputs) unless MEGATRON_TRACEBACK=1 asks for
+    the traceback."""
+    try:
+        main(argv)
+    except (NonFiniteError, DistributedFailure, DeviceOutOfMemory, CheckpointSaveError) as error:
+        # Training stopped for a reason the message names (a NaN, a dead or hung rank, memory, disk):
+        # the message, not a traceback, unless one is asked for.
+        if os.environ.get("MEGATRON_TRACEBACK") == "1":
+            raise
+        if not isinstance(error, NonFiniteError) or os.environ.get("RANK", "0") == "0":  # that one is agreed
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except (ValueError, FileNotFoundError) as error:
+        # Configuration and input errors (bad flags, missing or malformed data files) say what and
+        # how to fix in their message: print that line alone unless a traceback is asked for. A flag
+        # error is the same on every rank: the first rank of each node prints it.
+        if os.environ.get("MEGATRON_TRACEBACK") == "1":
+            raise
+        from megatron.training.arguments import is_first_rank
+
+        if isinstance(error, ConfigError):
+            if is_first_rank():
+                print(f"error: {error}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        frame = traceback.extract_tb(error.__traceback__)[-1]
+        print(f"error: {error}\n(raised at {frame.filename}:{frame.lineno}; "
+              "set MEGATRON_TRACEBACK=1 for the full traceback)", file=sys.stderr)
+        sys.exit(2)
