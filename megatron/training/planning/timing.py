@@ -116,8 +116,11 @@ def _attention(arch: Architecture, lay: Layout, cluster: Cluster) -> tuple:
 def _elementwise_forward(arch: Architecture, lay: Layout, cluster: Cluster, tokens: float, fp8: bool = False,
                          moe: bool = False) -> float:
     """Norms, RoPE, the activation, residual adds and dropout: bytes read and written (with FP8,
-    also each linear's input read in bf16 and written in FP8; backward, at twice the forward's
-    elementwise traffic, covers the gradients' casts)."""
+    also each linear's input read twice in bf16, once for its amax and once to cast it, and written
+    in FP8; backward, at twice the forward's elementwise traffic, covers the gradients' casts). The
+    amax read is its own pass because the 2026-11-28 H200 profile shows one amax kernel per cast
+    (1088 `linalg_vector_norm` kernels in a llama3.2-1b step); a GPU run that shows it taken inside
+    the casting kernel removes it."""
     e, h = lay.compute_bytes, arch.hidden_size
     norm_tokens = tokens / lay.tp if lay.sp else tokens
     q_local = arch.query_size // lay.tp
@@ -135,8 +138,8 @@ def _elementwise_forward(arch: Architecture, lay: Layout, cluster: Cluster, toke
     if not lay.fused_elementwise:  # eager chains: each intermediate goes through HBM
         nbytes, kernels = 3 * nbytes, 30
     if fp8:
-        nbytes += (e + 1) * tokens * (2 * h + q_local + f_local)
-        kernels += 4
+        nbytes += (2 * e + 1) * tokens * (2 * h + q_local + f_local)
+        kernels += 8
     return cluster.memory_seconds(nbytes, kernels)
 
 
