@@ -7,6 +7,8 @@ experts' rows, and the FP8 experts then run grouped with their counts on the dev
   give exactly the per-expert FP8 path's scales and FP8 values.
 - The layer on the device path equals the same layer through the per-expert loop (same FP8 values;
   fp32 sums in another order: rtol 1e-5).
+- The layer's operator count does not grow with the expert count (tensorwise), where the
+  per-expert row padding's does (112 operators per expert).
 - Bad combinations fail at construction with the flag's name.
 (The host-read count is in tests/unit/test_moe_host_sync.py.)
 """
@@ -16,6 +18,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.core.parallel_state import single_process
 from megatron.core.tensor_parallel.layers import initialize_param
@@ -104,9 +107,9 @@ def test_one_cast_for_all_experts_equals_the_per_expert_casts(fp8_format):
     assert scales[1] == 1 and not grouped[64:].float().any()
 
 
-def fp8_layer(recipe: str, fp8_format: str = "e4m3", padded: bool = True):
+def fp8_layer(recipe: str, fp8_format: str = "e4m3", padded: bool = True, num_experts: int = EXPERTS):
     """An FP8 MoE layer (alltoall, fp32 weights from seed 3), its routing padded."""
-    cfg = config(moe_token_dispatcher_type="alltoall")
+    cfg = config(moe_token_dispatcher_type="alltoall", num_experts=num_experts)
     execution = ExecutionConfig(fp8=fp8_format, fp8_recipe=recipe, moe_router_padding_for_fp8=padded)
     layer = MoELayer(cfg, execution=execution, layer_number=0, groups=single_process(), device=torch.device("cpu"))
     for name, param in layer.named_parameters():
@@ -150,6 +153,31 @@ def test_device_path_equals_the_per_expert_loop(monkeypatch, fp8_format, recipe)
     for got, want in zip(grouped, looped):
         for name, g, w in zip(("output", "input grad", "fc1 grad", "fc2 grad"), got, want):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item(), msg=name)
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def operators(padded: bool, num_experts: int) -> int:
+    """aten operators of one forward and backward of a tensorwise FP8 layer (after a first step)."""
+    layer, scaling = fp8_layer("tensorwise", padded=padded, num_experts=num_experts)
+    train(layer, scaling, steps=1)
+    counter = CountOps()
+    with counter:
+        train(layer, scaling, steps=1)
+    return counter.ops
+
+
+def test_operator_count_does_not_grow_with_the_experts():
+    assert operators(True, 4) == operators(True, 8)
+    assert operators(False, 8) - operators(False, 4) == 4 * 112  # the loop's, for comparison
 
 
 @pytest.mark.parametrize("overrides, execution, message", [

@@ -247,9 +247,9 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
         out_features = weight.shape[1]
         # Row counts given as a list: this path runs only where the kernel does (`__call__`).
         kernel = not torch.is_tensor(counts) or grouped_fp8_supported(x, fp8.rowwise)
-        y = _grouped_gemm(kernel, x_q, w_forward, _with_sentinel(x_scale.reciprocal()).index_select(0, row_expert),
-                               w_scale.reciprocal().unsqueeze(1).expand(-1, out_features).contiguous(), offs,
-                               x.dtype)
+        x_row_scale = _with_sentinel(x_scale.reciprocal()).index_select(0, row_expert)   # [N]
+        y = _grouped_gemm(kernel, x_q, w_forward, x_row_scale,
+                          w_scale.reciprocal().unsqueeze(1).expand(-1, out_features).contiguous(), offs, x.dtype)
         # The input's FP8 transpose [k, N] is what the weight gradient needs of it.
         ctx.save_for_backward(x_q.t().contiguous(), x_scale, weight, row_expert, offs)
         ctx.counts, ctx.fp8, ctx.kernel = counts, fp8, kernel
@@ -267,12 +267,13 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
         _, w_dgrad, w_scale = fp8.weights(weight)
         # The grouped kernel multiplies E4M3 operands only; `_dequantized_grouped_mm` takes E5M2 too.
         if fp8.grad_dtype == fp8.forward_dtype or not ctx.kernel:
-            grad_input = _grouped_gemm(ctx.kernel, g_q, w_dgrad, _with_sentinel(g_scale.reciprocal()).index_select(0, row_expert),
-                                            w_scale.reciprocal().unsqueeze(1).expand(-1, in_features).contiguous(),
-                                            offs, grad.dtype)
+            g_row_scale = _with_sentinel(g_scale.reciprocal()).index_select(0, row_expert)      # [N]
+            grad_input = _grouped_gemm(ctx.kernel, g_q, w_dgrad, g_row_scale,
+                                       w_scale.reciprocal().unsqueeze(1).expand(-1, in_features).contiguous(),
+                                       offs, grad.dtype)
             # Weight gradient: groups along the contracted (row) dimension, scales group-major.
             grad_weight = _grouped_gemm(ctx.kernel, g_t, x_t.t(), g_scale.reciprocal().repeat_interleave(out_features),
-                                             x_scale.reciprocal().repeat_interleave(in_features), offs, grad.dtype)
+                                        x_scale.reciprocal().repeat_interleave(in_features), offs, grad.dtype)
             empty = torch.as_tensor(counts, device=grad.device).eq(0).view(-1, 1, 1)
             return grad_input, grad_weight.masked_fill(empty, 0), None, None
         # Hybrid on the kernel's GPU: the E5M2 GEMMs loop over the experts (device counts read back once).

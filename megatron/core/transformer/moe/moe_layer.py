@@ -67,7 +67,8 @@ def _check_router_padding(config, execution) -> None:
     if execution.fp8 is None:
         raise ValueError("--moe-router-padding-for-fp8 needs --fp8-format (it pads the routing for the FP8 experts)")
     if config.moe_token_dispatcher_type != "alltoall":
-        raise ValueError("--moe-router-padding-for-fp8 needs --moe-token-dispatcher-type alltoall (as in Megatron-Core)")
+        raise ValueError("--moe-router-padding-for-fp8 needs --moe-token-dispatcher-type alltoall "
+                         "(as in Megatron-Core)")
     if config.moe_pad_expert_input_to_capacity:
         raise ValueError("--moe-router-padding-for-fp8 and --moe-pad-expert-input-to-capacity both pad the experts' "
                          "input: use one of them")

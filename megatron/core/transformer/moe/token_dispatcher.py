@@ -165,9 +165,10 @@ class _LocalPermutation:
             self.row_valid = None
             return rows, per_expert
         if self.pad_multiple is not None and self.num_tokens % self.pad_multiple:
-            raise ValueError(f"--moe-router-padding-for-fp8 needs the tokens of a rank's micro-batch ({self.num_tokens}: "
-                             f"sequence length x micro-batch size, / tensor-parallel size with sequence parallelism) "
-                             f"to be a multiple of {self.pad_multiple}, so that every expert's count can be padded")
+            raise ValueError(f"--moe-router-padding-for-fp8 needs the tokens of a rank's micro-batch "
+                             f"({self.num_tokens}: sequence length x micro-batch size, / tensor-parallel size "
+                             f"with sequence parallelism) to be a multiple of {self.pad_multiple}, so that every "
+                             f"expert's count can be padded")
         rows, self.token_index, self.row_probs, per_expert, self.row_valid = self.permute_rows(
             hidden, probs, routing_map, topk=self.topk, first_expert=self.first_expert,
             num_experts=self.num_local_experts, may_drop=self.may_drop, pad_multiple=self.pad_multiple)
