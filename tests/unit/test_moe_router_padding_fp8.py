@@ -7,8 +7,8 @@ experts' rows, and the FP8 experts then run grouped with their counts on the dev
   give exactly the per-expert FP8 path's scales and FP8 values.
 - The layer on the device path equals the same layer through the per-expert loop (same FP8 values;
   fp32 sums in another order: rtol 1e-5).
-- The layer's operator count does not grow with the expert count (tensorwise), where the
-  per-expert row padding's does (112 operators per expert).
+- The layer's operator count does not grow with the expert count (tensorwise, delayed), where the
+  per-expert row padding's does (112 and 76 operators per expert).
 - Bad combinations fail at construction with the flag's name.
 (The host-read count is in tests/unit/test_moe_host_sync.py.)
 """
@@ -165,9 +165,9 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def operators(padded: bool, num_experts: int) -> int:
-    """aten operators of one forward and backward of a tensorwise FP8 layer (after a first step)."""
-    layer, scaling = fp8_layer("tensorwise", padded=padded, num_experts=num_experts)
+def operators(recipe: str, padded: bool, num_experts: int) -> int:
+    """aten operators of one forward and backward of an FP8 layer (after a first step)."""
+    layer, scaling = fp8_layer(recipe, padded=padded, num_experts=num_experts)
     train(layer, scaling, steps=1)
     counter = CountOps()
     with counter:
@@ -175,9 +175,11 @@ def operators(padded: bool, num_experts: int) -> int:
     return counter.ops
 
 
-def test_operator_count_does_not_grow_with_the_experts():
-    assert operators(True, 4) == operators(True, 8)
-    assert operators(False, 8) - operators(False, 4) == 4 * 112  # the loop's, for comparison
+@pytest.mark.parametrize("recipe, per_expert", [("tensorwise", 112), ("delayed", 76)])
+def test_operator_count_does_not_grow_with_the_experts(recipe, per_expert):
+    """Delayed scaling included: the experts' amaxes enter the history in one kernel per tensor."""
+    assert operators(recipe, True, 4) == operators(recipe, True, 8)
+    assert operators(recipe, False, 8) - operators(recipe, False, 4) == 4 * per_expert  # the loop's
 
 
 @pytest.mark.parametrize("overrides, execution, message", [

@@ -208,14 +208,15 @@ class ExpertsFP8:
         """Each expert's scale [E] for `role` (recording the amaxes under delayed scaling)."""
         if self.scaling is None:
             return scale_from_amax(amaxes, dtype, self.options.margin)
-        slots = [linear.first_slot + role for linear in self.linears]
-        for slot, amax in zip(slots, amaxes):
-            (self.scaling.record_weight if role == WEIGHT else self.scaling.record)(slot, amax)
+        if role not in self._slots:
+            self._slots[role] = torch.tensor([linear.first_slot + role for linear in self.linears],
+                                             device=amaxes.device)
+        slots = self._slots[role]
+        # All experts' amaxes recorded in one kernel (not one per expert).
+        (self.scaling.record_weight_slots if role == WEIGHT else self.scaling.record_slots)(slots, amaxes)
         if not self.scaling.ready:
             return scale_from_amax(amaxes, dtype, self.options.margin)
-        if role not in self._slots:
-            self._slots[role] = torch.tensor(slots, device=amaxes.device)
-        return self.scaling.scale[self._slots[role]]
+        return self.scaling.scale[slots]
 
     def weights(self, weight: torch.Tensor):
         """(forward operand [E, k, n] and input-gradient operand [E, n, k], both column-major FP8,
