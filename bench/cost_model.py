@@ -312,6 +312,12 @@ def moe_layer_flops(p: dict) -> dict:
             "attention": attention_flops(dict(micro=p["micro"], heads=p["heads"], h=q))}
 
 
+def fp8_padding_rows(rows: int, experts: int, multiple: int = 16) -> int:
+    """Rows --moe-router-padding-for-fp8 adds to `rows` spread evenly over `experts`: each expert's
+    count up to the next multiple of `multiple`."""
+    return experts * (-(rows // experts) % multiple)
+
+
 def moe_step_parts(name: str, precision: str) -> dict:
     """{part: (seconds, work)} for one optimizer step of MoE preset `name` (tokens spread evenly over
     the experts, as --moe-router-force-load-balancing makes them)."""
@@ -346,7 +352,12 @@ def moe_step_parts(name: str, precision: str) -> dict:
         # written with its transpose (6 bytes per element); the attention linears' and the experts'
         # weight gradients, which FP8 GEMMs write in bf16, added to main_grad (12 bytes). Per step:
         # each weight's amax, cast and transpose
-        # (6 bytes). Balanced rows per expert are multiples of 16 here: no padding copies.
+        # (6 bytes). The experts run as with --moe-router-padding-for-fp8 (tensorwise or delayed): the
+        # routing is padded, so no row is copied, each tensor is cast once for all experts and the
+        # host's operators do not grow with the expert count (tests/unit/test_moe_router_padding_fp8.py),
+        # so the bf16 count below stands for FP8's too. The padding adds rows up to the next multiple
+        # of 16 per expert (none when balanced rows per expert are multiples of 16, as in these presets).
+        rows += fp8_padding_rows(rows, p["experts"])
         attention_weights = p["h"] * (2 * q + 2 * kv)
         x = tokens * (p["h"] + q) + rows * (p["h"] + p["expert_f"])
         g = tokens * (q + 2 * kv + p["h"]) + rows * (2 * p["expert_f"] + p["h"])

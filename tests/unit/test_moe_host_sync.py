@@ -136,3 +136,21 @@ def test_micro_batches_routed_differently_each_equal_the_naive_loop(name):
     with torch.no_grad():
         for x, out in zip((first, second), outputs):
             torch.testing.assert_close(out, naive(layer, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_fp8_experts_with_padded_routing_read_nothing_back(recipe, host_reads):
+    """--moe-router-padding-for-fp8: the FP8 experts take the counts as a device tensor (one amax
+    per expert by a segment reduction, one cast of all rows, grouped GEMMs), so the FP8 layer at
+    EP 1 reads nothing back either; without the flag the per-expert row padding reads them once."""
+    from tests.unit.test_moe_router_padding_fp8 import TOKENS, fp8_layer, train
+
+    layer, scaling = fp8_layer(recipe)
+    train(layer, scaling, steps=1)  # delayed: past the first step, the scales come from the history
+    with host_reads:
+        train(layer, scaling, steps=2)
+    assert host_reads.reads == []
+    layer, scaling = fp8_layer(recipe, padded=False)
+    with host_reads:
+        layer(torch.randn(TOKENS // 2, 2, 64)).sum()
+    assert host_reads.reads == ["tolist"]

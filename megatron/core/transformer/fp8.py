@@ -334,6 +334,19 @@ class DelayedScaling:
         torch.maximum(current, amax.reshape(1), out=current)
         self._recorded = True
 
+    def record_slots(self, slots: torch.Tensor, amaxes: torch.Tensor) -> None:
+        """`record` for several distinct slots at once (slots [S] on the device, amaxes [S] fp32):
+        one kernel where the experts' grouped casts have one amax per expert."""
+        if not self.recording:
+            return
+        self.amax.scatter_reduce_(0, slots, amaxes, "amax")
+        self._recorded = True
+
+    def record_weight_slots(self, slots: torch.Tensor, amaxes: torch.Tensor) -> None:
+        """`record_weight` for several distinct slots at once (slots [S] on the device, amaxes [S])."""
+        self.weight_amax.index_copy_(0, slots, amaxes)
+        self._recorded = self._recorded or self.recording
+
     def record_weight(self, slot: int, amax: torch.Tensor) -> None:
         """A weight's amax, at its one cast per optimizer step: it enters every roll until the
         weight is cast again (the cast is cached, so nothing else records it). Kept in evaluation

@@ -46,5 +46,7 @@ class ModelConfig(TransformerConfig):
     """Mixture of experts: permute the tokens (one sort, one gather) and unpermute them (one probability-weighted scatter-add) as torch.compile'd functions, fused into fewer kernels (Megatron-Core uses Transformer Engine's); eager PyTorch ops otherwise, with the same result."""
     moe_router_fusion: bool = False
     """Mixture of experts: the router's score function, top-k, normalization and auxiliary-loss scores as one torch.compile'd function (Megatron-Core uses Transformer Engine's fused kernels); eager PyTorch ops otherwise, with the same result."""
+    moe_router_padding_for_fp8: bool = False
+    """Mixture of experts in FP8 (alltoall dispatcher): pad the routing map so that each expert's token count is a multiple of 16, routing to it with probability 0 the first tokens not routed to it (as Megatron-Core does), instead of padding the experts' rows; the FP8 experts then run with their row counts on the device (no host synchronization at expert-parallel size 1, tensorwise and delayed recipes). Needs the tokens per rank and micro-batch to be a multiple of 16."""
     moe_layer_recompute: bool = False
     """Recompute each mixture-of-experts block in backward instead of keeping its activations (how the model runs, not its architecture)."""

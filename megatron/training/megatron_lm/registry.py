@@ -125,8 +125,6 @@ FLAGS = {
     "--overlap-moe-expert-parallel-comm": note(_MOE_OVERLAP),
     "--delay-wgrad-compute": note(_MOE_OVERLAP),
     "--moe-deepep-num-sms": note("DeepEP is not used (only with --moe-enable-deepep, which is refused)"),
-    "--moe-router-padding-for-fp8": note("the routing map is not padded; under FP8 the experts pad their rows to a "
-                                         "multiple of 16 themselves, as Megatron-Core's grouped MLP does"),
     "--moe-pad-experts-for-cuda-graph-inference": note("an inference setting: no effect on pretraining"),
     "--moe-enable-deepep": error("DeepEP is not built; use --moe-token-dispatcher-type alltoall"),
     "--moe-extended-tp": error("extended tensor parallelism for experts was removed from Megatron-LM; use "

@@ -16,8 +16,9 @@ stacked gradient added by the data-parallel hook. Where `torch._grouped_mm` does
 FP8) the experts loop over GEMMs with the row counts read back once, each expert's weight gradient
 accumulated into its `main_grad` slice. Under FP8 (`attach_fp8`) the experts' GEMMs run in FP8, each
 expert with its own scaling state, on rows padded per expert to a multiple of 16
-(moe/fp8_experts.py). Expert-tensor parallelism splits the expert hidden size as the dense MLP's TP
-does (fc2's partial sums are added by the dispatcher).
+(moe/fp8_experts.py), or, with the routing padded instead (--moe-router-padding-for-fp8), as
+grouped FP8 GEMMs with the counts on the device. Expert-tensor parallelism splits the expert hidden
+size as the dense MLP's TP does (fc2's partial sums are added by the dispatcher).
 
 Initialization is per global expert index (`initialize_expert_param`), so an expert starts from the
 same weights whatever the expert-parallel layout.
@@ -41,7 +42,13 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.mlp import _ACTIVATIONS, MLP
-from megatron.core.transformer.moe.fp8_experts import ExpertsFP8, pad_rows, padded_counts, real_rows
+from megatron.core.transformer.moe.fp8_experts import (
+    ExpertsFP8,
+    grouped_fp8_supported,
+    pad_rows,
+    padded_counts,
+    real_rows,
+)
 from megatron.core.utils import divide
 
 
@@ -55,6 +62,7 @@ class GroupedMLP(torch.nn.Module):
         self.expert_offset = expert_offset  # global index of local expert 0
         self.gradient_accumulation_fusion = execution.gradient_accumulation_fusion
         self.fp8 = None  # {"fc1": ExpertsFP8, "fc2": ExpertsFP8}, set by `attach_fp8`
+        self.routing_padded = execution.moe_router_padding_for_fp8  # counts are multiples of 16 already
         ffn, hidden = config.moe_ffn_hidden_size, config.hidden_size
         local_ffn = divide(ffn, etp_size, "--moe-ffn-hidden-size by --expert-tensor-parallel-size")
         dtype = execution.params_dtype
@@ -100,7 +108,7 @@ class GroupedMLP(torch.nn.Module):
         tensor or a list; rows past their sum are the dispatcher's sentinel rows) -> expert outputs
         [N, h] (partial sums over expert-tensor-parallel ranks), weighted by `probs` [N] if given
         (the MoE layer's dispatcher weights them itself, in its combine)."""
-        if self.fp8 is None and self.uses_grouped_mm(tokens):
+        if self.uses_grouped_mm(tokens) if self.fp8 is None else self.fp8_counts_on_device(tokens):
             out = self._mlp(tokens, tokens_per_expert, grouped=True)
         else:
             out = self._host_counted(tokens, tokens_per_expert)
@@ -111,6 +119,18 @@ class GroupedMLP(torch.nn.Module):
         `torch._grouped_mm` for this device, dtype and these widths), whatever --moe-grouped-gemm
         says: the loop is only the fallback, so the path the CPU tests run is the GPU's."""
         return _grouped_mm_supported(tokens) and _grouped_mm_aligned(tokens, self.fc1_weight, self.fc2_weight)
+
+    def fp8_counts_on_device(self, tokens: torch.Tensor) -> bool:
+        """Whether the FP8 experts take their row counts as a device tensor: with the routing padded
+        (--moe-router-padding-for-fp8, so no row padding is left to do) and one scale per expert and
+        tensor (tensorwise, delayed), on the FP8 grouped kernel or, off the GPU, its fp32 arithmetic
+        (moe/fp8_experts.py). Rowwise and blockwise still loop over the experts."""
+        if not (self.routing_padded and self.fp8["fc1"].options.recipe in ("delayed", "tensorwise")):
+            return False
+        if tokens.is_cuda:
+            return grouped_fp8_supported(tokens, rowwise=False)
+        as_fp32 = tokens.new_empty((0, tokens.shape[-1]), dtype=torch.float32)  # the fallback's operands
+        return hasattr(torch, "_grouped_mm") and _grouped_mm_aligned(as_fp32, self.fc1_weight, self.fc2_weight)
 
     def _host_counted(self, tokens: torch.Tensor, tokens_per_expert) -> torch.Tensor:
         """The paths that need the row counts on the host (one read-back): the loop of GEMMs where

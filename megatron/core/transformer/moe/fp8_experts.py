@@ -24,6 +24,14 @@ delayed), with each expert's scale given per row (and per output column of its w
 operands only, so under `hybrid` (E5M2 gradients) the two gradient GEMMs loop over the experts with
 `torch._scaled_mm` on the same casts. Elsewhere, and for rowwise, all three GEMMs loop over the
 experts that received rows, each with its `FP8Linear`.
+
+Under --moe-router-padding-for-fp8 the dispatcher pads the routing instead of these rows: every
+expert's count is a multiple of 16 already, so the counts stay on the device and the tensorwise and
+delayed recipes take the grouped path everywhere, with no host read (the row of each expert, its
+scale and the GEMM offsets computed on the device). Where no FP8 grouped GEMM exists (the CPU), it
+runs as `torch._grouped_mm` on the dequantized casts: the same FP8 values and scales, products
+exact in fp32 (an E4M3 x E4M3 product has 8 significant bits), sums in fp32 as the kernel's, so
+only the order of the fp32 additions and the output's rounding differ from the GPU's.
 """
 import torch
 
@@ -119,14 +127,55 @@ def grouped_fp8_supported(x: torch.Tensor, rowwise: bool) -> bool:
 
 def _scaled_grouped_mm(a, b, scale_a, scale_b, offs):
     """torch._scaled_grouped_mm with dequantizing scales (one per row of a, one per column of b per
-    group), bf16 output. A function of its own so the CPU tests can stand in for the kernel."""
+    group; b 2-D: groups along the contracted dimension, scales group-major), bf16 output. A
+    function of its own so the CPU tests can stand in for the kernel."""
     return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)
 
 
+def _grouped_gemm(kernel: bool, a, b, scale_a, scale_b, offs, out_dtype):
+    """The FP8 grouped GEMM: the kernel (`kernel`, bf16 output) or `_dequantized_grouped_mm`."""
+    if kernel:
+        return _scaled_grouped_mm(a, b, scale_a, scale_b, offs)
+    return _dequantized_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype)
+
+
+def _dequantized_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype):
+    """The FP8 grouped GEMM's arithmetic where it has no kernel: the FP8 operands times their scales
+    in fp32 (exact products of the same FP8 values), one fp32 `torch._grouped_mm`, one rounding to
+    `out_dtype`. Groups come from `offs` on the device: nothing is read back."""
+    if b.dim() == 3:                               # a [N, k], b [E, k, n], scale_a [N], scale_b [E, n]
+        a32 = a.float() * scale_a.view(-1, 1)
+        b32 = b.float() * scale_b.unsqueeze(1)
+    else:                                          # a [m, N], b [N, n], scale_a [E*m], scale_b [E*n]
+        num_groups = offs.numel()
+        group = _row_groups(offs, a.shape[1])      # [N] the group of each contracted index
+        a32 = a.float() * _with_sentinel(scale_a.view(num_groups, -1)).index_select(0, group).t()
+        b32 = b.float() * _with_sentinel(scale_b.view(num_groups, -1)).index_select(0, group)
+    return torch._grouped_mm(a32, b32, offs=offs).to(out_dtype)
+
+
+def _row_groups(offs: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The group of each of `num_rows` rows [N] from the groups' end offsets (on the device); rows
+    past the last offset get the sentinel group len(offs)."""
+    return torch.searchsorted(offs, torch.arange(num_rows, device=offs.device, dtype=offs.dtype), right=True)
+
+
+def _with_sentinel(per_group: torch.Tensor) -> torch.Tensor:
+    """[E, ...] -> [E + 1, ...]: a zero entry for the sentinel group (rows left out of the GEMMs)."""
+    return torch.cat([per_group, per_group.new_zeros((1, *per_group.shape[1:]))])
+
+
 def _expert_amaxes(x: torch.Tensor, row_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """max |x| over each expert's rows [E] (fp32; 0 for an expert without rows)."""
+    """max |x| over each expert's rows [E] (fp32; 0 for an expert without rows). One segment
+    reduction on the device; sentinel rows (`row_expert` E) land in a bin that is dropped."""
     row_amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, dtype=torch.float32)
-    return row_amax.new_zeros(num_experts).scatter_reduce(0, row_expert, row_amax, "amax")
+    return row_amax.new_zeros(num_experts + 1).scatter_reduce(0, row_expert, row_amax, "amax")[:num_experts]
+
+
+def quantize_rows(x: torch.Tensor, scales: torch.Tensor, row_expert: torch.Tensor, dtype) -> torch.Tensor:
+    """x [N, k] cast to FP8 in one kernel, each row with its expert's scale (`scales` [E]; sentinel
+    rows get scale 0, i.e. FP8 zeros)."""
+    return quantize(x, _with_sentinel(scales).index_select(0, row_expert).unsqueeze(1), dtype)
 
 
 class ExpertsFP8:
@@ -141,12 +190,16 @@ class ExpertsFP8:
         self._weight_key = self._weight = None
         self._slots = {}  # role -> the experts' slots in the delayed-scaling state, as a device tensor
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, counts: list,
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, counts,
                  fuse_wgrad: bool = False) -> torch.Tensor:
         """x [N, k] (rows sorted by expert, `counts` each, every count a multiple of FP8_ALIGNMENT)
-        times weight [E, n, k] per expert -> [N, n] in x's dtype. `fuse_wgrad`: the loop path puts
-        the weight gradient into `weight.main_grad` itself (the grouped kernel's bf16 product goes
-        through the data-parallel hook)."""
+        times weight [E, n, k] per expert -> [N, n] in x's dtype. `counts`: a list, or a device
+        tensor [E] (routing padded; rows past their sum are sentinel rows, left out of the GEMMs):
+        then the grouped path, whose GEMMs run as the FP8 grouped kernel or, where none exists, on
+        the dequantized casts. `fuse_wgrad`: the loop path puts the weight gradient into
+        `weight.main_grad` itself (the grouped path's product goes through the data-parallel hook)."""
+        if torch.is_tensor(counts):
+            return _GroupedExpertsFP8Function.apply(x, weight, counts, self)
         if grouped_fp8_supported(x, self.rowwise):
             return _GroupedExpertsFP8Function.apply(x, weight, list(counts), self)
         return _ExpertsFP8Function.apply(x, weight, list(counts), self.linears, fuse_wgrad)
@@ -155,14 +208,15 @@ class ExpertsFP8:
         """Each expert's scale [E] for `role` (recording the amaxes under delayed scaling)."""
         if self.scaling is None:
             return scale_from_amax(amaxes, dtype, self.options.margin)
-        slots = [linear.first_slot + role for linear in self.linears]
-        for slot, amax in zip(slots, amaxes):
-            (self.scaling.record_weight if role == WEIGHT else self.scaling.record)(slot, amax)
+        if role not in self._slots:
+            self._slots[role] = torch.tensor([linear.first_slot + role for linear in self.linears],
+                                             device=amaxes.device)
+        slots = self._slots[role]
+        # All experts' amaxes recorded in one kernel (not one per expert).
+        (self.scaling.record_weight_slots if role == WEIGHT else self.scaling.record_slots)(slots, amaxes)
         if not self.scaling.ready:
             return scale_from_amax(amaxes, dtype, self.options.margin)
-        if role not in self._slots:
-            self._slots[role] = torch.tensor(slots, device=amaxes.device)
-        return self.scaling.scale[self._slots[role]]
+        return self.scaling.scale[slots]
 
     def weights(self, weight: torch.Tensor):
         """(forward operand [E, k, n] and input-gradient operand [E, n, k], both column-major FP8,
@@ -185,19 +239,21 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, counts, fp8):
         num_experts = weight.shape[0]
-        counts_t = torch.tensor(counts, device=x.device)
-        row_expert = torch.repeat_interleave(torch.arange(num_experts, device=x.device), counts_t,
-                                             output_size=x.shape[0])
+        counts_t = torch.as_tensor(counts, device=x.device)                          # [E]
         offs = counts_t.cumsum(0).to(torch.int32)
+        row_expert = _row_groups(offs, x.shape[0])                                    # [N], E: sentinel
         x_scale = fp8.scales(_expert_amaxes(x, row_expert, num_experts), INPUT, fp8.forward_dtype)
-        x_q = quantize(x, x_scale[row_expert].unsqueeze(1), fp8.forward_dtype)       # [N, k]
+        x_q = quantize_rows(x, x_scale, row_expert, fp8.forward_dtype)                # [N, k]
         w_forward, _, w_scale = fp8.weights(weight)
         out_features = weight.shape[1]
-        y = _scaled_grouped_mm(x_q, w_forward, x_scale.reciprocal()[row_expert],
-                               w_scale.reciprocal().unsqueeze(1).expand(-1, out_features).contiguous(), offs)
+        # Row counts given as a list: this path runs only where the kernel does (`__call__`).
+        kernel = not torch.is_tensor(counts) or grouped_fp8_supported(x, fp8.rowwise)
+        x_row_scale = _with_sentinel(x_scale.reciprocal()).index_select(0, row_expert)   # [N]
+        y = _grouped_gemm(kernel, x_q, w_forward, x_row_scale,
+                          w_scale.reciprocal().unsqueeze(1).expand(-1, out_features).contiguous(), offs, x.dtype)
         # The input's FP8 transpose [k, N] is what the weight gradient needs of it.
         ctx.save_for_backward(x_q.t().contiguous(), x_scale, weight, row_expert, offs)
-        ctx.counts, ctx.fp8 = counts, fp8
+        ctx.counts, ctx.fp8, ctx.kernel = counts, fp8, kernel
         return y
 
     @staticmethod
@@ -207,19 +263,23 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
         num_experts, out_features, in_features = weight.shape
         grad = grad.contiguous()
         g_scale = fp8.scales(_expert_amaxes(grad, row_expert, num_experts), GRAD, fp8.grad_dtype)
-        g_q = quantize(grad, g_scale[row_expert].unsqueeze(1), fp8.grad_dtype)       # [N, n], cast once
+        g_q = quantize_rows(grad, g_scale, row_expert, fp8.grad_dtype)                # [N, n], cast once
         g_t = g_q.t().contiguous()                                                    # [n, N]
         _, w_dgrad, w_scale = fp8.weights(weight)
-        if fp8.grad_dtype == fp8.forward_dtype:  # the grouped kernel multiplies E4M3 operands only
-            grad_input = _scaled_grouped_mm(g_q, w_dgrad, g_scale.reciprocal()[row_expert],
-                                            w_scale.reciprocal().unsqueeze(1).expand(-1, in_features).contiguous(),
-                                            offs)
+        # The grouped kernel multiplies E4M3 operands only; `_dequantized_grouped_mm` takes E5M2 too.
+        if fp8.grad_dtype == fp8.forward_dtype or not ctx.kernel:
+            g_row_scale = _with_sentinel(g_scale.reciprocal()).index_select(0, row_expert)      # [N]
+            grad_input = _grouped_gemm(ctx.kernel, g_q, w_dgrad, g_row_scale,
+                                       w_scale.reciprocal().unsqueeze(1).expand(-1, in_features).contiguous(),
+                                       offs, grad.dtype)
             # Weight gradient: groups along the contracted (row) dimension, scales group-major.
-            grad_weight = _scaled_grouped_mm(g_t, x_t.t(), g_scale.reciprocal().repeat_interleave(out_features),
-                                             x_scale.reciprocal().repeat_interleave(in_features), offs)
-            empty = torch.tensor(counts, device=grad.device).eq(0).view(-1, 1, 1)
+            grad_weight = _grouped_gemm(ctx.kernel, g_t, x_t.t(), g_scale.reciprocal().repeat_interleave(out_features),
+                                        x_scale.reciprocal().repeat_interleave(in_features), offs, grad.dtype)
+            empty = torch.as_tensor(counts, device=grad.device).eq(0).view(-1, 1, 1)
             return grad_input, grad_weight.masked_fill(empty, 0), None, None
-        grad_input = grad.new_empty((grad.shape[0], in_features))
+        # Hybrid on the kernel's GPU: the E5M2 GEMMs loop over the experts (device counts read back once).
+        counts = counts.tolist() if torch.is_tensor(counts) else counts
+        grad_input = grad.new_zeros((grad.shape[0], in_features))
         grad_weight = torch.zeros_like(weight)
         start = 0
         for index, count in enumerate(counts):

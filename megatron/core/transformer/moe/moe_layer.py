@@ -13,6 +13,7 @@ import torch
 
 from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.moe.experts import GroupedMLP, SharedExpertMLP
+from megatron.core.transformer.moe.fp8_experts import FP8_ALIGNMENT
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import DISPATCHER_TYPES, AllGatherDispatcher, AllToAllDispatcher
 from megatron.core.utils import divide
@@ -32,13 +33,15 @@ class MoELayer(torch.nn.Module):
         if config.moe_token_dispatcher_type not in DISPATCHER_TYPES:
             raise ValueError(f"--moe-token-dispatcher-type must be one of {DISPATCHER_TYPES}, "
                              f"got {config.moe_token_dispatcher_type!r}")
+        _check_router_padding(config, execution)
         routing = dict(topk=config.moe_router_topk, num_experts=config.num_experts,
                        capacity=config.moe_expert_capacity_factor is not None,
                        pad_to_capacity=bool(config.moe_pad_expert_input_to_capacity),
                        fused=execution.moe_permute_fusion)
         if config.moe_token_dispatcher_type == "alltoall":
+            pad_multiple = FP8_ALIGNMENT if execution.moe_router_padding_for_fp8 else None
             self.dispatcher = AllToAllDispatcher(num_local_experts=self.num_local_experts, ep_group=groups.ep,
-                                                 etp_group=groups.etp, **routing)
+                                                 etp_group=groups.etp, pad_multiple=pad_multiple, **routing)
         else:
             self.dispatcher = AllGatherDispatcher(num_local_experts=self.num_local_experts,
                                                   expert_offset=expert_offset, group=groups.etp_ep, **routing)
@@ -55,3 +58,17 @@ class MoELayer(torch.nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+
+def _check_router_padding(config, execution) -> None:
+    """--moe-router-padding-for-fp8 as Megatron-Core accepts it: FP8 experts, the alltoall dispatcher."""
+    if not execution.moe_router_padding_for_fp8:
+        return
+    if execution.fp8 is None:
+        raise ValueError("--moe-router-padding-for-fp8 needs --fp8-format (it pads the routing for the FP8 experts)")
+    if config.moe_token_dispatcher_type != "alltoall":
+        raise ValueError("--moe-router-padding-for-fp8 needs --moe-token-dispatcher-type alltoall "
+                         "(as in Megatron-Core)")
+    if config.moe_pad_expert_input_to_capacity:
+        raise ValueError("--moe-router-padding-for-fp8 and --moe-pad-expert-input-to-capacity both pad the experts' "
+                         "input: use one of them")

@@ -14,6 +14,12 @@ routing nor `tokens_per_expert` ever comes back to the host: at EP 1 and with th
 dispatcher the layer makes no host synchronization. Only --moe-pad-expert-input-to-capacity (rows
 per expert fixed, per token not) still counts its rows on the host.
 
+--moe-router-padding-for-fp8 (FP8 experts, alltoall dispatcher) pads the routing map instead of the
+experts' rows, as Megatron-Core does: each expert is also given the first tokens (in token order) not
+routed to it, with probability 0, until its count is a multiple of the FP8 alignment (16). A token
+then fills more than top-k slots, so the rows are taken expert-major from the [E, T] map: at most
+T x topk + E x 15 of them, the rest in the sentinel group.
+
 `allgather` (--moe-token-dispatcher-type allgather): the etp x ep ranks all-gather every token with
 its routing, each keeps the tokens routed to its own experts, and the outputs return by a
 reduce-scatter (which also adds the expert-tensor-parallel partial sums).
@@ -73,6 +79,34 @@ def sort_by_expert(probs: torch.Tensor, routing_map: torch.Tensor, *, topk: int,
     return token_index, row_probs, tokens_per_expert, row_valid
 
 
+def pad_routing_map(routing_map: torch.Tensor, multiple: int) -> torch.Tensor:
+    """[T, E] bool -> [T, E]: each expert's count rounded up to a multiple of `multiple` by routing to
+    it the first tokens not yet routed to it (Megatron-Core's pad_routing_map). It always succeeds
+    when T is a multiple of `multiple` (an expert short of r entries then has at least r free tokens)."""
+    missing = (-routing_map.sum(dim=0)) % multiple                   # [E] entries to add per expert
+    free_rank = (~routing_map).cumsum(dim=0)                         # [T, E] 1, 2, ... over free tokens
+    return routing_map | (~routing_map & (free_rank <= missing))
+
+
+def sort_padded_by_expert(probs: torch.Tensor, routing_map: torch.Tensor, *, topk: int, first_expert: int,
+                          num_experts: int, multiple: int):
+    """`sort_by_expert` for a routing map padded by `pad_routing_map` (some tokens then have more
+    than `topk` entries): one stable sort of the [E, T] map's entries by expert, the entries not set
+    last (the sentinel group), keeping N = min(T x topk + E x (multiple - 1), E x T) rows, a bound on
+    the set entries (routed ones at most T x topk, padding under `multiple` per expert). Same outputs;
+    row_valid is always given. Padding rows carry probability 0 (`probs` is 0 off the routing)."""
+    local_map = routing_map[:, first_expert:first_expert + num_experts]          # [T, E]
+    num_tokens = local_map.shape[0]
+    num_rows = min(num_tokens * topk + num_experts * (multiple - 1), num_tokens * num_experts)
+    experts = torch.arange(num_experts, device=routing_map.device).view(-1, 1)
+    key = torch.where(local_map.t(), experts, num_experts).reshape(-1)          # [E*T] expert-major
+    order = torch.argsort(key, stable=True)[:num_rows]                          # by expert, then token
+    token_index = order % num_tokens
+    row_probs = probs[:, first_expert:first_expert + num_experts].t().reshape(-1).index_select(0, order)
+    row_valid = key.index_select(0, order) < num_experts
+    return token_index, row_probs, local_map.sum(dim=0), row_valid
+
+
 def gather_rows(hidden: torch.Tensor, token_index: torch.Tensor, row_valid=None) -> torch.Tensor:
     """hidden [T, h] -> the permuted rows [N, h] (one gather). Sentinel rows are zeros, so that what
     the experts leave in them (their GEMMs stop at the last offset) never reaches hidden's gradient."""
@@ -96,11 +130,17 @@ def unpermute(rows: torch.Tensor, token_index: torch.Tensor, num_tokens: int, pr
 
 
 def permute_rows(hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, *, topk: int,
-                 first_expert: int, num_experts: int, may_drop: bool):
+                 first_expert: int, num_experts: int, may_drop: bool, pad_multiple=None):
     """`sort_by_expert` then `gather_rows` in one function (the one --moe-permute-fusion compiles):
-    (rows [N, h], token index [N], row probabilities [N], tokens per expert, row_valid)."""
-    token_index, row_probs, tokens_per_expert, row_valid = sort_by_expert(
-        probs, routing_map, topk=topk, first_expert=first_expert, num_experts=num_experts, may_drop=may_drop)
+    (rows [N, h], token index [N], row probabilities [N], tokens per expert, row_valid). With
+    `pad_multiple` the routing map is padded first (--moe-router-padding-for-fp8)."""
+    if pad_multiple is None:
+        token_index, row_probs, tokens_per_expert, row_valid = sort_by_expert(
+            probs, routing_map, topk=topk, first_expert=first_expert, num_experts=num_experts, may_drop=may_drop)
+    else:
+        token_index, row_probs, tokens_per_expert, row_valid = sort_padded_by_expert(
+            probs, pad_routing_map(routing_map, pad_multiple), topk=topk, first_expert=first_expert,
+            num_experts=num_experts, multiple=pad_multiple)
     return gather_rows(hidden, token_index, row_valid), token_index, row_probs, tokens_per_expert, row_valid
 
 
@@ -109,9 +149,9 @@ class _LocalPermutation:
     one rank): static shapes, no host synchronization."""
 
     def __init__(self, *, topk: int, first_expert: int, num_local_experts: int, may_drop: bool,
-                 pad_to_capacity: bool, fused: bool):
+                 pad_to_capacity: bool, fused: bool, pad_multiple=None):
         self.topk, self.first_expert, self.num_local_experts = topk, first_expert, num_local_experts
-        self.may_drop, self.pad_to_capacity = may_drop, pad_to_capacity
+        self.may_drop, self.pad_to_capacity, self.pad_multiple = may_drop, pad_to_capacity, pad_multiple
         # --moe-permute-fusion: the compiled permutation and unpermutation (fewer kernels, same result).
         self.permute_rows, self.unpermute = pick(permute_rows, fused), pick(unpermute, fused)
 
@@ -124,9 +164,14 @@ class _LocalPermutation:
                                                                          routing_map[:, local])
             self.row_valid = None
             return rows, per_expert
+        if self.pad_multiple is not None and self.num_tokens % self.pad_multiple:
+            raise ValueError(f"--moe-router-padding-for-fp8 needs the tokens of a rank's micro-batch "
+                             f"({self.num_tokens}: sequence length x micro-batch size, / tensor-parallel size "
+                             f"with sequence parallelism) to be a multiple of {self.pad_multiple}, so that every "
+                             f"expert's count can be padded")
         rows, self.token_index, self.row_probs, per_expert, self.row_valid = self.permute_rows(
             hidden, probs, routing_map, topk=self.topk, first_expert=self.first_expert,
-            num_experts=self.num_local_experts, may_drop=self.may_drop)
+            num_experts=self.num_local_experts, may_drop=self.may_drop, pad_multiple=self.pad_multiple)
         return rows, per_expert
 
     def combine(self, expert_output):
@@ -162,13 +207,14 @@ class AllToAllDispatcher:
     micro-batch (one host synchronization, as Megatron-Core's)."""
 
     def __init__(self, *, num_local_experts: int, ep_group, etp_group, topk: int, num_experts: int,
-                 capacity: bool = False, pad_to_capacity: bool = False, fused: bool = False):
+                 capacity: bool = False, pad_to_capacity: bool = False, fused: bool = False, pad_multiple=None):
         self.num_local_experts = num_local_experts
         self.ep_group, self.etp_group = ep_group, etp_group
         self.exchanges = comm.size(ep_group) > 1 or comm.size(etp_group) > 1
         # Before the exchange every rank sorts its tokens over all experts (no rank-local subset).
         self.local = _LocalPermutation(topk=topk, first_expert=0, num_local_experts=num_experts,
-                                       may_drop=capacity, pad_to_capacity=pad_to_capacity, fused=fused)
+                                       may_drop=capacity, pad_to_capacity=pad_to_capacity, fused=fused,
+                                       pad_multiple=pad_multiple)
 
     def dispatch(self, hidden, probs, routing_map):
         if not self.exchanges:
