@@ -63,7 +63,8 @@ def _fp8(execution: ExecutionConfig, num_experts, device, fp8_choice: str = "") 
         wgrad = "weight-gradient GEMM writes into fp32 main_grad on a step's first micro-batch"
     else:
         wgrad = f"weight-gradient GEMM product added to main_grad (no fp32-output FP8 GEMM on {device.type})"
-    experts = f"; experts: per-expert scales, rows padded to 16, {_fp8_experts_gemms(execution, device)}" \
+    padding = "routing padded to 16" if execution.moe_router_padding_for_fp8 else "rows padded to 16"
+    experts = f"; experts: per-expert scales, {padding}, {_fp8_experts_gemms(execution, device)}" \
         if num_experts else ""
     chosen = f"; {fp8_choice}" if fp8_choice else ""
     return f"{execution.fp8} {execution.fp8_recipe}, {once}, {wgrad}{experts}{chosen}"
@@ -72,6 +73,8 @@ def _fp8(execution: ExecutionConfig, num_experts, device, fp8_choice: str = "") 
 def _fp8_experts_gemms(execution: ExecutionConfig, device) -> str:
     probe = torch.empty(0, device=device, dtype=execution.params_dtype)
     if not grouped_fp8_supported(probe, execution.fp8_recipe == "rowwise"):
+        if execution.moe_router_padding_for_fp8 and execution.fp8_recipe in ("tensorwise", "delayed"):
+            return f"one grouped GEMM of the dequantized casts (no FP8 grouped GEMM on {device.type})"
         return "a loop of GEMMs"
     if execution.fp8 == "hybrid":
         return "grouped GEMMs (E4M3) and a loop for the E5M2 gradients"

@@ -1,4 +1,6 @@
 """The start-up line names the implementation that runs on this device, not the one asked for."""
+import dataclasses
+
 import torch
 
 from megatron.core.distributed.ddp import DistributedDataParallel
@@ -59,3 +61,8 @@ def test_the_fp8_part_names_the_experts_path():
     assert "FP8: hybrid tensorwise, each tensor cast once, weight-gradient GEMM writes into fp32 main_grad on a " \
            "step's first micro-batch; experts: per-expert scales, rows padded to 16, a loop of GEMMs" in line
     assert "experts" not in _line(params_dtype=torch.bfloat16, fp8="hybrid", fp8_recipe="tensorwise")
+    padded = dataclasses.replace(execution, moe_router_padding_for_fp8=True)
+    line = fast_paths_line(padded, no_torch_compile=False, device=CPU, attention_report="attention: SDPA",
+                           optimizer=optimizer, num_experts=8)
+    assert "experts: per-expert scales, routing padded to 16, one grouped GEMM of the dequantized casts " \
+           "(no FP8 grouped GEMM on cpu)" in line
