@@ -27,6 +27,7 @@ from megatron.core.models.gpt.hf_mapping import (  # noqa: E402
 from megatron.core.transformer.moe.moe_utils import moe_layer_pattern  # noqa: E402
 from megatron.core.checkpointing.conversion import read_hf  # noqa: E402
 from tests.unit.test_hf_parity import randomize  # noqa: E402
+from tests.hf_training import assert_training_tracks_transformers  # noqa: E402
 
 VOCAB, BATCH, SEQ, TOLERANCE = 128, 2, 24, 1e-4  # 128: no padded rows in the training loss
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -129,30 +130,5 @@ def test_converted_checkpoint_keys_experts_by_global_index(tmp_path):
 def test_five_training_steps_track_transformers_and_adamw(case, tmp_path):
     """The same 5 AdamW steps (lr 1e-3, no weight decay, no clipping, no auxiliary loss) on the same
     batch: our model with our optimizer against `transformers` with torch.optim.AdamW."""
-    from megatron.core.distributed.ddp import DistributedDataParallel, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
     hf, ours, _, _ = saved_pair(case, tmp_path)
-    hf.train()
-    ours.train()
-    chunk = DistributedDataParallel(ours, parallel_state.single_process())
-    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3, weight_decay=0.0, clip_grad=0.0, adam_beta2=0.95),
-                                       [chunk], parallel_state.single_process())
-    reference = torch.optim.AdamW(hf.parameters(), lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
-    ours_losses, hf_losses = [], []
-    for _ in range(5):  # the same batch each step, so the loss falls
-        labels = torch.cat((tokens[:, 1:], torch.zeros_like(tokens[:, :1])), dim=1)
-        chunk.zero_grad_buffer()
-        loss = chunk(tokens, torch.arange(SEQ).expand(BATCH, SEQ), labels=labels)[:, :-1].mean()
-        loss.backward()
-        finalize_model_grads([chunk], parallel_state.single_process())
-        assert optimizer.step()[0]
-        reference.zero_grad()
-        hf_loss = hf(input_ids=tokens, labels=tokens).loss
-        hf_loss.backward()
-        reference.step()
-        ours_losses.append(loss.item())
-        hf_losses.append(hf_loss.item())
-    assert hf_losses[-1] < hf_losses[0] - 0.05, "training must move the loss for the comparison to mean anything"
-    torch.testing.assert_close(torch.tensor(ours_losses), torch.tensor(hf_losses), rtol=1e-4, atol=0)
+    assert_training_tracks_transformers(hf, ours, VOCAB, BATCH, SEQ)
