@@ -8,16 +8,18 @@
 #SBATCH --requeue
 #SBATCH --signal=USR1@180
 #
-# Multi-node Llama 3, Mixtral or Qwen3-MoE training under Slurm: one torchrun per node, rendezvous
+# Multi-node Llama 3, Mixtral, Qwen3-MoE or DeepSeek-V3 training under Slurm: one torchrun per node, rendezvous
 # from Slurm's environment.
 #
 #   sbatch --nodes 4 examples/llama/train_llama_slurm.sh <MODEL_SIZE> <MBS> <BS_PER_NODE> <SEQ> <ITERS> <FSDP> <RECOMPUTE>
 #   e.g. sbatch --nodes 4 examples/llama/train_llama_slurm.sh 70 1 16 8192 20 0 1
 #        MODEL=mixtral EP=8 sbatch --nodes 2 examples/llama/train_llama_slurm.sh 8x7B 1 32 4096 20 0 0
 #
-#   MODEL   llama3 | mixtral | qwen3_moe: the launch script each node runs, train_llama3.sh,
-#           examples/mixtral/train_mixtral.sh or examples/qwen3_moe/train_qwen3_moe.sh   [llama3]
-#           (MODEL_SIZE is then that script's: 8 | 70, 8x7B | 8x22B, 30B-A3B; FSDP must be 0 with experts)
+#   MODEL   llama3 | mixtral | qwen3_moe | deepseek_v3: the launch script each node runs,
+#           train_llama3.sh, examples/mixtral/train_mixtral.sh, examples/qwen3_moe/train_qwen3_moe.sh
+#           or examples/deepseek_v3/train_deepseek_v3.sh                                  [llama3]
+#           (MODEL_SIZE is then that script's: 8 | 70, 8x7B | 8x22B, 30B-A3B, proxy | 671B;
+#           FSDP must be 0 with experts)
 # Other knobs (TP, PP, VPP, EP, ETP, DATA_PATH, TOKENIZER_MODEL, LLAMA_VERSION, MOE_DISPATCHER,
 # GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, LOG_DIR, ...) pass through the environment to that script
 # (see its header).
@@ -41,7 +43,8 @@ case "$MODEL" in
   llama3)    SCRIPT=examples/llama/train_llama3.sh ; NAME=llama ;;
   mixtral)   SCRIPT=examples/mixtral/train_mixtral.sh ; NAME=mixtral ;;
   qwen3_moe) SCRIPT=examples/qwen3_moe/train_qwen3_moe.sh ; NAME=qwen3_moe ;;
-  *) echo "MODEL must be llama3, mixtral or qwen3_moe (got '$MODEL')" >&2; exit 2 ;;
+  deepseek_v3) SCRIPT=examples/deepseek_v3/train_deepseek_v3.sh ; NAME=deepseek_v3 ;;
+  *) echo "MODEL must be llama3, mixtral, qwen3_moe or deepseek_v3 (got '$MODEL')" >&2; exit 2 ;;
 esac
 NODES=${SLURM_JOB_NUM_NODES:-1}
 export MODEL_SIZE=$1 MBS=$2 BS=$(($3 * NODES)) SEQ_LENGTH=$4 TOTAL_ITERS=$5 FSDP=$6 RECOMPUTE=$7

@@ -122,6 +122,10 @@ def _script_args(script: str, env: dict) -> list:
     ("qwen3_moe/train_qwen3_moe.sh", {}, 2, 8, 1),
     ("qwen3_moe/train_qwen3_moe.sh", {"MODEL_SIZE": "30B-A3B", "EP": "4", "TP": "2", "ETP": "1", "NPROC": "8"},
      8, 128, 4),
+    ("deepseek_v3/train_deepseek_v3.sh", {}, 2, 16, 1),
+    ("deepseek_v3/train_deepseek_v3.sh", {"MODEL_SIZE": "proxy", "EP": "8", "NPROC": "8"}, 8, 256, 8),
+    ("deepseek_v3/train_deepseek_v3.sh", {"MODEL_SIZE": "671B", "EP": "64", "PP": "16", "NPROC": "8",
+                                          "NNODES": "128", "MOE_LAYER_RECOMPUTE": "1"}, 1024, 256, 64),
 ])
 def test_moe_example_scripts_pass_valid_flags(script, env, world, experts, ep):
     config = parse_args(_script_args(script, env))

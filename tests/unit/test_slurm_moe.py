@@ -1,4 +1,4 @@
-"""examples/llama/train_llama_slurm.sh with MODEL=mixtral and MODEL=qwen3_moe, under the stand-ins
+"""examples/llama/train_llama_slurm.sh with MODEL=mixtral, qwen3_moe and deepseek_v3, under the stand-ins
 for `srun` and `scontrol` of test_launch_kit.py: every node runs the mixture-of-experts script with
 the job's environment (EP and ETP included) and DRY_RUN=1; the torchrun commands it prints are
 parsed and validated for the job's world size."""
@@ -30,6 +30,7 @@ def _sbatch(tmp_path: Path, model: str, arguments: list, **variables) -> subproc
     ("mixtral", "8x7B", dict(EP="8", TP="2"), 8, 8, 2, 2),
     ("mixtral", "8x22B", dict(EP="4", TP="2", ETP="1", PP="2", MOE_DISPATCHER="allgather"), 8, 4, 1, 2),
     ("qwen3_moe", "30B-A3B", dict(EP="16"), 128, 16, 1, 8),
+    ("deepseek_v3", "proxy", dict(EP="16"), 256, 16, 1, 8),
 ])
 def test_slurm_runs_the_moe_scripts(tmp_path, model, size, variables, experts, ep, etp, topk):
     result = _sbatch(tmp_path, model, [size, "1", "32", "4096", "100", "0", "0"], SAVE_INTERVAL="200", **variables)
@@ -58,5 +59,5 @@ def test_slurm_runs_the_moe_scripts(tmp_path, model, size, variables, experts, e
 def test_slurm_refuses_an_unknown_model(tmp_path):
     result = _sbatch(tmp_path, "deepseek", ["8", "1", "16", "4096", "100", "0", "0"])
     assert result.returncode == 2
-    assert "MODEL must be llama3, mixtral or qwen3_moe (got 'deepseek')" in result.stderr
+    assert "MODEL must be llama3, mixtral, qwen3_moe or deepseek_v3 (got 'deepseek')" in result.stderr
     assert not (tmp_path / "node0.txt").exists()
