@@ -154,3 +154,21 @@ def assert_runs_match(run: list, reference: list, rtol: float = 1e-5, atol: floa
         for part, tensor in parts.items():
             torch.testing.assert_close(run[-1]["params"][name][part], tensor, rtol=rtol, atol=atol,
                                        msg=lambda m: f"final weight {name}[{part}]: {m}")
+
+
+def compare_tp_cases_with_one_process(rank, world_size, tp: int, cases: list, *, steps: int = 3, global_batch: int = 4,
+                                      micro_batch: int = 2, seq: int = 16) -> bool:
+    """Run on every rank of a TP `tp` layout: for each (name, config, sequence_parallel) case, `steps`
+    training steps equal the single-process run of the same batches (atol 2e-6)."""
+    from megatron.core.parallel_state import initialize_model_parallel
+
+    groups = initialize_model_parallel(tp, 1)
+    for name, config, sequence_parallel in cases:
+        batches = global_batches(steps, global_batch, seq, config.padded_vocab_size)
+        run = train_steps(config, groups, batches, micro_batch, sequence_parallel=sequence_parallel)
+        reference = reference_steps(config, batches, micro_batch)
+        try:
+            assert_runs_match(run, reference, atol=2e-6)
+        except AssertionError as error:
+            raise AssertionError(f"case {name} (tp={tp}, sp={sequence_parallel}): {error}") from None
+    return True
