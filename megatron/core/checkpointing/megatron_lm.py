@@ -72,7 +72,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron.core.checkpointing import megatron_lm_moe as moe
-from megatron.core.checkpointing.safe_pickle import SafeFileSystemReader, check_dcp_files, first_line, load_pickled
+from megatron.core.checkpointing.safe_pickle import check_dcp_files, first_line, load_pickled
+from megatron.core.checkpointing.safe_reader import SafeFileSystemReader
 from megatron.core.models.gpt.hf_mapping import OUTPUT_LAYER
 from megatron.core.models.gpt.model import WORD_EMBEDDINGS, GPTModel
 from megatron.core.parallel_state import single_process

@@ -4,9 +4,9 @@
   pickles next to them: `argparse.Namespace` (its arguments), a few standard-library and numpy types
   (the RNG state), and Megatron's own enums and config classes, which are never imported: they load
   as inert `MegatronObject` stand-ins.
-- `SafeFileSystemReader`: torch.distributed.checkpoint's FileSystemReader, except that `.metadata`
-  (which the stock reader unpickles with plain pickle, running whatever the file names) is read by
-  an unpickler that allows only torch.distributed.checkpoint's own metadata classes.
+- `read_dcp_metadata`: a torch.distributed.checkpoint `.metadata` file (which DCP's stock reader
+  unpickles with plain pickle, running whatever the file names) read by an unpickler that allows
+  only DCP's own metadata classes (`safe_reader.SafeFileSystemReader` reads checkpoints with it).
 
 Any failure is a ValueError naming the file (corrupt, truncated, or holding other objects).
 """
@@ -22,8 +22,6 @@ from types import SimpleNamespace
 
 import numpy
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from megatron.core.checkpointing import CheckpointFormatError
 
@@ -141,9 +139,13 @@ class _DCPMetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load global {module}.{name}")
 
 
-def read_dcp_metadata(directory) -> Metadata:
+def read_dcp_metadata(directory) -> "Metadata":
     """The `.metadata` of a torch.distributed.checkpoint directory, unpickled with the allow-list
     above; a missing or corrupt file is a CheckpointFormatError naming it."""
+    # Imported here: torch.distributed.checkpoint (and the DTensor code it pulls in) takes a third
+    # of a training process's start-up, and only runs that load or save a checkpoint need it.
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
     path = os.path.join(os.fspath(directory), ".metadata")
     if not os.path.isfile(path):
         raise CheckpointFormatError(f"{path} is missing: {directory} is not a complete checkpoint")
@@ -159,7 +161,7 @@ def read_dcp_metadata(directory) -> Metadata:
     return metadata
 
 
-def check_dcp_files(directory, metadata: Metadata) -> None:
+def check_dcp_files(directory, metadata: "Metadata") -> None:
     """Every data file `.metadata` refers to exists and is long enough (a truncated copy or an
     interrupted transfer is named here, not deep inside the reader)."""
     needed = {}
@@ -172,14 +174,3 @@ def check_dcp_files(directory, metadata: Metadata) -> None:
         size = os.path.getsize(path)
         if size < length:
             raise CheckpointFormatError(f"{path} is truncated: {size} bytes, the checkpoint index needs {length}")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose `.metadata` is read by `read_dcp_metadata` (the stock reader uses plain
-    pickle, which would run whatever the file names); tensors are read by DCP itself with
-    torch.load(weights_only=True)."""
-
-    def read_metadata(self, *args, **kwargs):
-        metadata = read_dcp_metadata(self.path)
-        metadata.storage_meta.load_id = self.load_id
-        return metadata

@@ -41,7 +41,8 @@ from torch.distributed.checkpoint.planner_helpers import (
 )
 
 from megatron.core.checkpointing import CheckpointFormatError
-from megatron.core.checkpointing.safe_pickle import SafeFileSystemReader, check_dcp_files, read_dcp_metadata
+from megatron.core.checkpointing.safe_pickle import check_dcp_files, read_dcp_metadata
+from megatron.core.checkpointing.safe_reader import SafeFileSystemReader
 from megatron.core.checkpointing.sharded import Boxes, ShardedState
 
 
