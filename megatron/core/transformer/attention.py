@@ -339,6 +339,8 @@ def runs_batch_first(batch: int, seq: int, hidden: int, *, sequence_parallel: bo
 
 
 class SelfAttention(torch.nn.Module):
+    compilable = {"_rotate": "fuse_elementwise"}  # parallelize.py
+
     def __init__(self, config, *, execution=DEFAULT_EXECUTION, tp_group, tp_size: int, tp_rank: int,
                  rng_tracker: RNGStatesTracker, device, cp_group=None):
         super().__init__()
@@ -366,7 +368,7 @@ class SelfAttention(torch.nn.Module):
                 config, execution=execution, cp_group=cp_group, num_local_heads=self.num_local_heads, num_local_groups=self.num_local_groups)
         self.linear_proj = RowParallelLinear(config.query_projection_size, config.hidden_size,
                                              bias=config.add_bias_linear, **common)
-        self._rotate = pick(rotary_interleaved if config.rotary_interleaved else rotary, execution.fuse_elementwise)
+        self._rotate = rotary_interleaved if config.rotary_interleaved else rotary
         if config.qk_layernorm:
             # One weight over each head's channels, shared by all heads; each rank normalizes its
             # own heads, so the gradients are partial sums over the TP group.

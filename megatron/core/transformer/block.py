@@ -1,6 +1,7 @@
 """A stack of transformer layers (this pipeline stage's share), with the final norm on the last.
 
-Activation recomputation is decided here, from the execution config (Megatron's flags):
+The block runs its layers in `segments`, each kept or re-run in backward; `parallelize.py` sets
+them (and wraps the attention cores) from the execution config (Megatron's flags):
 
 - `--recompute-granularity full --recompute-method uniform --recompute-num-layers N`: the layers are
   cut into groups of N; only each group's input is kept, and the group is re-run in backward.
@@ -15,6 +16,7 @@ Re-runs restore the RNG states (default generator and the tracker's streams), so
 import torch
 
 from megatron.core.tensor_parallel.random import checkpoint
+from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.layer import TransformerLayer
 from megatron.core.transformer.norm import build_norm
 
@@ -33,11 +35,7 @@ class TransformerBlock(torch.nn.Module):
             for number in self.layer_numbers)
         self.final_layernorm = (build_norm(config, config.hidden_size, execution=execution, tp_size=tp_size,
                                            tp_rank=tp_rank, device=device) if post_process else None)
-        self.segments = recompute_segments(execution, len(self.layers))
-        if execution.recompute_granularity == "selective":
-            for layer in self.layers:
-                attention = layer.self_attention
-                attention.core_attention = RecomputedCoreAttention(attention.core_attention, rng_tracker)
+        self.segments = recompute_segments(DEFAULT_EXECUTION, len(self.layers))  # all kept, until parallelized
 
     def forward(self, x, rotary=None, attention_mask=None):
         # x: [s, b, h] ([s/tp, b, h] with sequence parallelism)

@@ -37,7 +37,7 @@ class TransformerLayer(torch.nn.Module):
             self.mlp = MoELayer(config, execution=execution, layer_number=layer_number, groups=groups, device=device)
         else:
             self.mlp = MLP(config, tp_group=tp_group, **common)
-        self.recompute_mlp = self.is_moe and execution.moe_layer_recompute
+        self.recompute_mlp = False  # --moe-layer-recompute (set by parallelize.py)
         self.rng_tracker = rng_tracker
         self.hidden_dropout = config.hidden_dropout
         # Sequence-parallel activations differ per TP rank, so their dropout draws from the

@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
 from megatron.core.transformer.attention import CoreAttention
 from megatron.core.transformer.config import DEFAULT_EXECUTION
-from megatron.core.transformer.fusions import pick, rotary, rotary_interleaved
+from megatron.core.transformer.fusions import rotary, rotary_interleaved
 from megatron.core.transformer.norm import build_norm
 
 
@@ -46,6 +46,8 @@ class ReplicatedLinear(torch.nn.Module):
 
 
 class MultiLatentAttention(torch.nn.Module):
+    compilable = {"_rotate": "fuse_elementwise"}  # parallelize.py
+
     def __init__(self, config, *, execution=DEFAULT_EXECUTION, tp_group, tp_size: int, tp_rank: int, rng_tracker,
                  device, cp_group=None):
         super().__init__()
@@ -76,7 +78,7 @@ class MultiLatentAttention(torch.nn.Module):
         self.linear_kv_up_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), **common)
         self.core_attention = CoreAttention(config, rng_tracker, execution=execution)
         self.linear_proj = RowParallelLinear(heads * self.v_dim, h, **dict(common, bias=config.add_bias_linear))
-        self._rotate = pick(rotary_interleaved if config.rotary_interleaved else rotary, execution.fuse_elementwise)
+        self._rotate = rotary_interleaved if config.rotary_interleaved else rotary
 
     def forward(self, x, rotary_cos_sin=None, attention_mask=None):
         # x: [s, b, h] ([s/tp, b, h] with sequence parallelism: the down projections see this rank's tokens)

@@ -34,15 +34,17 @@ from megatron.core.tensor_parallel.random import RNGStatesTracker
 from megatron.core.transformer.attention import document_attention_mask
 from megatron.core.transformer.block import TransformerBlock
 from megatron.core.transformer.config import DEFAULT_EXECUTION, ExecutionConfig, TransformerConfig, derive
-from megatron.core.transformer.fp8 import attach_fp8
 from megatron.core.transformer.moe.experts import initialize_expert_param
 from megatron.core.transformer.moe.router import share_moe_state
+from megatron.core.transformer.parallelize import parallelize
 from megatron.core.transformer.rope import RotaryEmbedding
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 
 class GPTModel(torch.nn.Module):
+    compilable = {"compiled_loss": "fuse_elementwise"}  # parallelize.py
+
     def __init__(self, config: TransformerConfig, groups: ParallelGroups, *,
                  execution: ExecutionConfig = DEFAULT_EXECUTION, rng_tracker: Optional[RNGStatesTracker] = None,
                  pre_process: bool = True, post_process: bool = True, layer_numbers: Optional[list] = None,
@@ -68,8 +70,7 @@ class GPTModel(torch.nn.Module):
                                         tp_group=groups.tp, rng_tracker=rng_tracker, device=device,
                                         cp_group=groups.cp, groups=groups, **tp)
         self.moe_aux_loss_scale, self.moe_aux_losses = share_moe_state(self.decoder, config)
-        # FP8 layers' linears get their FP8 GEMMs; `fp8_scaling` holds the delayed recipe's amax history.
-        self.fp8_scaling = attach_fp8(self.decoder, execution, config.num_layers, device) if execution.fp8 else None
+        self.compiled_loss = False  # the loss's chunks as compiled kernels (--no-torch-compile off: parallelize.py)
         self.input_tensor = None  # set by the pipeline schedule on stages after the first
         if post_process and (not self.share_embeddings or not pre_process):
             # Untied output layer, or the last stage's copy of the tied embedding (kept equal to the
@@ -82,6 +83,9 @@ class GPTModel(torch.nn.Module):
             self.output_layer.shared_embedding = self.share_embeddings
         for weight in self.vocabulary_weights():
             weight.is_embedding_or_output_parameter = True  # their own LR with --decoupled-lr
+        # Built; now FP8, compile and recompute as `execution` asks, from outside the layers.
+        # `fp8_scaling` holds the delayed recipe's amax history (None otherwise).
+        self.fp8_scaling = parallelize(self, execution, device=device)
 
     # ----------------------------------------------------------------------------------------
     def global_param_name(self, local_name: str) -> str:
@@ -155,7 +159,7 @@ class GPTModel(torch.nn.Module):
         vocab_start = self.groups.tp_rank * logits.shape[-1]
         if self.execution.cross_entropy_loss_fusion:
             loss = fused_vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_start,
-                                                      compiled=self.execution.fuse_elementwise)  # [s, b]
+                                                      compiled=self.compiled_loss)  # [s, b]
         else:
             loss = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_start)
         # [b, s] as a tensor of its own, not a transposed view of the [s, b] loss: a module wrapped by

@@ -20,6 +20,9 @@ from megatron.core.utils import divide
 
 
 class MoELayer(torch.nn.Module):
+    compilable = {"dispatcher.local.permute_rows": "moe_permute_fusion",  # parallelize.py
+                  "dispatcher.local.unpermute": "moe_permute_fusion"}
+
     def __init__(self, config, *, execution=DEFAULT_EXECUTION, layer_number: int, groups, device):
         super().__init__()
         ep, etp = groups.ep_size, groups.etp_size
@@ -36,8 +39,7 @@ class MoELayer(torch.nn.Module):
         _check_router_padding(config, execution)
         routing = dict(topk=config.moe_router_topk, num_experts=config.num_experts,
                        capacity=config.moe_expert_capacity_factor is not None,
-                       pad_to_capacity=bool(config.moe_pad_expert_input_to_capacity),
-                       fused=execution.moe_permute_fusion)
+                       pad_to_capacity=bool(config.moe_pad_expert_input_to_capacity))
         if config.moe_token_dispatcher_type == "alltoall":
             pad_multiple = FP8_ALIGNMENT if execution.moe_router_padding_for_fp8 else None
             self.dispatcher = AllToAllDispatcher(num_local_experts=self.num_local_experts, ep_group=groups.ep,

@@ -19,7 +19,6 @@ from megatron.core.distributed import comm
 from megatron.core.tensor_parallel.layers import replicated_layout, set_layout
 from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.moe import moe_utils
-from megatron.core.utils import pick
 
 _ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
@@ -53,6 +52,8 @@ class AuxLossTracker:
 
 
 class TopKRouter(torch.nn.Module):
+    compilable = {"route": "moe_router_fusion"}  # parallelize.py
+
     def __init__(self, config, *, execution=DEFAULT_EXECUTION, layer_number: int, tp_size: int, tp_rank: int,
                  tp_cp_group=None, tp_dp_cp_group=None, device=None):
         super().__init__()
@@ -62,7 +63,7 @@ class TopKRouter(torch.nn.Module):
         self.tp_cp_group, self.tp_dp_cp_group = tp_cp_group, tp_dp_cp_group
         self.coeffs = aux_loss_coeffs(config)
         self.router_dtype = _ROUTER_DTYPES[config.moe_router_dtype]
-        self.route = pick(moe_utils.route, execution.moe_router_fusion)  # compiled under --moe-router-fusion
+        self.route = moe_utils.route  # compiled under --moe-router-fusion (parallelize.py)
         self.weight = torch.nn.Parameter(torch.empty(config.num_experts, config.hidden_size,
                                                      dtype=execution.params_dtype, device=device))
         # Sequence-parallel ranks route different tokens: their gradients are partial sums.
