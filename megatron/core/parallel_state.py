@@ -31,6 +31,16 @@ from megatron.core.parallel_layout import ParallelLayout, check_expert_sizes, ch
 
 
 @dataclass(frozen=True)
+class TensorParallel:
+    """What a layer needs of tensor (or expert-tensor) parallelism, as one value: the group, its
+    size and this rank's place in it. The default is one rank (no group, no collectives)."""
+
+    group: Optional[dist.ProcessGroup] = None
+    size: int = 1
+    rank: int = 0
+
+
+@dataclass(frozen=True)
 class ParallelGroups:
     """This rank's view of the parallel layout: sizes, ranks and process groups."""
 
@@ -68,6 +78,14 @@ class ParallelGroups:
     backend: str = "gloo"
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     layout: ParallelLayout = ParallelLayout()      # the sizes and pipeline split these groups were built for
+
+    @property
+    def tensor_parallel(self) -> TensorParallel:
+        return TensorParallel(self.tp, self.tp_size, self.tp_rank)
+
+    @property
+    def expert_tensor_parallel(self) -> TensorParallel:
+        return TensorParallel(self.etp, self.etp_size, self.etp_rank)
 
     @property
     def is_first_stage(self) -> bool:

@@ -22,19 +22,17 @@ from megatron.core.transformer.norm import build_norm
 
 
 class TransformerBlock(torch.nn.Module):
-    def __init__(self, config, execution, *, layer_numbers: list, post_process: bool, tp_group, tp_size: int,
-                 tp_rank: int, rng_tracker, device, cp_group=None, groups=None):
+    def __init__(self, config, execution, *, layer_numbers: list, post_process: bool, groups, rng_tracker, device):
         super().__init__()
         self.config = config
         self.layer_numbers = list(layer_numbers)  # global index of each local layer
         self.rng_tracker = rng_tracker
         self.layers = torch.nn.ModuleList(
-            TransformerLayer(config, execution=execution, tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank,
-                             rng_tracker=rng_tracker, device=device, cp_group=cp_group, layer_number=number,
-                             groups=groups)
+            TransformerLayer(config, execution=execution, groups=groups, rng_tracker=rng_tracker, device=device,
+                             layer_number=number)
             for number in self.layer_numbers)
-        self.final_layernorm = (build_norm(config, config.hidden_size, execution=execution, tp_size=tp_size,
-                                           tp_rank=tp_rank, device=device) if post_process else None)
+        self.final_layernorm = (build_norm(config, config.hidden_size, execution=execution, tp=groups.tensor_parallel,
+                                           device=device) if post_process else None)
         self.segments = recompute_segments(DEFAULT_EXECUTION, len(self.layers))  # all kept, until parallelized
 
     def forward(self, x, rotary=None, attention_mask=None):

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.parallel_state import TensorParallel
 from megatron.core.tensor_parallel.layers import replicated_layout, set_layout
 from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.fusions import add_rms_norm, add_rms_norm_1p, rms_norm, rms_norm_1p
@@ -52,8 +53,8 @@ class LayerNorm(torch.nn.Module):
         return x, self(x)
 
 
-def build_norm(config, hidden_size: int, *, execution=DEFAULT_EXECUTION, tp_size: int, tp_rank: int, device,
-               partial_grads: Optional[bool] = None) -> torch.nn.Module:
+def build_norm(config, hidden_size: int, *, execution=DEFAULT_EXECUTION, tp: TensorParallel = TensorParallel(),
+               device, partial_grads: Optional[bool] = None) -> torch.nn.Module:
     """A norm over `hidden_size` channels, replicated on every TP rank. Its gradients are partial
     sums to be added over the TP group when the ranks normalize different activations: the
     sequence shards under sequence parallelism (the default of `partial_grads`), or their own
@@ -66,8 +67,8 @@ def build_norm(config, hidden_size: int, *, execution=DEFAULT_EXECUTION, tp_size
         norm = LayerNorm(hidden_size, config.norm_epsilon, dtype, device, zero_centered=zero_centered)
     if partial_grads is None:
         partial_grads = execution.sequence_parallel
-    partial_grads = partial_grads and tp_size > 1
+    partial_grads = partial_grads and tp.size > 1
     for name, param in norm.named_parameters():
-        layout = replicated_layout(param.shape, tp_size, tp_rank, sum_replica_grads=partial_grads)
+        layout = replicated_layout(param.shape, tp.size, tp.rank, sum_replica_grads=partial_grads)
         set_layout(param, layout, "ones" if name == "weight" and not zero_centered else "zeros")
     return norm

@@ -60,15 +60,13 @@ class GPTModel(torch.nn.Module):
         self.sequence_parallel = execution.sequence_parallel and groups.tp_size > 1
         self.share_embeddings = not config.untie_embeddings_and_output_weights
         device = device if device is not None else groups.device
-        tp = dict(tp_size=groups.tp_size, tp_rank=groups.tp_rank)
         layer_numbers = list(range(config.num_layers)) if layer_numbers is None else list(layer_numbers)
 
         if pre_process:
             self.embedding = _Embedding(config, execution, groups, rng_tracker, device)
         self.rotary = RotaryEmbedding(config, device) if config.position_embedding_type == "rope" else None
         self.decoder = TransformerBlock(config, execution, layer_numbers=layer_numbers, post_process=post_process,
-                                        tp_group=groups.tp, rng_tracker=rng_tracker, device=device,
-                                        cp_group=groups.cp, groups=groups, **tp)
+                                        groups=groups, rng_tracker=rng_tracker, device=device)
         self.moe_aux_loss_scale, self.moe_aux_losses = share_moe_state(self.decoder, config)
         self.compiled_loss = False  # the loss's chunks as compiled kernels (--no-torch-compile off: parallelize.py)
         self.input_tensor = None  # set by the pipeline schedule on stages after the first
@@ -186,8 +184,8 @@ class _Embedding(torch.nn.Module):
         self.groups = groups
         self.sequence_parallel = execution.sequence_parallel and groups.tp_size > 1
         self.word_embeddings = VocabParallelEmbedding(
-            config.padded_vocab_size, config.hidden_size, tp_group=groups.tp, tp_size=groups.tp_size,
-            tp_rank=groups.tp_rank, sequence_parallel=execution.sequence_parallel,
+            config.padded_vocab_size, config.hidden_size, tp=groups.tensor_parallel,
+            sequence_parallel=execution.sequence_parallel,
             params_dtype=execution.params_dtype, device=device,
             gradient_accumulation_fusion=execution.gradient_accumulation_fusion)
         if config.position_embedding_type == "learned_absolute":
