@@ -5,8 +5,10 @@ Ranks are laid out in the order tp-cp-dp-pp, tp fastest:
     global_rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
 so a tensor-parallel group is a run of neighbouring ranks (one node's fast links) and pipeline
-stages are furthest apart. `initialize_model_parallel` returns a frozen `ParallelGroups`; layers take
-the group they need from it as an argument. There is no module-level group state.
+stages are furthest apart. `build_parallel_groups(layout)` (a `ParallelLayout`; or
+`initialize_model_parallel` for sizes alone) returns a frozen `ParallelGroups`; layers take the group
+they need from it as an argument (tensor parallelism as one `TensorParallel` value). There is no
+module-level group state.
 
 Mixture-of-experts layers fold their own layout from the same ranks, as Megatron-Core does: within a
 pipeline stage, the tp x cp x dp ranks (index i in tp-cp-dp order) are re-read as expert-tensor (etp),
