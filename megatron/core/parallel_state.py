@@ -5,8 +5,10 @@ Ranks are laid out in the order tp-cp-dp-pp, tp fastest:
     global_rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
 so a tensor-parallel group is a run of neighbouring ranks (one node's fast links) and pipeline
-stages are furthest apart. `initialize_model_parallel` returns a frozen `ParallelGroups`; layers take
-the group they need from it as an argument. There is no module-level group state.
+stages are furthest apart. `build_parallel_groups(layout)` (a `ParallelLayout`; or
+`initialize_model_parallel` for sizes alone) returns a frozen `ParallelGroups`; layers take the group
+they need from it as an argument (tensor parallelism as one `TensorParallel` value). There is no
+module-level group state.
 
 Mixture-of-experts layers fold their own layout from the same ranks, as Megatron-Core does: within a
 pipeline stage, the tp x cp x dp ranks (index i in tp-cp-dp order) are re-read as expert-tensor (etp),
@@ -27,6 +29,17 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.parallel_layout import ParallelLayout, check_expert_sizes, check_sizes  # noqa: F401 (re-exported)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """What a layer needs of tensor (or expert-tensor) parallelism, as one value: the group, its
+    size and this rank's place in it. The default is one rank (no group, no collectives)."""
+
+    group: Optional[dist.ProcessGroup] = None
+    size: int = 1
+    rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,15 @@ class ParallelGroups:
     global_rank: int = 0
     backend: str = "gloo"
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    layout: ParallelLayout = ParallelLayout()      # the sizes and pipeline split these groups were built for
+
+    @property
+    def tensor_parallel(self) -> TensorParallel:
+        return TensorParallel(self.tp, self.tp_size, self.tp_rank)
+
+    @property
+    def expert_tensor_parallel(self) -> TensorParallel:
+        return TensorParallel(self.etp, self.etp_size, self.etp_rank)
 
     @property
     def is_first_stage(self) -> bool:
@@ -106,145 +128,111 @@ def single_process(device: Optional[torch.device] = None) -> ParallelGroups:
     return ParallelGroups(device=device or torch.device("cpu"))
 
 
-def check_expert_sizes(tp_cp_dp: int, expert_model_parallel_size: int, expert_tensor_parallel_size: int) -> None:
-    """Raises unless expert x expert-tensor parallel sizes divide the ranks of one pipeline stage."""
-    ep, etp = expert_model_parallel_size, expert_tensor_parallel_size
-    if ep < 1 or etp < 1:
-        raise ValueError(f"--expert-model-parallel-size ({ep}) and --expert-tensor-parallel-size ({etp}) must be >= 1")
-    if tp_cp_dp % (ep * etp) != 0:
-        raise ValueError(
-            f"--expert-model-parallel-size ({ep}) x --expert-tensor-parallel-size ({etp}) = {ep * etp} must divide "
-            f"the ranks of a pipeline stage (tensor x context x data parallel = {tp_cp_dp}); change the sizes "
-            "or the number of processes")
-
-
-def check_sizes(world_size: int, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
-                context_parallel_size: int) -> int:
-    """Validates the layout against the world size and returns the data-parallel size."""
-    sizes = {
-        "--tensor-model-parallel-size": tensor_model_parallel_size,
-        "--pipeline-model-parallel-size": pipeline_model_parallel_size,
-        "--context-parallel-size": context_parallel_size,
-    }
-    for flag, value in sizes.items():
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
-    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
-    if world_size % model_parallel != 0:
-        raise ValueError(
-            f"world size ({world_size}) is not divisible by tensor ({tensor_model_parallel_size}) x "
-            f"pipeline ({pipeline_model_parallel_size}) x context ({context_parallel_size}) parallel "
-            f"sizes = {model_parallel}; change the sizes or the number of processes")
-    return world_size // model_parallel
-
-
-def _rank_of(tp_r, cp_r, dp_r, pp_r, tp, cp, dp) -> int:
-    return tp_r + tp * (cp_r + cp * (dp_r + dp * pp_r))
-
-
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                               context_parallel_size: int = 1, *,
                               expert_model_parallel_size: int = 1, expert_tensor_parallel_size: Optional[int] = None,
                               device: Optional[torch.device] = None,
                               timeout: Optional[datetime.timedelta] = None) -> ParallelGroups:
-    """Builds every process group for the layout. Must be called by all ranks, in the same order.
-    `timeout` bounds every collective on these groups (PyTorch's default otherwise: 30 minutes on
-    gloo, 10 on NCCL, whatever the default group was given). The expert-tensor-parallel size
-    defaults to the tensor-parallel size (Megatron-LM's default)."""
-    if expert_tensor_parallel_size is None:
-        expert_tensor_parallel_size = tensor_model_parallel_size
-    if not dist.is_initialized():
-        check_sizes(1, tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size)
-        check_expert_sizes(1, expert_model_parallel_size, expert_tensor_parallel_size)
-        if tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size != 1:
-            raise ValueError("model parallelism needs torch.distributed: launch with torchrun")
-        return single_process(device)
-    world = dist.get_world_size()
-    me = dist.get_rank()
-    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
-    dp = check_sizes(world, tp, pp, cp)
-    check_expert_sizes(tp * cp * dp, expert_model_parallel_size, expert_tensor_parallel_size)
-    coords = {}
-    for pp_r, dp_r, cp_r, tp_r in itertools.product(range(pp), range(dp), range(cp), range(tp)):
-        coords[_rank_of(tp_r, cp_r, dp_r, pp_r, tp, cp, dp)] = (tp_r, cp_r, dp_r, pp_r)
-    my_tp, my_cp, my_dp, my_pp = coords[me]
+    """`build_parallel_groups` for a layout given by its sizes alone (an even pipeline split) on
+    this job's world. The expert-tensor-parallel size defaults to the tensor-parallel size."""
+    layout = ParallelLayout(
+        world_size=dist.get_world_size() if dist.is_initialized() else 1, tp=tensor_model_parallel_size,
+        pp=pipeline_model_parallel_size, cp=context_parallel_size, ep=expert_model_parallel_size,
+        etp=expert_tensor_parallel_size)
+    return build_parallel_groups(layout, device=device, timeout=timeout)
 
-    def build(varying) -> tuple[Optional[dist.ProcessGroup], tuple]:
-        """Creates all groups whose members differ only in the `varying` coordinates; returns mine."""
-        names = ("tp", "cp", "dp", "pp")
-        extent = dict(tp=tp, cp=cp, dp=dp, pp=pp)
-        fixed = [n for n in names if n not in varying]
-        mine, my_ranks = None, (me,)
-        for fixed_values in itertools.product(*(range(extent[n]) for n in fixed)):
-            members = []
-            for varying_values in itertools.product(*(range(extent[n]) for n in varying)):
-                c = dict(zip(fixed, fixed_values)) | dict(zip(varying, varying_values))
-                members.append(_rank_of(c["tp"], c["cp"], c["dp"], c["pp"], tp, cp, dp))
-            members.sort()
+
+def build_parallel_groups(layout: ParallelLayout, *, device: Optional[torch.device] = None,
+                          timeout: Optional[datetime.timedelta] = None) -> ParallelGroups:
+    """Builds every process group of `layout`. Must be called by all ranks, in the same order.
+    `timeout` bounds every collective on these groups (PyTorch's default otherwise: 30 minutes on
+    gloo, 10 on NCCL, whatever the default group was given)."""
+    device = device or torch.device("cpu")
+    if not dist.is_initialized():
+        if layout.world_size != 1:
+            raise ValueError("model parallelism needs torch.distributed: launch with torchrun")
+        return ParallelGroups(device=device, layout=layout)
+    if layout.world_size != dist.get_world_size():
+        raise ValueError(f"the layout is for {layout.world_size} ranks but torch.distributed has "
+                         f"{dist.get_world_size()}")
+    me = dist.get_rank()
+    dense = _Grid(("tp", "cp", "dp", "pp"), (layout.tp, layout.cp, layout.dp, layout.pp), me, timeout)
+    # The order of creation is part of the contract: every rank creates the same groups in turn.
+    fields = _dense_groups(dense) | _expert_groups(layout, me, timeout) | _embedding_group(dense)
+    return ParallelGroups(
+        tp_size=layout.tp, cp_size=layout.cp, dp_size=layout.dp, pp_size=layout.pp,
+        world=dist.group.WORLD if layout.world_size > 1 else None, world_size=layout.world_size, global_rank=me,
+        backend=dist.get_backend(), device=device, layout=layout, **fields)
+
+
+class _Grid:
+    """Ranks as coordinates on named axes, the first axis fastest (mixed radix)."""
+
+    def __init__(self, names: tuple, sizes: tuple, me: int, timeout):
+        self.names, self.extent, self.me, self.timeout = names, dict(zip(names, sizes)), me, timeout
+
+    def rank_of(self, coords: dict) -> int:
+        rank, stride = 0, 1
+        for name in self.names:
+            rank, stride = rank + coords[name] * stride, stride * self.extent[name]
+        return rank
+
+    def coordinates(self) -> dict:
+        """This rank's coordinate on each axis."""
+        local, coords = self.me, {}
+        for name in self.names:
+            local, coords[name] = divmod(local, self.extent[name])
+        return coords
+
+    def groups_along(self, varying: tuple) -> tuple:
+        """Creates every group whose members differ only on the `varying` axes (none of one
+        rank: a group of one is `None`); returns (this rank's group, its members)."""
+        fixed = [n for n in self.names if n not in varying]
+        mine, my_ranks = None, (self.me,)
+        for fixed_values in itertools.product(*(range(self.extent[n]) for n in fixed)):
+            members = sorted(self.rank_of(dict(zip(fixed, fixed_values)) | dict(zip(varying, values)))
+                             for values in itertools.product(*(range(self.extent[n]) for n in varying)))
             if len(members) == 1:
                 continue
-            group = dist.new_group(members, timeout=timeout)
-            if me in members:
+            group = dist.new_group(members, timeout=self.timeout)
+            if self.me in members:
                 mine, my_ranks = group, tuple(members)
-        if len(my_ranks) == 1:
-            my_ranks = (me,)
         return mine, my_ranks
 
-    tp_group, _ = build(("tp",))
-    cp_group, _ = build(("cp",))
-    dp_group, _ = build(("dp",))
-    pp_group, pp_ranks = build(("pp",))
-    dp_cp_group, _ = build(("cp", "dp"))
-    mp_group, _ = build(("tp", "pp"))
-    tp_cp_group, _ = build(("tp", "cp"))
-    tp_dp_cp_group, _ = build(("tp", "cp", "dp"))
-    experts = _expert_groups(me, tp * cp * dp, pp, expert_model_parallel_size, expert_tensor_parallel_size, timeout)
 
-    embedding_group, embedding_ranks = None, ()
-    if pp > 1:
-        for tp_r, cp_r, dp_r in itertools.product(range(tp), range(cp), range(dp)):
-            members = [_rank_of(tp_r, cp_r, dp_r, 0, tp, cp, dp), _rank_of(tp_r, cp_r, dp_r, pp - 1, tp, cp, dp)]
-            group = dist.new_group(members, timeout=timeout)
-            if me in members:
-                embedding_group, embedding_ranks = group, tuple(members)
-    if pp == 1:
-        pp_ranks = (me,)
-
-    backend = dist.get_backend()
-    return ParallelGroups(
-        tp_size=tp, cp_size=cp, dp_size=dp, pp_size=pp,
-        tp_rank=my_tp, cp_rank=my_cp, dp_rank=my_dp, pp_rank=my_pp,
-        tp=tp_group, cp=cp_group, dp=dp_group, pp=pp_group, dp_cp=dp_cp_group, mp=mp_group,
-        embedding=embedding_group, world=dist.group.WORLD if world > 1 else None, pp_global_ranks=tuple(pp_ranks),
-        embedding_global_ranks=embedding_ranks, world_size=world, global_rank=me,
-        backend=backend, device=device or torch.device("cpu"), tp_cp=tp_cp_group, tp_dp_cp=tp_dp_cp_group,
-        **experts,
-    )
+def _dense_groups(grid: _Grid) -> dict:
+    """The tensor, context, data and pipeline groups and their unions: ParallelGroups fields."""
+    coords = grid.coordinates()
+    fields = {f"{name}_rank": coords[name] for name in ("tp", "cp", "dp", "pp")}
+    for field_name, varying in (("tp", ("tp",)), ("cp", ("cp",)), ("dp", ("dp",)), ("pp", ("pp",)),
+                                ("dp_cp", ("cp", "dp")), ("mp", ("tp", "pp")), ("tp_cp", ("tp", "cp")),
+                                ("tp_dp_cp", ("tp", "cp", "dp"))):
+        fields[field_name], ranks = grid.groups_along(varying)
+        if field_name == "pp":
+            fields["pp_global_ranks"] = ranks
+    return fields
 
 
-def _expert_groups(me: int, stage_size: int, pp: int, ep: int, etp: int, timeout) -> dict:
+def _expert_groups(layout: ParallelLayout, me: int, timeout) -> dict:
     """The expert layout's groups (module docstring): ParallelGroups fields for this rank."""
-    edp = stage_size // (ep * etp)
-    extent = dict(etp=etp, ep=ep, edp=edp, pp=pp)
-    names = ("etp", "ep", "edp", "pp")
-
-    def rank_of(c):
-        return c["pp"] * stage_size + c["etp"] + etp * (c["ep"] + ep * c["edp"])
-
-    local = me % stage_size
-    mine = dict(etp=local % etp, ep=(local // etp) % ep, edp=local // (etp * ep))
-    result = dict(ep_size=ep, etp_size=etp, ep_rank=mine["ep"], etp_rank=mine["etp"])
+    grid = _Grid(("etp", "ep", "edp", "pp"), (layout.etp, layout.ep, layout.edp, layout.pp), me, timeout)
+    coords = grid.coordinates()
+    fields = dict(ep_size=layout.ep, etp_size=layout.etp, ep_rank=coords["ep"], etp_rank=coords["etp"])
     for field_name, varying in (("etp", ("etp",)), ("ep", ("ep",)), ("etp_ep", ("etp", "ep")), ("edp", ("edp",)),
                                 ("expert_mp", ("etp", "ep", "pp"))):
-        fixed = [n for n in names if n not in varying]
-        result[field_name] = None
-        for fixed_values in itertools.product(*(range(extent[n]) for n in fixed)):
-            members = sorted(rank_of(dict(zip(fixed, fixed_values)) | dict(zip(varying, values)))
-                             for values in itertools.product(*(range(extent[n]) for n in varying)))
-            if len(members) == 1:
-                continue
-            group = dist.new_group(members, timeout=timeout)
-            if me in members:
-                result[field_name] = group
-    return result
+        fields[field_name] = grid.groups_along(varying)[0]
+    return fields
 
+
+def _embedding_group(grid: _Grid) -> dict:
+    """First and last pipeline stage of each pipeline (tied embeddings): ParallelGroups fields."""
+    pp = grid.extent["pp"]
+    fields = dict(embedding=None, embedding_global_ranks=())
+    if pp == 1:
+        return fields
+    for tp_r, cp_r, dp_r in itertools.product(*(range(grid.extent[n]) for n in ("tp", "cp", "dp"))):
+        ends = [grid.rank_of(dict(tp=tp_r, cp=cp_r, dp=dp_r, pp=stage)) for stage in (0, pp - 1)]
+        group = dist.new_group(ends, timeout=grid.timeout)
+        if grid.me in ends:
+            fields.update(embedding=group, embedding_global_ranks=tuple(ends))
+    return fields

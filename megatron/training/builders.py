@@ -19,8 +19,9 @@ from megatron.core.distributed.ddp import (
 )
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import LRScheduleConfig, OptimizerConfig, OptimizerParamScheduler, get_megatron_optimizer
+from megatron.core.parallel_layout import ParallelLayout, PipelineSplit
 from megatron.core.parallel_state import ParallelGroups
-from megatron.core.pipeline_parallel import layout
+from megatron.core.pipeline_parallel.layout import split_layer_numbers
 from megatron.core.transformer.attention import resolve_attention_backend, runs_batch_first
 from megatron.core.transformer.config import ExecutionConfig, TransformerConfig, derive
 from megatron.training.state import global_batch_size
@@ -86,27 +87,23 @@ def resolve_attention(model_config: TransformerConfig, execution: ExecutionConfi
     return dataclasses.replace(execution, attention_backend=backend), report
 
 
-def pipeline_split(config: Config) -> dict:
-    """The keyword arguments of `layout` that describe how the decoder is split over stages."""
-    p = config.parallel
-    return dict(first_stage_layers=p.decoder_first_pipeline_num_layers,
-                last_stage_layers=p.decoder_last_pipeline_num_layers,
-                account_for_embedding=p.account_for_embedding_in_pipeline_split,
-                account_for_loss=p.account_for_loss_in_pipeline_split)
-
-
-def virtual_pipeline_size(config: Config) -> int:
-    p = config.parallel
-    return layout.virtual_pipeline_size(
-        config.model.num_layers, p.pipeline_model_parallel_size,
+def parallel_layout(config: Config, world_size: int) -> ParallelLayout:
+    """The layout the flags ask for on `world_size` ranks: the one place that reads the parallel
+    sizes and the pipeline split from the flags. Raises ValueError, naming the flags, for sizes
+    that do not make a layout. A dense model has no expert layout (its expert flags are checked,
+    and refused, by validation)."""
+    p, moe = config.parallel, config.model.num_experts is not None
+    split = PipelineSplit(
+        first_stage_layers=p.decoder_first_pipeline_num_layers, last_stage_layers=p.decoder_last_pipeline_num_layers,
+        account_for_embedding=p.account_for_embedding_in_pipeline_split,
+        account_for_loss=p.account_for_loss_in_pipeline_split,
         num_layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage,
-        num_virtual_stages_per_rank=p.num_virtual_stages_per_pipeline_rank, **pipeline_split(config))
-
-
-def stage_layer_numbers(config: Config, groups: ParallelGroups) -> list:
-    """Global layer indices of each model chunk on this rank (one chunk without interleaving)."""
-    return layout.stage_layer_numbers(config.model.num_layers, groups.pp_size, groups.pp_rank,
-                                      virtual_size=virtual_pipeline_size(config), **pipeline_split(config))
+        num_virtual_stages_per_rank=p.num_virtual_stages_per_pipeline_rank,
+        microbatch_group_size=p.microbatch_group_size_per_vp_stage)
+    return ParallelLayout(world_size=world_size, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                          cp=p.context_parallel_size, ep=p.expert_model_parallel_size if moe else 1,
+                          etp=p.expert_tensor_parallel_size if moe else None, sequence_parallel=p.sequence_parallel,
+                          pipeline_split=split)
 
 
 def build_model_chunks(config: Config, groups: ParallelGroups, model_config: TransformerConfig,
@@ -115,7 +112,7 @@ def build_model_chunks(config: Config, groups: ParallelGroups, model_config: Tra
     norm, output layer and loss to the last chunk of the last rank. With FSDP2 they are built on the
     meta device (no memory) and initialized shard by shard when wrapped (`wrap_data_parallel`)."""
     chunks = []
-    layer_lists = stage_layer_numbers(config, groups)
+    layer_lists = split_layer_numbers(config.model.num_layers, groups.pp_size, groups.pp_rank, groups.layout.pipeline_split)
     device = torch.device("meta") if config.parallel.use_torch_fsdp2 else groups.device
     for index, layers in enumerate(layer_lists):
         first = groups.is_first_stage and index == 0
@@ -131,7 +128,6 @@ def build_model_chunks(config: Config, groups: ParallelGroups, model_config: Tra
 def wrap_data_parallel(chunks: list, config: Config, groups: ParallelGroups) -> list:
     """DDP with gradient buckets (and the distributed optimizer's parameter buffer), or FSDP2."""
     p = config.parallel
-    validate_data_parallel_config(config)
     if p.use_torch_fsdp2:
         from megatron.core.distributed.fsdp import FullyShardedDataParallel
 
@@ -182,10 +178,10 @@ def build_optimizer(config: Config, wrapped_chunks: list, groups: ParallelGroups
     return optimizer, scheduler
 
 
-def validate_data_parallel_config(config: Config) -> None:
+def validate_data_parallel_config(config: Config, virtual_pipeline_size: int) -> None:
     """The data-parallel flag checks (`ddp.validate_data_parallel`) for a full config."""
     p = config.parallel
     validate_data_parallel(ddp_bucket_size=p.ddp_bucket_size, use_distributed_optimizer=p.use_distributed_optimizer,
                            overlap_param_gather=p.overlap_param_gather, use_torch_fsdp2=p.use_torch_fsdp2,
                            overlap_param_gather_with_optimizer_step=p.overlap_param_gather_with_optimizer_step,
-                           virtual_pipeline_size=virtual_pipeline_size(config))
+                           virtual_pipeline_size=virtual_pipeline_size)

@@ -7,8 +7,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import utils
-from megatron.core.parallel_state import ParallelGroups, initialize_model_parallel
+from megatron.core.parallel_state import ParallelGroups, build_parallel_groups
 from megatron.core.tensor_parallel.random import RNGStatesTracker, build_tracker
+from megatron.training.builders import parallel_layout
 from megatron.training.config import Config
 from megatron.training.reliability.failures import attempt_store, enable_nccl_flight_recorder
 from megatron.training.reliability.launcher_watch import die_with_launcher
@@ -38,11 +39,8 @@ def initialize_distributed(config: Config) -> tuple[ParallelGroups, RNGStatesTra
     if backend == "gloo":
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
     device = utils.default_device()
-    groups = initialize_model_parallel(config.parallel.tensor_model_parallel_size,
-                                       config.parallel.pipeline_model_parallel_size,
-                                       config.parallel.context_parallel_size, device=device, timeout=timeout,
-                                       expert_model_parallel_size=config.parallel.expert_model_parallel_size,
-                                       expert_tensor_parallel_size=config.parallel.expert_tensor_parallel_size)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    groups = build_parallel_groups(parallel_layout(config, world), device=device, timeout=timeout)
     tracker = build_tracker(config.training.seed, groups.tp_rank, groups.pp_rank, device)
     return groups, tracker
 

@@ -6,11 +6,11 @@ import os
 from typing import Optional
 
 from megatron.core.context_parallel import check_context_parallel
-from megatron.core.distributed.ddp import validate_data_parallel
-from megatron.core.parallel_state import check_expert_sizes, check_sizes
-from megatron.core.pipeline_parallel.layout import validate_pipeline
+from megatron.core.parallel_layout import check_expert_sizes
+from megatron.core.pipeline_parallel.layout import validate_split
 from megatron.core.transformer.moe.moe_utils import LOAD_BALANCING_TYPES, moe_layer_pattern
 from megatron.training import megatron_lm
+from megatron.training.builders import parallel_layout, validate_data_parallel_config
 from megatron.training.state import batch_schedule, global_batch_size
 from megatron.core.transformer.config import derive
 from megatron.training.config import Config
@@ -45,11 +45,11 @@ def _checked(config: Config, world_size: int) -> list:
     for flag, value in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
                         ("--num-attention-heads", m.num_attention_heads)):
         _require(value is not None, f"{flag} is required (--use-checkpoint-args found no checkpoint to take it from)")
-    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     try:
-        dp = check_sizes(world_size, tp, pp, cp)
+        layout = parallel_layout(config, world_size)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    tp, cp, dp = layout.tp, layout.cp, layout.dp
 
     _require(not (t.bf16 and t.fp16), "--bf16 and --fp16 are mutually exclusive; pass one of them")
     for flag, value in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
@@ -66,20 +66,9 @@ def _checked(config: Config, world_size: int) -> list:
 
     try:
         for batch in batch_schedule(t, dp).batch_sizes():
-            virtual_size = validate_pipeline(
-                m.num_layers, pp,
-                num_layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage,
-                num_virtual_stages_per_rank=p.num_virtual_stages_per_pipeline_rank,
-                first_stage_layers=p.decoder_first_pipeline_num_layers,
-                last_stage_layers=p.decoder_last_pipeline_num_layers,
-                num_microbatches=batch // (t.micro_batch_size * dp),
-                account_for_embedding=p.account_for_embedding_in_pipeline_split,
-                account_for_loss=p.account_for_loss_in_pipeline_split,
-                microbatch_group_size=p.microbatch_group_size_per_vp_stage)
-        validate_data_parallel(ddp_bucket_size=p.ddp_bucket_size, use_distributed_optimizer=p.use_distributed_optimizer,
-                               overlap_param_gather=p.overlap_param_gather, use_torch_fsdp2=p.use_torch_fsdp2,
-                               overlap_param_gather_with_optimizer_step=p.overlap_param_gather_with_optimizer_step,
-                               virtual_pipeline_size=virtual_size)
+            virtual_size = validate_split(m.num_layers, layout.pp, layout.pipeline_split,
+                                          num_microbatches=batch // (t.micro_batch_size * dp))
+        validate_data_parallel_config(config, virtual_size)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 

@@ -95,8 +95,7 @@ def _saved_bytes_case(groups) -> None:
     from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-    linear = ColumnParallelLinear(16, 32, bias=False, tp_group=groups.tp, tp_size=groups.tp_size,
-                                  tp_rank=groups.tp_rank, sequence_parallel=True)
+    linear = ColumnParallelLinear(16, 32, bias=False, tp=groups.tensor_parallel, sequence_parallel=True)
     x = _randn(64 // groups.tp_size, 2, 16, seed=1).requires_grad_()
     fused = _saved_bytes(lambda: linear(x))
     plain = _saved_bytes(lambda: F.linear(mappings.gather_from_sequence_parallel_region(x, groups.tp), linear.weight))

@@ -2,6 +2,7 @@
 gathered gradients over 3 optimizer steps, then the weights (fp32, relative tolerance 1e-5)."""
 import pytest
 
+from megatron.core.parallel_state import TensorParallel
 from megatron.core.parallel_state import initialize_model_parallel
 from tests.distributed.harness import run_distributed
 from tests.distributed.parity import (
@@ -59,7 +60,7 @@ def test_tp2_batch_first_attention_output():
 
     config = llama_config(hidden_size=16, num_attention_heads=4, num_query_groups=2, kv_channels=8,
                           ffn_hidden_size=32)
-    attention = SelfAttention(config, tp_group=None, tp_size=1, tp_rank=0, rng_tracker=None, device="cpu")
+    attention = SelfAttention(config, tp=TensorParallel(), rng_tracker=None, device="cpu")
     assert attention._batch_first(SEQ, MICRO_BATCH)
     gpt2 = gpt2_config(hidden_size=16, num_attention_heads=4, kv_channels=8, ffn_hidden_size=32)
     cases = [("llama-batch-first", config, False), ("llama-batch-first-sp", config, True),

@@ -175,12 +175,13 @@ def test_fp8_linear_keeps_its_compiled_cast_input_on_cuda(recipe):
     """The compiled cast (amax, cast and transpose in one function) on CUDA: the weight gradient
     from the FP8 transpose the forward kept equals the one from casting the bf16 input again, and
     the FP8 casts of the step equal the eager ones."""
+    from megatron.core.parallel_state import TensorParallel
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.transformer.fp8 import DelayedScaling, FP8Linear, FP8Options, cast_to_fp8, compiled_cast_to_fp8
 
     options = FP8Options("hybrid", recipe)
     scaling = DelayedScaling(options) if recipe == "delayed" else None
-    linear = ColumnParallelLinear(1024, 2048, bias=False, tp_group=None, tp_size=1, tp_rank=0,
+    linear = ColumnParallelLinear(1024, 2048, bias=False, tp=TensorParallel(),
                                   params_dtype=torch.bfloat16, device=CUDA, gradient_accumulation_fusion=False)
     linear.fp8 = FP8Linear(options, scaling, compiled=True)
     if scaling is not None:

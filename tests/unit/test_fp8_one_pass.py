@@ -19,6 +19,7 @@ import re
 import pytest
 import torch
 
+from megatron.core.parallel_state import TensorParallel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer import fp8
 from megatron.core.transformer.fp8 import GRAD, INPUT, WEIGHT, DelayedScaling, FP8Linear, FP8Options
@@ -64,7 +65,7 @@ def test_one_linear_reads_each_bf16_tensor_once_on_its_way_to_fp8(monkeypatch):
     monkeypatch.setattr(fp8, "compiled_cast_to_fp8", lambda: spy)
     options = FP8Options("hybrid", "delayed")
     scaling = DelayedScaling(options)
-    linear = ColumnParallelLinear(48, 80, bias=False, tp_group=None, tp_size=1, tp_rank=0,
+    linear = ColumnParallelLinear(48, 80, bias=False, tp=TensorParallel(),
                                   params_dtype=torch.bfloat16, gradient_accumulation_fusion=False)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron.core.parallel_state import TensorParallel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.fp8 import WEIGHT, DelayedScaling, FP8Linear, FP8Options
 
@@ -83,7 +84,7 @@ def test_one_training_step_casts_each_tensor_once(recipe):
 def test_fp8_linear_keeps_its_input_in_fp8_for_backward():
     """Bytes saved for backward by one FP8 linear, beyond its weight: the input's FP8 transpose
     (1 byte per element) and a scale, not the bf16 input (2 bytes per element)."""
-    linear = ColumnParallelLinear(64, 96, bias=False, tp_group=None, tp_size=1, tp_rank=0,
+    linear = ColumnParallelLinear(64, 96, bias=False, tp=TensorParallel(),
                                   params_dtype=torch.bfloat16, gradient_accumulation_fusion=False)
     linear.fp8 = FP8Linear(FP8Options("hybrid", "tensorwise"), None)
     x = torch.randn(16, 2, 64).bfloat16().requires_grad_()

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.core.parallel_state import TensorParallel
 from megatron.core.distributed.ddp import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.parallel_state import single_process
 from megatron.core.tensor_parallel.cross_entropy import fused_vocab_parallel_cross_entropy
@@ -33,7 +34,7 @@ class TwoLinears(torch.nn.Module):
 
     def __init__(self, dtype, fusion, tp_group=None, tp_size=1, tp_rank=0, sequence_parallel=False):
         super().__init__()
-        common = dict(tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank, sequence_parallel=sequence_parallel,
+        common = dict(tp=TensorParallel(tp_group, tp_size, tp_rank), sequence_parallel=sequence_parallel,
                       params_dtype=dtype, gradient_accumulation_fusion=fusion)
         self.fc1 = ColumnParallelLinear(16, 32, bias=True, **common)
         self.fc2 = RowParallelLinear(32, 16, bias=False, **common)
@@ -117,7 +118,7 @@ def test_embedding_accumulates_rows_into_main_grad(dtype):
         F.embedding(t.t(), reference).backward(g)
         want += reference.grad.float()
         reference.grad = None
-    embedding = VocabParallelEmbedding(40, 8, tp_group=None, tp_size=1, tp_rank=0, params_dtype=dtype)
+    embedding = VocabParallelEmbedding(40, 8, tp=TensorParallel(), params_dtype=dtype)
     with torch.no_grad():
         embedding.weight.copy_(reference)
     ddp = DistributedDataParallel(embedding, single_process())

@@ -9,7 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 # Bottom to top. A module's floor is that of the longest prefix of its dotted name listed here.
 FLOORS = [
-    ("megatron.core.utils", "megatron.core.parallel_state", "megatron.core.tokenizers", "megatron.core.datasets"),
+    ("megatron.core.utils", "megatron.core.parallel_layout", "megatron.core.parallel_state", "megatron.core.tokenizers", "megatron.core.datasets"),
     ("megatron.core.distributed",),
     ("megatron.core.tensor_parallel", "megatron.core.optimizer", "megatron.core.pipeline_parallel",
      "megatron.core.context_parallel"),

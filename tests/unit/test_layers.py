@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.core.parallel_state import TensorParallel
 from megatron.core import parallel_state
 from megatron.core.distributed import replica_grads
 from megatron.core.models.gpt import GPTModel
@@ -23,7 +24,7 @@ from megatron.core.transformer.norm import LayerNorm, RMSNorm, build_norm
 from megatron.core.transformer.fusions import rotary as apply_rotary
 from megatron.core.transformer.rope import RotaryEmbedding, inverse_frequencies
 
-SINGLE = dict(tp_size=1, tp_rank=0, device=None)
+SINGLE = dict(tp=TensorParallel(), device=None)
 
 
 def make_config(**overrides) -> TransformerConfig:
@@ -54,7 +55,7 @@ def randn(*shape, seed=0, dtype=torch.float32):
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rmsnorm_matches_manual(dtype):
-    norm = build_norm(llama_like(norm_epsilon=1e-6), 32, tp_size=1, tp_rank=0, device=None)
+    norm = build_norm(llama_like(norm_epsilon=1e-6), 32, tp=TensorParallel(), device=None)
     assert isinstance(norm, RMSNorm)
     fill_random(norm)
     x = randn(5, 2, 32, seed=1, dtype=dtype)
@@ -66,7 +67,7 @@ def test_rmsnorm_matches_manual(dtype):
 
 
 def test_layernorm_matches_torch_and_manual():
-    norm = build_norm(make_config(norm_epsilon=1e-5), 32, tp_size=1, tp_rank=0, device=None)
+    norm = build_norm(make_config(norm_epsilon=1e-5), 32, tp=TensorParallel(), device=None)
     assert isinstance(norm, LayerNorm)
     fill_random(norm)
     reference = torch.nn.LayerNorm(32, eps=1e-5)
@@ -81,7 +82,7 @@ def test_layernorm_matches_torch_and_manual():
 def test_norm_layouts_replicated_and_sum_grads_only_with_sequence_parallel():
     for sequence_parallel, tp_size, expected in ((False, 2, False), (True, 1, False), (True, 2, True)):
         norm = build_norm(make_config(), 32, execution=ExecutionConfig(sequence_parallel=sequence_parallel),
-                          tp_size=tp_size, tp_rank=1, device=None)
+                          tp=TensorParallel(size=tp_size, rank=1), device=None)
         for name, param in norm.named_parameters():
             (part,) = param.tp_layout.parts
             assert (part.full_size, part.num_shards, part.sum_replica_grads) == (32, 1, expected)
@@ -170,7 +171,7 @@ def test_rotary_scores_depend_only_on_relative_position():
 # ------------------------------------------------------------------------------------------------
 def test_swiglu_mlp_matches_manual():
     config = llama_like(ffn_hidden_size=48)
-    mlp = MLP(config, tp_group=None, **SINGLE)
+    mlp = MLP(config, **SINGLE)
     fill_random(mlp)
     assert [p.name for p in mlp.linear_fc1.weight.tp_layout.parts] == ["gate", "up"]
     x = randn(6, 2, 32, seed=1)
@@ -182,7 +183,7 @@ def test_swiglu_mlp_matches_manual():
 
 def test_gelu_tanh_mlp_with_bias_matches_manual():
     config = make_config(openai_gelu=True, ffn_hidden_size=64)
-    mlp = MLP(config, tp_group=None, **SINGLE)
+    mlp = MLP(config, **SINGLE)
     fill_random(mlp)
     x = randn(6, 2, 32, seed=1)
     h = x @ mlp.linear_fc1.weight.t() + mlp.linear_fc1.bias
@@ -193,7 +194,7 @@ def test_gelu_tanh_mlp_with_bias_matches_manual():
 
 def test_gqa_self_attention_matches_manual():
     config = llama_like(hidden_size=32, num_attention_heads=4, num_query_groups=2)
-    attention = SelfAttention(config, tp_group=None, rng_tracker=None, **SINGLE).eval()
+    attention = SelfAttention(config, rng_tracker=None, **SINGLE).eval()
     fill_random(attention)
     s, b, heads, groups, d = 7, 2, 4, 2, 8
     x = randn(s, b, 32, seed=1)

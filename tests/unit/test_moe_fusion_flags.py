@@ -8,6 +8,7 @@ import torch
 
 from megatron.core.transformer.config import ExecutionConfig
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.parallelize import compile_declared
 from megatron.core.parallel_state import single_process
 from megatron.core.utils import compiled
 from megatron.core.transformer.moe import moe_utils
@@ -27,6 +28,7 @@ def test_flags_reach_the_execution_config():
 def _layer(execution):
     layer = MoELayer(config(moe_ffn_hidden_size=16, **CASES["deepseek-like"]), execution=execution, layer_number=0,
                      groups=single_process(), device=torch.device("cpu"))
+    compile_declared(layer, execution)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in layer.parameters():

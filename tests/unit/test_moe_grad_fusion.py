@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron.core.parallel_state import TensorParallel
 from megatron.core.distributed.ddp import DistributedDataParallel
 from megatron.core.parallel_state import single_process
 from megatron.core.transformer.config import ExecutionConfig
@@ -48,7 +49,7 @@ def _experts(dtype, fusion, fp8_recipe=None, grouped=False):
     DDP, so they have `main_grad`."""
     execution = ExecutionConfig(params_dtype=dtype, gradient_accumulation_fusion=fusion)
     experts = GroupedMLP(config(moe_grouped_gemm=grouped, moe_ffn_hidden_size=16), execution=execution,
-                         num_local_experts=4, expert_offset=0, etp_size=1, etp_rank=0, tp_size=1, tp_rank=0,
+                         num_local_experts=4, expert_offset=0, etp=TensorParallel(), tp=TensorParallel(),
                          device=torch.device("cpu"))
     with torch.no_grad():
         for name, param in experts.named_parameters():

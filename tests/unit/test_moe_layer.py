@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.core.parallel_state import TensorParallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.parallel_state import ParallelGroups, single_process
 from megatron.core.transformer.config import ExecutionConfig, TransformerConfig, derive
@@ -103,9 +104,9 @@ def test_permute_then_unpermute_sums_copies():
 
 def test_expert_initialization_is_independent_of_expert_parallel_size():
     cfg = config()
-    whole = GroupedMLP(cfg, execution=EXECUTION, num_local_experts=4, expert_offset=0, etp_size=1, etp_rank=0, tp_size=1, tp_rank=0,
+    whole = GroupedMLP(cfg, execution=EXECUTION, num_local_experts=4, expert_offset=0, etp=TensorParallel(), tp=TensorParallel(),
                        device="cpu")
-    half = GroupedMLP(cfg, execution=EXECUTION, num_local_experts=2, expert_offset=2, etp_size=1, etp_rank=0, tp_size=1, tp_rank=0,
+    half = GroupedMLP(cfg, execution=EXECUTION, num_local_experts=2, expert_offset=2, etp=TensorParallel(), tp=TensorParallel(),
                       device="cpu")
     for module in (whole, half):
         initialize_expert_param(module.fc1_weight, "decoder.layers.0.mlp.experts.fc1_weight", 5, 0.02, 2)
@@ -115,9 +116,9 @@ def test_expert_initialization_is_independent_of_expert_parallel_size():
 
 def test_expert_tensor_parallel_slices_each_expert():
     cfg = config()
-    whole = GroupedMLP(cfg, execution=EXECUTION, num_local_experts=4, expert_offset=0, etp_size=1, etp_rank=0, tp_size=1, tp_rank=0,
+    whole = GroupedMLP(cfg, execution=EXECUTION, num_local_experts=4, expert_offset=0, etp=TensorParallel(), tp=TensorParallel(),
                        device="cpu")
-    second = GroupedMLP(cfg, execution=EXECUTION, num_local_experts=4, expert_offset=0, etp_size=2, etp_rank=1, tp_size=2, tp_rank=1,
+    second = GroupedMLP(cfg, execution=EXECUTION, num_local_experts=4, expert_offset=0, etp=TensorParallel(size=2, rank=1), tp=TensorParallel(size=2, rank=1),
                         device="cpu")
     for module in (whole, second):
         for name in ("fc1_weight", "fc2_weight"):

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from megatron.core.parallel_state import TensorParallel
 from megatron.core.transformer.config import TransformerConfig, derive
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router import AuxLossTracker, TopKRouter
@@ -99,7 +100,7 @@ def _our_router(case):
                         moe_router_topk_scaling_factor=case["scaling_factor"],
                         moe_router_load_balancing_type=list(coeffs), moe_aux_loss_coeff=list(coeffs.values()),
                         moe_z_loss_coeff=case["z_loss_coeff"])
-    router = TopKRouter(config, layer_number=0, tp_size=1, tp_rank=0)
+    router = TopKRouter(config, layer_number=0, tp=TensorParallel())
     router.tracker = AuxLossTracker(config.num_layers)
     with torch.no_grad():
         router.weight.copy_(case["weight"])
@@ -175,7 +176,7 @@ def test_expert_bias_changes_choice_not_weight():
 def test_router_counts_tokens_for_expert_bias_and_updates():
     config = moe_config(moe_router_topk=2, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                         moe_router_load_balancing_type="none")
-    router = TopKRouter(config, layer_number=0, tp_size=1, tp_rank=0)
+    router = TopKRouter(config, layer_number=0, tp=TensorParallel())
     torch.nn.init.normal_(router.weight)
     _, routing_map = router(torch.randn(3, 2, 16))
     assert torch.equal(router.local_tokens_per_expert, routing_map.sum(0).float())
@@ -203,7 +204,7 @@ def test_moe_layer_pattern_errors(freq, message):
 def test_aux_loss_coeff_count_must_match_types():
     config = moe_config(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=[0.1])
     with pytest.raises(ValueError, match="--moe-aux-loss-coeff has 1 values for 2"):
-        TopKRouter(config, layer_number=0, tp_size=1, tp_rank=0)
+        TopKRouter(config, layer_number=0, tp=TensorParallel())
 
 
 def test_config_default_expert_size():

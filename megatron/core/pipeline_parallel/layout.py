@@ -18,6 +18,8 @@ stages build 7, 8, 8 and 7 decoder layers.
 """
 from typing import Optional
 
+from megatron.core.parallel_layout import PipelineSplit
+
 FIRST_FLAG = "--decoder-first-pipeline-num-layers"
 LAST_FLAG = "--decoder-last-pipeline-num-layers"
 PP_FLAG = "--pipeline-model-parallel-size"
@@ -183,3 +185,33 @@ def stage_layer_numbers(num_layers: int, pp_size: int, pp_rank: int, *, virtual_
         units = range(start, start + per_chunk[pp_rank])
         chunks.append([unit - embedding for unit in units if embedding <= unit < num_layers + embedding])
     return chunks
+
+
+# -- the same, for a `PipelineSplit` value (the form validation, the builders and the planner hold) --
+def split_virtual_size(num_layers: int, pp_size: int, split: PipelineSplit) -> int:
+    """V for the split: model chunks per pipeline rank."""
+    return virtual_pipeline_size(num_layers, pp_size, **_virtual(split), **split.keywords())
+
+
+def validate_split(num_layers: int, pp_size: int, split: PipelineSplit, num_microbatches: Optional[int] = None) -> int:
+    """`validate_pipeline` for the split; returns V."""
+    return validate_pipeline(num_layers, pp_size, num_microbatches=num_microbatches,
+                             microbatch_group_size=split.microbatch_group_size, **_virtual(split), **split.keywords())
+
+
+def split_layer_numbers(num_layers: int, pp_size: int, pp_rank: int, split: PipelineSplit) -> list:
+    """Global decoder layer indices of each model chunk of pipeline rank `pp_rank`."""
+    return stage_layer_numbers(num_layers, pp_size, pp_rank, virtual_size=split_virtual_size(num_layers, pp_size, split),
+                               **split.keywords())
+
+
+def decoder_layers_per_stage(num_layers: int, pp_size: int, split: PipelineSplit) -> list:
+    """Decoder layers each pipeline stage builds (the embedding and loss, when counted in the split,
+    take a layer's place on the first and last stage)."""
+    return [sum(map(len, stage_layer_numbers(num_layers, pp_size, rank, **split.keywords())))
+            for rank in range(pp_size)]
+
+
+def _virtual(split: PipelineSplit) -> dict:
+    return dict(num_layers_per_virtual_stage=split.num_layers_per_virtual_stage,
+                num_virtual_stages_per_rank=split.num_virtual_stages_per_rank)

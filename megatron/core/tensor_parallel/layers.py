@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from megatron.core.distributed import comm
 from megatron.core.distributed.replica_grads import all_reduce_partial_replica_grads
+from megatron.core.parallel_state import TensorParallel
 from megatron.core.tensor_parallel.mappings import (
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
@@ -360,20 +361,20 @@ class ColumnParallelLinear(torch.nn.Module):
     gate/up) as a tuple of `Part`s; by default the weight is one part split evenly.
     """
 
-    def __init__(self, input_size: int, output_size: Optional[int], *, tp_group, tp_size: int, tp_rank: int,
+    def __init__(self, input_size: int, output_size: Optional[int], *, tp: TensorParallel = TensorParallel(),
                  bias: bool, sequence_parallel: bool = False, gather_output: bool = False,
                  parts: Optional[tuple] = None, params_dtype=torch.float32, device=None,
                  init: str = "normal", gradient_accumulation_fusion: bool = True):
         super().__init__()
-        self.tp_group = tp_group
-        self.sequence_parallel = sequence_parallel and tp_size > 1
+        self.tp_group = tp.group
+        self.sequence_parallel = sequence_parallel and tp.size > 1
         self.gather_output = gather_output
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.fp8 = None  # an FP8 GEMM recipe, attached by the model for FP8 layers
         if parts is None:
-            divide(output_size, tp_size, "output features of a column-parallel linear by --tensor-model-parallel-size")
-            parts = (Part("", output_size, tp_size),)
-        self.layout = TPLayout(0, parts, tp_size, tp_rank)
+            divide(output_size, tp.size, "output features of a column-parallel linear by --tensor-model-parallel-size")
+            parts = (Part("", output_size, tp.size),)
+        self.layout = TPLayout(0, parts, tp.size, tp.rank)
         local_out = sum(self.layout.local_range(p)[1] for p in parts)
         self.weight = torch.nn.Parameter(torch.empty(local_out, input_size, dtype=params_dtype, device=device))
         set_layout(self.weight, self.layout, init)
@@ -398,23 +399,23 @@ class RowParallelLinear(torch.nn.Module):
     reduce-scattered with sequence parallelism. The bias is added once, after the reduction.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, tp_group, tp_size: int, tp_rank: int,
+    def __init__(self, input_size: int, output_size: int, *, tp: TensorParallel = TensorParallel(),
                  bias: bool, sequence_parallel: bool = False, input_is_parallel: bool = True,
                  params_dtype=torch.float32, device=None, init: str = "scaled_normal",
                  gradient_accumulation_fusion: bool = True):
         super().__init__()
-        self.tp_group = tp_group
-        self.sequence_parallel = sequence_parallel and tp_size > 1
+        self.tp_group = tp.group
+        self.sequence_parallel = sequence_parallel and tp.size > 1
         self.input_is_parallel = input_is_parallel
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.fp8 = None  # an FP8 GEMM recipe, attached by the model for FP8 layers
-        layout = split_layout(1, input_size, tp_size, tp_rank, "input features of a row-parallel linear")
-        local_in = input_size // tp_size
+        layout = split_layout(1, input_size, tp.size, tp.rank, "input features of a row-parallel linear")
+        local_in = input_size // tp.size
         self.weight = torch.nn.Parameter(torch.empty(output_size, local_in, dtype=params_dtype, device=device))
         set_layout(self.weight, layout, init)
         if bias:
             self.bias = torch.nn.Parameter(torch.empty(output_size, dtype=params_dtype, device=device))
-            set_layout(self.bias, replicated_layout((output_size,), tp_size, tp_rank, self.sequence_parallel), "zeros")
+            set_layout(self.bias, replicated_layout((output_size,), tp.size, tp.rank, self.sequence_parallel), "zeros")
         else:
             self.register_parameter("bias", None)
 
@@ -439,17 +440,17 @@ class VocabParallelEmbedding(torch.nn.Module):
     Input: [b, s] token ids. Output: [s, b, h] (or [s/tp, b, h]).
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group, tp_size: int, tp_rank: int,
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: TensorParallel = TensorParallel(),
                  sequence_parallel: bool = False, params_dtype=torch.float32, device=None,
                  gradient_accumulation_fusion: bool = True):
         super().__init__()
-        self.tp_group = tp_group
+        self.tp_group = tp.group
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
-        self.sequence_parallel = sequence_parallel and tp_size > 1
-        layout = split_layout(0, num_embeddings, tp_size, tp_rank, "padded vocabulary size")
+        self.sequence_parallel = sequence_parallel and tp.size > 1
+        layout = split_layout(0, num_embeddings, tp.size, tp.rank, "padded vocabulary size")
         self.vocab_start, local_rows = layout.local_range(layout.parts[0])
         self.vocab_end = self.vocab_start + local_rows
-        self.tp_size = tp_size
+        self.tp_size = tp.size
         self.weight = torch.nn.Parameter(torch.empty(local_rows, embedding_dim, dtype=params_dtype, device=device))
         set_layout(self.weight, layout, "normal")
 

@@ -20,6 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron.core import utils
 from megatron.core.context_parallel import ContextParallelAttention
+from megatron.core.parallel_state import TensorParallel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, Part, RowParallelLinear
 from megatron.core.tensor_parallel.random import RNGStatesTracker
 from megatron.core.transformer.config import DEFAULT_EXECUTION
@@ -339,22 +340,23 @@ def runs_batch_first(batch: int, seq: int, hidden: int, *, sequence_parallel: bo
 
 
 class SelfAttention(torch.nn.Module):
-    def __init__(self, config, *, execution=DEFAULT_EXECUTION, tp_group, tp_size: int, tp_rank: int,
+    compilable = {"_rotate": "fuse_elementwise"}  # parallelize.py
+
+    def __init__(self, config, *, execution=DEFAULT_EXECUTION, tp: TensorParallel = TensorParallel(),
                  rng_tracker: RNGStatesTracker, device, cp_group=None):
         super().__init__()
-        config.check_tensor_parallel(tp_size)
+        config.check_tensor_parallel(tp.size)
         self.config = config
-        kv_shards = min(tp_size, config.num_query_groups)
-        self.num_local_heads = config.num_attention_heads // tp_size
+        kv_shards = min(tp.size, config.num_query_groups)
+        self.num_local_heads = config.num_attention_heads // tp.size
         self.num_local_groups = config.num_query_groups // kv_shards
         self.head_dim = config.kv_channels
         parts = (
-            Part("q", config.query_projection_size, tp_size),
+            Part("q", config.query_projection_size, tp.size),
             Part("k", config.kv_projection_size, kv_shards, sum_replica_grads=True),
             Part("v", config.kv_projection_size, kv_shards, sum_replica_grads=True),
         )
-        common = dict(tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank,
-                      sequence_parallel=execution.sequence_parallel, params_dtype=execution.params_dtype,
+        common = dict(tp=tp, sequence_parallel=execution.sequence_parallel, params_dtype=execution.params_dtype,
                       device=device, gradient_accumulation_fusion=execution.gradient_accumulation_fusion)
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, None, parts=parts,
                                                bias=config.add_bias_linear or config.add_qkv_bias, **common)
@@ -366,11 +368,11 @@ class SelfAttention(torch.nn.Module):
                 config, execution=execution, cp_group=cp_group, num_local_heads=self.num_local_heads, num_local_groups=self.num_local_groups)
         self.linear_proj = RowParallelLinear(config.query_projection_size, config.hidden_size,
                                              bias=config.add_bias_linear, **common)
-        self._rotate = pick(rotary_interleaved if config.rotary_interleaved else rotary, execution.fuse_elementwise)
+        self._rotate = rotary_interleaved if config.rotary_interleaved else rotary
         if config.qk_layernorm:
             # One weight over each head's channels, shared by all heads; each rank normalizes its
             # own heads, so the gradients are partial sums over the TP group.
-            norm = dict(execution=execution, tp_size=tp_size, tp_rank=tp_rank, device=device, partial_grads=True)
+            norm = dict(execution=execution, tp=tp, device=device, partial_grads=True)
             self.q_layernorm = build_norm(config, config.kv_channels, **norm)
             self.k_layernorm = build_norm(config, config.kv_channels, **norm)
         else:

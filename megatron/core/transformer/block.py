@@ -1,6 +1,7 @@
 """A stack of transformer layers (this pipeline stage's share), with the final norm on the last.
 
-Activation recomputation is decided here, from the execution config (Megatron's flags):
+The block runs its layers in `segments`, each kept or re-run in backward; `parallelize.py` sets
+them (and wraps the attention cores) from the execution config (Megatron's flags):
 
 - `--recompute-granularity full --recompute-method uniform --recompute-num-layers N`: the layers are
   cut into groups of N; only each group's input is kept, and the group is re-run in backward.
@@ -15,29 +16,24 @@ Re-runs restore the RNG states (default generator and the tracker's streams), so
 import torch
 
 from megatron.core.tensor_parallel.random import checkpoint
+from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.layer import TransformerLayer
 from megatron.core.transformer.norm import build_norm
 
 
 class TransformerBlock(torch.nn.Module):
-    def __init__(self, config, execution, *, layer_numbers: list, post_process: bool, tp_group, tp_size: int,
-                 tp_rank: int, rng_tracker, device, cp_group=None, groups=None):
+    def __init__(self, config, execution, *, layer_numbers: list, post_process: bool, groups, rng_tracker, device):
         super().__init__()
         self.config = config
         self.layer_numbers = list(layer_numbers)  # global index of each local layer
         self.rng_tracker = rng_tracker
         self.layers = torch.nn.ModuleList(
-            TransformerLayer(config, execution=execution, tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank,
-                             rng_tracker=rng_tracker, device=device, cp_group=cp_group, layer_number=number,
-                             groups=groups)
+            TransformerLayer(config, execution=execution, groups=groups, rng_tracker=rng_tracker, device=device,
+                             layer_number=number)
             for number in self.layer_numbers)
-        self.final_layernorm = (build_norm(config, config.hidden_size, execution=execution, tp_size=tp_size,
-                                           tp_rank=tp_rank, device=device) if post_process else None)
-        self.segments = recompute_segments(execution, len(self.layers))
-        if execution.recompute_granularity == "selective":
-            for layer in self.layers:
-                attention = layer.self_attention
-                attention.core_attention = RecomputedCoreAttention(attention.core_attention, rng_tracker)
+        self.final_layernorm = (build_norm(config, config.hidden_size, execution=execution, tp=groups.tensor_parallel,
+                                           device=device) if post_process else None)
+        self.segments = recompute_segments(DEFAULT_EXECUTION, len(self.layers))  # all kept, until parallelized
 
     def forward(self, x, rotary=None, attention_mask=None):
         # x: [s, b, h] ([s/tp, b, h] with sequence parallelism)

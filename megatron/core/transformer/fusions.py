@@ -3,7 +3,7 @@ residual add before it), RoPE, SwiGLU.
 
 Eagerly, each is several memory-bound kernels over a full activation (RMSNorm upcasts, squares,
 reduces, scales, casts and multiplies). With `ExecutionConfig.fuse_elementwise` the modules call
-the `torch.compile`d version instead, which inductor fuses into one kernel forward and one or two
+the `torch.compile`d version instead (swapped in by `parallelize.py`), which inductor fuses into one kernel forward and one or two
 backward. The eager functions are the reference; `tests/unit/test_fusions.py` checks the compiled
 ones against them.
 """

@@ -8,6 +8,7 @@ reading a norm of its own with --parallel_layernorm (Falcon-40B), the attention'
 import torch
 import torch.nn.functional as F
 
+from megatron.core.parallel_state import ParallelGroups
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mla import MultiLatentAttention
 from megatron.core.tensor_parallel.random import checkpoint
@@ -19,13 +20,13 @@ from megatron.core.transformer.norm import build_norm
 
 
 class TransformerLayer(torch.nn.Module):
-    def __init__(self, config, *, execution=DEFAULT_EXECUTION, tp_group, tp_size: int, tp_rank: int, rng_tracker,
-                 device, cp_group=None, layer_number: int = 0, groups=None):
+    def __init__(self, config, *, execution=DEFAULT_EXECUTION, groups: ParallelGroups, rng_tracker, device,
+                 layer_number: int = 0):
         super().__init__()
-        common = dict(execution=execution, tp_size=tp_size, tp_rank=tp_rank, device=device)
+        common = dict(execution=execution, tp=groups.tensor_parallel, device=device)
         self.input_layernorm = build_norm(config, config.hidden_size, **common)
         attention = MultiLatentAttention if config.multi_latent_attention else SelfAttention
-        self.self_attention = attention(config, tp_group=tp_group, rng_tracker=rng_tracker, cp_group=cp_group, **common)
+        self.self_attention = attention(config, rng_tracker=rng_tracker, cp_group=groups.cp, **common)
         self.parallel_attn = config.parallel_attn
         self.pre_mlp_layernorm = (build_norm(config, config.hidden_size, **common)
                                   if not config.parallel_attn or config.parallel_layernorm else None)
@@ -36,13 +37,13 @@ class TransformerLayer(torch.nn.Module):
         if self.is_moe:
             self.mlp = MoELayer(config, execution=execution, layer_number=layer_number, groups=groups, device=device)
         else:
-            self.mlp = MLP(config, tp_group=tp_group, **common)
-        self.recompute_mlp = self.is_moe and execution.moe_layer_recompute
+            self.mlp = MLP(config, **common)
+        self.recompute_mlp = False  # --moe-layer-recompute (set by parallelize.py)
         self.rng_tracker = rng_tracker
         self.hidden_dropout = config.hidden_dropout
         # Sequence-parallel activations differ per TP rank, so their dropout draws from the
         # per-rank stream; replicated activations draw from the shared default stream.
-        self.dropout_rng = rng_tracker if (execution.sequence_parallel and tp_size > 1) else None
+        self.dropout_rng = rng_tracker if (execution.sequence_parallel and groups.tp_size > 1) else None
 
     def forward(self, x, rotary=None, attention_mask=None):
         # x: [s, b, h] ([s/tp, b, h] with sequence parallelism)

@@ -19,11 +19,12 @@ summed over the group with or without sequence parallelism).
 import torch
 import torch.nn.functional as F
 
+from megatron.core.parallel_state import TensorParallel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, replicated_layout, set_layout
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
 from megatron.core.transformer.attention import CoreAttention
 from megatron.core.transformer.config import DEFAULT_EXECUTION
-from megatron.core.transformer.fusions import pick, rotary, rotary_interleaved
+from megatron.core.transformer.fusions import rotary, rotary_interleaved
 from megatron.core.transformer.norm import build_norm
 
 
@@ -35,35 +36,37 @@ class ReplicatedLinear(torch.nn.Module):
     """y = x W^T with W whole on every TP rank (no bias). `partial_grads`: the ranks feed it
     different tokens (sequence parallelism), so its gradients are summed over the TP group."""
 
-    def __init__(self, input_size: int, output_size: int, *, tp_size: int, tp_rank: int, partial_grads: bool,
-                 params_dtype, device):
+    def __init__(self, input_size: int, output_size: int, *, tp: TensorParallel, partial_grads: bool, params_dtype,
+                 device):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=params_dtype, device=device))
-        set_layout(self.weight, replicated_layout(self.weight.shape, tp_size, tp_rank, partial_grads), "normal")
+        set_layout(self.weight, replicated_layout(self.weight.shape, tp.size, tp.rank, partial_grads), "normal")
 
     def forward(self, x):
         return F.linear(x, self.weight)
 
 
 class MultiLatentAttention(torch.nn.Module):
-    def __init__(self, config, *, execution=DEFAULT_EXECUTION, tp_group, tp_size: int, tp_rank: int, rng_tracker,
+    compilable = {"_rotate": "fuse_elementwise"}  # parallelize.py
+
+    def __init__(self, config, *, execution=DEFAULT_EXECUTION, tp: TensorParallel = TensorParallel(), rng_tracker,
                  device, cp_group=None):
         super().__init__()
         if cp_group is not None:
             raise ValueError("--multi-latent-attention with --context-parallel-size > 1 is not built")
-        config.check_tensor_parallel(tp_size)
-        self.tp_group = tp_group
-        self.num_local_heads = config.num_attention_heads // tp_size
+        config.check_tensor_parallel(tp.size)
+        self.tp_group = tp.group
+        self.num_local_heads = config.num_attention_heads // tp.size
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
-        self.sequence_parallel = execution.sequence_parallel and tp_size > 1
+        self.sequence_parallel = execution.sequence_parallel and tp.size > 1
         heads, h = config.num_attention_heads, config.hidden_size
-        common = dict(tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank, bias=False,
+        common = dict(tp=tp, bias=False,
                       sequence_parallel=execution.sequence_parallel, params_dtype=execution.params_dtype,
                       device=device, gradient_accumulation_fusion=execution.gradient_accumulation_fusion)
-        whole = dict(tp_size=tp_size, tp_rank=tp_rank, partial_grads=self.sequence_parallel,
+        whole = dict(tp=tp, partial_grads=self.sequence_parallel,
                      params_dtype=execution.params_dtype, device=device)
-        norm = dict(execution=execution, tp_size=tp_size, tp_rank=tp_rank, device=device)
+        norm = dict(execution=execution, tp=tp, device=device)
         q_size = heads * (self.nope_dim + self.rope_dim)
         if config.q_lora_rank is None:
             self.linear_q_proj = ColumnParallelLinear(h, q_size, **common)
@@ -76,7 +79,7 @@ class MultiLatentAttention(torch.nn.Module):
         self.linear_kv_up_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), **common)
         self.core_attention = CoreAttention(config, rng_tracker, execution=execution)
         self.linear_proj = RowParallelLinear(heads * self.v_dim, h, **dict(common, bias=config.add_bias_linear))
-        self._rotate = pick(rotary_interleaved if config.rotary_interleaved else rotary, execution.fuse_elementwise)
+        self._rotate = rotary_interleaved if config.rotary_interleaved else rotary
 
     def forward(self, x, rotary_cos_sin=None, attention_mask=None):
         # x: [s, b, h] ([s/tp, b, h] with sequence parallelism: the down projections see this rank's tokens)

@@ -2,9 +2,10 @@
 import torch
 import torch.nn.functional as F
 
+from megatron.core.parallel_state import TensorParallel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, Part, RowParallelLinear
 from megatron.core.transformer.config import DEFAULT_EXECUTION
-from megatron.core.transformer.fusions import pick, swiglu
+from megatron.core.transformer.fusions import swiglu
 
 _ACTIVATIONS = {
     "gelu": F.gelu,
@@ -16,14 +17,16 @@ _ACTIVATIONS = {
 class MLP(torch.nn.Module):
     """GeLU MLP, or SwiGLU (fc1 holds gate and up projections fused: silu(gate) * up)."""
 
-    def __init__(self, config, *, execution=DEFAULT_EXECUTION, tp_group, tp_size: int, tp_rank: int, device):
+    compilable = {"_swiglu": "fuse_elementwise"}  # parallelize.py
+
+    def __init__(self, config, *, execution=DEFAULT_EXECUTION, tp: TensorParallel = TensorParallel(), device):
         super().__init__()
         self.gated = config.swiglu
         self.activation = _ACTIVATIONS[config.activation]
-        self._swiglu = pick(swiglu, execution.fuse_elementwise) if config.activation == "silu" else None
+        self._swiglu = swiglu if config.activation == "silu" else None
         ffn = config.ffn_hidden_size
-        parts = (Part("gate", ffn, tp_size), Part("up", ffn, tp_size)) if self.gated else None
-        common = dict(tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank, bias=config.add_bias_linear,
+        parts = (Part("gate", ffn, tp.size), Part("up", ffn, tp.size)) if self.gated else None
+        common = dict(tp=tp, bias=config.add_bias_linear,
                       sequence_parallel=execution.sequence_parallel, params_dtype=execution.params_dtype,
                       device=device, gradient_accumulation_fusion=execution.gradient_accumulation_fusion)
         self.linear_fc1 = ColumnParallelLinear(config.hidden_size, ffn, parts=parts, **common)

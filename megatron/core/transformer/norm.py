@@ -8,20 +8,23 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.parallel_state import TensorParallel
 from megatron.core.tensor_parallel.layers import replicated_layout, set_layout
 from megatron.core.transformer.config import DEFAULT_EXECUTION
-from megatron.core.transformer.fusions import add_rms_norm, add_rms_norm_1p, pick, rms_norm, rms_norm_1p
+from megatron.core.transformer.fusions import add_rms_norm, add_rms_norm_1p, rms_norm, rms_norm_1p
 
 
 class RMSNorm(torch.nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight (or * (1 + weight)), computed in fp32."""
 
-    def __init__(self, hidden_size: int, eps: float, dtype, device, fuse: bool = False, zero_centered: bool = False):
+    compilable = {"_norm": "fuse_elementwise", "_add_norm": "fuse_elementwise"}  # parallelize.py
+
+    def __init__(self, hidden_size: int, eps: float, dtype, device, zero_centered: bool = False):
         super().__init__()
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device))
-        self._norm = pick(rms_norm_1p if zero_centered else rms_norm, fuse)
-        self._add_norm = pick(add_rms_norm_1p if zero_centered else add_rms_norm, fuse)
+        self._norm = rms_norm_1p if zero_centered else rms_norm
+        self._add_norm = add_rms_norm_1p if zero_centered else add_rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._norm(x, self.weight, self.eps)
@@ -50,8 +53,8 @@ class LayerNorm(torch.nn.Module):
         return x, self(x)
 
 
-def build_norm(config, hidden_size: int, *, execution=DEFAULT_EXECUTION, tp_size: int, tp_rank: int, device,
-               partial_grads: Optional[bool] = None) -> torch.nn.Module:
+def build_norm(config, hidden_size: int, *, execution=DEFAULT_EXECUTION, tp: TensorParallel = TensorParallel(),
+               device, partial_grads: Optional[bool] = None) -> torch.nn.Module:
     """A norm over `hidden_size` channels, replicated on every TP rank. Its gradients are partial
     sums to be added over the TP group when the ranks normalize different activations: the
     sequence shards under sequence parallelism (the default of `partial_grads`), or their own
@@ -59,14 +62,13 @@ def build_norm(config, hidden_size: int, *, execution=DEFAULT_EXECUTION, tp_size
     zero_centered = config.apply_layernorm_1p
     dtype = execution.params_dtype
     if config.normalization == "RMSNorm":
-        norm = RMSNorm(hidden_size, config.norm_epsilon, dtype, device, fuse=execution.fuse_elementwise,
-                       zero_centered=zero_centered)
+        norm = RMSNorm(hidden_size, config.norm_epsilon, dtype, device, zero_centered=zero_centered)
     else:
         norm = LayerNorm(hidden_size, config.norm_epsilon, dtype, device, zero_centered=zero_centered)
     if partial_grads is None:
         partial_grads = execution.sequence_parallel
-    partial_grads = partial_grads and tp_size > 1
+    partial_grads = partial_grads and tp.size > 1
     for name, param in norm.named_parameters():
-        layout = replicated_layout(param.shape, tp_size, tp_rank, sum_replica_grads=partial_grads)
+        layout = replicated_layout(param.shape, tp.size, tp.rank, sum_replica_grads=partial_grads)
         set_layout(param, layout, "ones" if name == "weight" and not zero_centered else "zeros")
     return norm

@@ -4,7 +4,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.core.pipeline_parallel import layout as pipeline_layout
+from megatron.core.parallel_layout import PipelineSplit
+from megatron.core.pipeline_parallel.layout import decoder_layers_per_stage, split_virtual_size
 
 _BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -40,8 +41,7 @@ class Layout:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     overlap_p2p_comm: bool = True           # pipeline sends/receives under compute (on by default here)
-    first_stage_layers: Optional[int] = None
-    last_stage_layers: Optional[int] = None
+    split: PipelineSplit = PipelineSplit()  # uneven stages, embedding/loss counted as layers
     ep: int = 1                             # expert parallelism (folded from the TP x CP x DP ranks)
     etp: int = 1                            # expert tensor parallelism (1 or TP)
     moe_layer_recompute: bool = False       # each mixture-of-experts block re-run in backward
@@ -69,8 +69,8 @@ class Layout:
         return self.sequence_parallel and self.tp > 1
 
     def layers_per_stage(self, num_layers: int) -> list:
-        return pipeline_layout.layers_per_rank(num_layers, self.pp, first_stage_layers=self.first_stage_layers,
-                                               last_stage_layers=self.last_stage_layers)
+        """Decoder layers built on each pipeline stage."""
+        return decoder_layers_per_stage(num_layers, self.pp, self.split)
 
     def replace(self, **changes) -> "Layout":
         return dataclasses.replace(self, **changes)
@@ -97,21 +97,20 @@ def layout_from_config(config, model_config, world_size: int) -> Layout:
     """The layout of a run with these flags on `world_size` GPUs (DP is what TP x PP x CP leaves).
     On the target GPU the elementwise chains are compiled unless --no-torch-compile, whatever the
     planning machine has."""
-    p, t, m = config.parallel, config.training, model_config
-    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
-    dp = max(1, world_size // (tp * pp * cp))
-    vpp = p.num_virtual_stages_per_pipeline_rank or 1
-    if p.num_layers_per_virtual_pipeline_stage:
-        vpp = max(1, m.num_layers // (pp * p.num_layers_per_virtual_pipeline_stage))
+    from megatron.training.builders import parallel_layout
+
+    t, m = config.training, model_config
+    parallel = parallel_layout(config, world_size)
     precision = "bf16" if t.bf16 else ("fp16" if t.fp16 else "fp32")
     fp8_layers = None
     run = config.model  # how the layers run (FP8, loss fusion, attention kernel): the flags, not the architecture
     if run.fp8 and run.first_last_layers_bf16:
         fp8_layers = max(0, m.num_layers - run.num_layers_at_start_in_bf16 - run.num_layers_at_end_in_bf16)
+    p = config.parallel
     return Layout(
-        tp=tp, pp=pp, cp=cp, dp=dp, micro_batch_size=t.micro_batch_size,
-        global_batch_size=t.global_batch_size or t.micro_batch_size * dp, seq_length=t.seq_length,
-        precision=precision, vpp=vpp, sequence_parallel=p.sequence_parallel,
+        tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, dp=parallel.dp, micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size or t.micro_batch_size * parallel.dp, seq_length=t.seq_length,
+        precision=precision, vpp=split_virtual_size(m.num_layers, parallel.pp, parallel.pipeline_split), sequence_parallel=parallel.sequence_parallel,
         distributed_optimizer=p.use_distributed_optimizer, fsdp2=p.use_torch_fsdp2,
         grad_reduce_in_bf16=p.grad_reduce_in_bf16, optimizer=config.optimizer.optimizer,
         sgd_momentum=config.optimizer.sgd_momentum, recompute_granularity=t.recompute_granularity,
@@ -121,14 +120,12 @@ def layout_from_config(config, model_config, world_size: int) -> Layout:
         gradient_accumulation_fusion=run.gradient_accumulation_fusion,
         attention_kernel="math" if run.attention_backend in ("unfused", "local", "math") else "flash",
         overlap_grad_reduce=p.overlap_grad_reduce, overlap_p2p_comm=p.overlap_p2p_comm,
-        overlap_param_gather=p.overlap_param_gather, first_stage_layers=p.decoder_first_pipeline_num_layers,
-        last_stage_layers=p.decoder_last_pipeline_num_layers, **_expert_layout(config, m))
+        overlap_param_gather=p.overlap_param_gather, split=parallel.pipeline_split,
+        **_expert_layout(parallel, model_config, config.model.moe_layer_recompute))
 
 
-def _expert_layout(config, model_config) -> dict:
-    """EP, ETP (default: TP, as Megatron-LM) and --moe-layer-recompute of a mixture-of-experts run."""
-    p = config.parallel
+def _expert_layout(parallel, model_config, moe_layer_recompute: bool) -> dict:
+    """EP, ETP and --moe-layer-recompute of a mixture-of-experts run."""
     if model_config.num_experts is None:
         return {}
-    etp = p.tensor_model_parallel_size if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
-    return dict(ep=p.expert_model_parallel_size, etp=etp, moe_layer_recompute=config.model.moe_layer_recompute)
+    return dict(ep=parallel.ep, etp=parallel.etp, moe_layer_recompute=moe_layer_recompute)

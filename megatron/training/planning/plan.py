@@ -57,9 +57,14 @@ def model_architecture(config, vocab_size: int, tp: int = None) -> Architecture:
 
 
 def layout_for_flags(config, vocab_size: int, world_size: int) -> Layout:
-    """The layout a run's flags ask for, on `world_size` GPUs (the start of a layout search)."""
+    """The layout a run's flags ask for, on `world_size` GPUs (the start of a layout search). The
+    search replaces the parallel sizes, so flags whose TP x PP x CP does not divide `world_size`
+    still start it (on one data-parallel replica of theirs)."""
     from megatron.training import builders
 
+    p = config.parallel
+    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    world_size = world_size if world_size % model_parallel == 0 else model_parallel
     return layout_from_config(config, builders.transformer_config(config, vocab_size), world_size)
 
 

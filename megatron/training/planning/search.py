@@ -10,6 +10,7 @@ from megatron.training.errors import ConfigError
 from megatron.training.validation import check_expert_layout
 
 from megatron.training.planning.hardware import Cluster
+from megatron.core.parallel_layout import PipelineSplit
 from megatron.training.planning.layout import Layout
 from megatron.training.planning.plan import MARGIN, make_plan
 
@@ -79,7 +80,7 @@ def _layout_fields(tp, pp, cp, dp, vpp, mbs, sharding, recompute) -> dict:
         overlap_grad_reduce=sharding == "distributed optimizer",
         overlap_param_gather=sharding == "distributed optimizer",
         recompute_granularity=recompute, recompute_method="uniform" if recompute == "full" else None,
-        recompute_num_layers=1 if recompute == "full" else None, first_stage_layers=None, last_stage_layers=None)
+        recompute_num_layers=1 if recompute == "full" else None, split=PipelineSplit())
 
 
 def search(arch_for_tp: Callable, base: Layout, cluster: Cluster, top: int, margin: float = MARGIN) -> tuple:

@@ -34,15 +34,17 @@ from megatron.core.tensor_parallel.random import RNGStatesTracker
 from megatron.core.transformer.attention import document_attention_mask
 from megatron.core.transformer.block import TransformerBlock
 from megatron.core.transformer.config import DEFAULT_EXECUTION, ExecutionConfig, TransformerConfig, derive
-from megatron.core.transformer.fp8 import attach_fp8
 from megatron.core.transformer.moe.experts import initialize_expert_param
 from megatron.core.transformer.moe.router import share_moe_state
+from megatron.core.transformer.parallelize import parallelize
 from megatron.core.transformer.rope import RotaryEmbedding
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 
 class GPTModel(torch.nn.Module):
+    compilable = {"compiled_loss": "fuse_elementwise"}  # parallelize.py
+
     def __init__(self, config: TransformerConfig, groups: ParallelGroups, *,
                  execution: ExecutionConfig = DEFAULT_EXECUTION, rng_tracker: Optional[RNGStatesTracker] = None,
                  pre_process: bool = True, post_process: bool = True, layer_numbers: Optional[list] = None,
@@ -58,18 +60,15 @@ class GPTModel(torch.nn.Module):
         self.sequence_parallel = execution.sequence_parallel and groups.tp_size > 1
         self.share_embeddings = not config.untie_embeddings_and_output_weights
         device = device if device is not None else groups.device
-        tp = dict(tp_size=groups.tp_size, tp_rank=groups.tp_rank)
         layer_numbers = list(range(config.num_layers)) if layer_numbers is None else list(layer_numbers)
 
         if pre_process:
             self.embedding = _Embedding(config, execution, groups, rng_tracker, device)
         self.rotary = RotaryEmbedding(config, device) if config.position_embedding_type == "rope" else None
         self.decoder = TransformerBlock(config, execution, layer_numbers=layer_numbers, post_process=post_process,
-                                        tp_group=groups.tp, rng_tracker=rng_tracker, device=device,
-                                        cp_group=groups.cp, groups=groups, **tp)
+                                        groups=groups, rng_tracker=rng_tracker, device=device)
         self.moe_aux_loss_scale, self.moe_aux_losses = share_moe_state(self.decoder, config)
-        # FP8 layers' linears get their FP8 GEMMs; `fp8_scaling` holds the delayed recipe's amax history.
-        self.fp8_scaling = attach_fp8(self.decoder, execution, config.num_layers, device) if execution.fp8 else None
+        self.compiled_loss = False  # the loss's chunks as compiled kernels (--no-torch-compile off: parallelize.py)
         self.input_tensor = None  # set by the pipeline schedule on stages after the first
         if post_process and (not self.share_embeddings or not pre_process):
             # Untied output layer, or the last stage's copy of the tied embedding (kept equal to the
@@ -82,6 +81,9 @@ class GPTModel(torch.nn.Module):
             self.output_layer.shared_embedding = self.share_embeddings
         for weight in self.vocabulary_weights():
             weight.is_embedding_or_output_parameter = True  # their own LR with --decoupled-lr
+        # Built; now FP8, compile and recompute as `execution` asks, from outside the layers.
+        # `fp8_scaling` holds the delayed recipe's amax history (None otherwise).
+        self.fp8_scaling = parallelize(self, execution, device=device)
 
     # ----------------------------------------------------------------------------------------
     def global_param_name(self, local_name: str) -> str:
@@ -155,7 +157,7 @@ class GPTModel(torch.nn.Module):
         vocab_start = self.groups.tp_rank * logits.shape[-1]
         if self.execution.cross_entropy_loss_fusion:
             loss = fused_vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_start,
-                                                      compiled=self.execution.fuse_elementwise)  # [s, b]
+                                                      compiled=self.compiled_loss)  # [s, b]
         else:
             loss = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_start)
         # [b, s] as a tensor of its own, not a transposed view of the [s, b] loss: a module wrapped by
@@ -182,8 +184,8 @@ class _Embedding(torch.nn.Module):
         self.groups = groups
         self.sequence_parallel = execution.sequence_parallel and groups.tp_size > 1
         self.word_embeddings = VocabParallelEmbedding(
-            config.padded_vocab_size, config.hidden_size, tp_group=groups.tp, tp_size=groups.tp_size,
-            tp_rank=groups.tp_rank, sequence_parallel=execution.sequence_parallel,
+            config.padded_vocab_size, config.hidden_size, tp=groups.tensor_parallel,
+            sequence_parallel=execution.sequence_parallel,
             params_dtype=execution.params_dtype, device=device,
             gradient_accumulation_fusion=execution.gradient_accumulation_fusion)
         if config.position_embedding_type == "learned_absolute":

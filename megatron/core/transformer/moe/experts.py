@@ -30,6 +30,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from megatron.core.parallel_state import TensorParallel
 from megatron.core.tensor_parallel.layers import (
     Part,
     TPLayout,
@@ -54,7 +55,7 @@ from megatron.core.utils import divide
 
 class GroupedMLP(torch.nn.Module):
     def __init__(self, config, *, execution=DEFAULT_EXECUTION, num_local_experts: int, expert_offset: int,
-                 etp_size: int, etp_rank: int, tp_size: int, tp_rank: int, device):
+                 etp: TensorParallel = TensorParallel(), tp: TensorParallel = TensorParallel(), device):
         super().__init__()
         self.gated = config.swiglu
         self.activation = _ACTIVATIONS[config.activation]
@@ -64,7 +65,7 @@ class GroupedMLP(torch.nn.Module):
         self.fp8 = None  # {"fc1": ExpertsFP8, "fc2": ExpertsFP8}, set by `attach_fp8`
         self.routing_padded = execution.moe_router_padding_for_fp8  # counts are multiples of 16 already
         ffn, hidden = config.moe_ffn_hidden_size, config.hidden_size
-        local_ffn = divide(ffn, etp_size, "--moe-ffn-hidden-size by --expert-tensor-parallel-size")
+        local_ffn = divide(ffn, etp.size, "--moe-ffn-hidden-size by --expert-tensor-parallel-size")
         dtype = execution.params_dtype
         rows = 2 * local_ffn if self.gated else local_ffn
         self.fc1_weight = torch.nn.Parameter(torch.empty(num_local_experts, rows, hidden, dtype=dtype, device=device))
@@ -74,22 +75,22 @@ class GroupedMLP(torch.nn.Module):
         if config.add_bias_linear:
             self.fc1_bias = torch.nn.Parameter(torch.empty(num_local_experts, rows, dtype=dtype, device=device))
             self.fc2_bias = torch.nn.Parameter(torch.empty(num_local_experts, hidden, dtype=dtype, device=device))
-        self.add_fc2_bias = etp_rank == 0  # fc2's outputs are partial sums over etp: add its bias once
+        self.add_fc2_bias = etp.rank == 0  # fc2's outputs are partial sums over etp: add its bias once
         # Layouts of the stacked tensors (dim 0 is the expert) over the expert-tensor-parallel ranks:
         # the hidden size split like the dense MLP's. With etp = 1 an expert is whole on every rank
         # that holds it, and the gradients of its copies are summed over the expert-data-parallel
         # group (which then includes the TP ranks); fc2's bias is added on etp rank 0 only, so its
         # gradient is summed over the etp ranks.
-        if etp_size > 1 and etp_size != tp_size:
-            raise ValueError(f"--expert-tensor-parallel-size ({etp_size}) must be 1 or "
-                             f"--tensor-model-parallel-size ({tp_size})")
-        fc1_parts = ((Part("gate", ffn, etp_size), Part("up", ffn, etp_size)) if self.gated
-                     else (Part("", ffn, etp_size),))
+        if etp.size > 1 and etp.size != tp.size:
+            raise ValueError(f"--expert-tensor-parallel-size ({etp.size}) must be 1 or "
+                             f"--tensor-model-parallel-size ({tp.size})")
+        fc1_parts = ((Part("gate", ffn, etp.size), Part("up", ffn, etp.size)) if self.gated
+                     else (Part("", ffn, etp.size),))
         layouts = {
-            "fc1_weight": TPLayout(1, fc1_parts, etp_size, etp_rank),
-            "fc2_weight": TPLayout(2, (Part("", ffn, etp_size),), etp_size, etp_rank),
-            "fc1_bias": TPLayout(1, fc1_parts, etp_size, etp_rank),
-            "fc2_bias": TPLayout(1, (Part("", hidden, 1, etp_size > 1),), etp_size, etp_rank),
+            "fc1_weight": TPLayout(1, fc1_parts, etp.size, etp.rank),
+            "fc2_weight": TPLayout(2, (Part("", ffn, etp.size),), etp.size, etp.rank),
+            "fc1_bias": TPLayout(1, fc1_parts, etp.size, etp.rank),
+            "fc2_bias": TPLayout(1, (Part("", hidden, 1, etp.size > 1),), etp.size, etp.rank),
         }
         for name, param in self.named_parameters():
             init = "zeros" if "bias" in name else ("scaled_normal" if name == "fc2_weight" else "normal")
@@ -342,17 +343,16 @@ class SharedExpertMLP(torch.nn.Module):
     size): a dense MLP, tensor-parallel like the model's, optionally scaled by a per-token sigmoid
     gate sigmoid(x w_g) (Qwen2-MoE)."""
 
-    def __init__(self, config, *, execution=DEFAULT_EXECUTION, tp_group, tp_size: int, tp_rank: int, device):
+    def __init__(self, config, *, execution=DEFAULT_EXECUTION, tp: TensorParallel = TensorParallel(), device):
         super().__init__()
         shared = dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
-        self.mlp = MLP(shared, execution=execution, tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank,
-                       device=device)
+        self.mlp = MLP(shared, execution=execution, tp=tp, device=device)
         self.gate_weight = None
         if config.moe_shared_expert_gate:
             self.gate_weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=execution.params_dtype,
                                                               device=device))
-            partial = execution.sequence_parallel and tp_size > 1
-            set_layout(self.gate_weight, replicated_layout((1,), tp_size, tp_rank, partial), "normal")
+            partial = execution.sequence_parallel and tp.size > 1
+            set_layout(self.gate_weight, replicated_layout((1,), tp.size, tp.rank, partial), "normal")
 
     def forward(self, x):
         out = self.mlp(x)

@@ -20,24 +20,26 @@ from megatron.core.utils import divide
 
 
 class MoELayer(torch.nn.Module):
+    compilable = {"dispatcher.local.permute_rows": "moe_permute_fusion",  # parallelize.py
+                  "dispatcher.local.unpermute": "moe_permute_fusion"}
+
     def __init__(self, config, *, execution=DEFAULT_EXECUTION, layer_number: int, groups, device):
         super().__init__()
-        ep, etp = groups.ep_size, groups.etp_size
+        ep = groups.ep_size
         self.num_local_experts = divide(config.num_experts, ep, "--num-experts by --expert-model-parallel-size")
         expert_offset = groups.ep_rank * self.num_local_experts
-        tp = dict(tp_size=groups.tp_size, tp_rank=groups.tp_rank)
+        tp = groups.tensor_parallel
         self.router = TopKRouter(config, execution=execution, layer_number=layer_number, tp_cp_group=groups.tp_cp,
-                                 tp_dp_cp_group=groups.tp_dp_cp, device=device, **tp)
+                                 tp_dp_cp_group=groups.tp_dp_cp, device=device, tp=tp)
         self.experts = GroupedMLP(config, execution=execution, num_local_experts=self.num_local_experts, expert_offset=expert_offset,
-                                  etp_size=etp, etp_rank=groups.etp_rank, device=device, **tp)
+                                  etp=groups.expert_tensor_parallel, device=device, tp=tp)
         if config.moe_token_dispatcher_type not in DISPATCHER_TYPES:
             raise ValueError(f"--moe-token-dispatcher-type must be one of {DISPATCHER_TYPES}, "
                              f"got {config.moe_token_dispatcher_type!r}")
         _check_router_padding(config, execution)
         routing = dict(topk=config.moe_router_topk, num_experts=config.num_experts,
                        capacity=config.moe_expert_capacity_factor is not None,
-                       pad_to_capacity=bool(config.moe_pad_expert_input_to_capacity),
-                       fused=execution.moe_permute_fusion)
+                       pad_to_capacity=bool(config.moe_pad_expert_input_to_capacity))
         if config.moe_token_dispatcher_type == "alltoall":
             pad_multiple = FP8_ALIGNMENT if execution.moe_router_padding_for_fp8 else None
             self.dispatcher = AllToAllDispatcher(num_local_experts=self.num_local_experts, ep_group=groups.ep,
@@ -47,7 +49,7 @@ class MoELayer(torch.nn.Module):
                                                   expert_offset=expert_offset, group=groups.etp_ep, **routing)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
-            self.shared_experts = SharedExpertMLP(config, execution=execution, tp_group=groups.tp, device=device, **tp)
+            self.shared_experts = SharedExpertMLP(config, execution=execution, device=device, tp=tp)
 
     def forward(self, x):
         shape = x.shape                                                   # [s, b, h]

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.distributed import comm
+from megatron.core.parallel_state import TensorParallel
 from megatron.core.tensor_parallel.layers import replicated_layout, set_layout
 from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.moe import moe_utils
-from megatron.core.utils import pick
 
 _ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
@@ -53,7 +53,9 @@ class AuxLossTracker:
 
 
 class TopKRouter(torch.nn.Module):
-    def __init__(self, config, *, execution=DEFAULT_EXECUTION, layer_number: int, tp_size: int, tp_rank: int,
+    compilable = {"route": "moe_router_fusion"}  # parallelize.py
+
+    def __init__(self, config, *, execution=DEFAULT_EXECUTION, layer_number: int, tp: TensorParallel = TensorParallel(),
                  tp_cp_group=None, tp_dp_cp_group=None, device=None):
         super().__init__()
         self.config = config
@@ -62,12 +64,12 @@ class TopKRouter(torch.nn.Module):
         self.tp_cp_group, self.tp_dp_cp_group = tp_cp_group, tp_dp_cp_group
         self.coeffs = aux_loss_coeffs(config)
         self.router_dtype = _ROUTER_DTYPES[config.moe_router_dtype]
-        self.route = pick(moe_utils.route, execution.moe_router_fusion)  # compiled under --moe-router-fusion
+        self.route = moe_utils.route  # compiled under --moe-router-fusion (parallelize.py)
         self.weight = torch.nn.Parameter(torch.empty(config.num_experts, config.hidden_size,
                                                      dtype=execution.params_dtype, device=device))
         # Sequence-parallel ranks route different tokens: their gradients are partial sums.
-        partial = execution.sequence_parallel and tp_size > 1
-        set_layout(self.weight, replicated_layout(self.weight.shape, tp_size, tp_rank, partial), "normal")
+        partial = execution.sequence_parallel and tp.size > 1
+        set_layout(self.weight, replicated_layout(self.weight.shape, tp.size, tp.rank, partial), "normal")
         self.aux_loss_scale = moe_utils.AuxLossScale()  # shared with the model (GPTModel sets it)
         self.tracker: Optional[AuxLossTracker] = None   # shared with the model, when it logs
         if config.moe_router_enable_expert_bias:

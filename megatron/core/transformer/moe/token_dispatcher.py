@@ -34,7 +34,6 @@ Communication is only through `tensor_parallel.mappings` (paired autograd collec
 import torch
 
 from megatron.core.distributed import comm
-from megatron.core.utils import pick
 from megatron.core.tensor_parallel.mappings import (
     all_to_all,
     gather_from_sequence_parallel_region,
@@ -149,11 +148,11 @@ class _LocalPermutation:
     one rank): static shapes, no host synchronization."""
 
     def __init__(self, *, topk: int, first_expert: int, num_local_experts: int, may_drop: bool,
-                 pad_to_capacity: bool, fused: bool, pad_multiple=None):
+                 pad_to_capacity: bool, pad_multiple=None):
         self.topk, self.first_expert, self.num_local_experts = topk, first_expert, num_local_experts
         self.may_drop, self.pad_to_capacity, self.pad_multiple = may_drop, pad_to_capacity, pad_multiple
-        # --moe-permute-fusion: the compiled permutation and unpermutation (fewer kernels, same result).
-        self.permute_rows, self.unpermute = pick(permute_rows, fused), pick(unpermute, fused)
+        # --moe-permute-fusion compiles these two (fewer kernels, same result; `MoELayer.compilable`).
+        self.permute_rows, self.unpermute = permute_rows, unpermute
 
     def dispatch(self, hidden, probs, routing_map):
         """-> (rows [N, h] sorted by local expert, tokens per expert [E_local] (device tensor))."""
@@ -183,11 +182,11 @@ class AllGatherDispatcher:
     (each rank's rows are T x g x topk, those of other ranks' experts in the sentinel group)."""
 
     def __init__(self, *, num_local_experts: int, expert_offset: int, group, topk: int,
-                 num_experts: int, capacity: bool = False, pad_to_capacity: bool = False, fused: bool = False):
+                 num_experts: int, capacity: bool = False, pad_to_capacity: bool = False):
         self.group = group  # etp x ep
         self.local = _LocalPermutation(topk=topk, first_expert=expert_offset, num_local_experts=num_local_experts,
                                        may_drop=capacity or num_local_experts < num_experts,
-                                       pad_to_capacity=pad_to_capacity, fused=fused)
+                                       pad_to_capacity=pad_to_capacity)
 
     def dispatch(self, hidden, probs, routing_map):
         """hidden [T, h], probs and routing_map [T, E] -> (rows [N, h], tokens per expert [E_local])."""
@@ -207,13 +206,13 @@ class AllToAllDispatcher:
     micro-batch (one host synchronization, as Megatron-Core's)."""
 
     def __init__(self, *, num_local_experts: int, ep_group, etp_group, topk: int, num_experts: int,
-                 capacity: bool = False, pad_to_capacity: bool = False, fused: bool = False, pad_multiple=None):
+                 capacity: bool = False, pad_to_capacity: bool = False, pad_multiple=None):
         self.num_local_experts = num_local_experts
         self.ep_group, self.etp_group = ep_group, etp_group
         self.exchanges = comm.size(ep_group) > 1 or comm.size(etp_group) > 1
         # Before the exchange every rank sorts its tokens over all experts (no rank-local subset).
         self.local = _LocalPermutation(topk=topk, first_expert=0, num_local_experts=num_experts,
-                                       may_drop=capacity, pad_to_capacity=pad_to_capacity, fused=fused,
+                                       may_drop=capacity, pad_to_capacity=pad_to_capacity,
                                        pad_multiple=pad_multiple)
 
     def dispatch(self, hidden, probs, routing_map):
