@@ -109,6 +109,16 @@ def test_the_rooms_below_the_loop_do_not_call_it():
     assert found == [], "\n".join(found)
 
 
+def test_the_loop_reaches_reliability_through_the_supervisor():
+    """The loop calls the Supervisor, which holds the reliability parts; it imports none of them."""
+    path = ROOT / "megatron" / "training" / "training.py"
+    found = [f"megatron/training/training.py:{line} imports {imported}"
+             for line, imported in imported_modules(ast.parse(path.read_text()), "megatron.training")
+             if _within(imported, ("megatron.training.reliability",))
+             and not _within(imported, ("megatron.training.reliability.supervisor",))]
+    assert found == [], "\n".join(found)
+
+
 def imports_outside_public_entry_points(relative: str, source: str) -> list:
     """The imports of the tool at `relative` (its text: `source`) that reach past the application's
     public entry points."""
