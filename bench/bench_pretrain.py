@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from megatron.core import utils  # noqa: E402
 from megatron.training.arguments import parse_args  # noqa: E402
 from megatron.training.data import build_loader  # noqa: E402
-from megatron.training.logging import flops_per_iteration  # noqa: E402
+from megatron.training.reporting.logging import flops_per_iteration  # noqa: E402
 from megatron.training.training import setup, train_step  # noqa: E402
 from megatron.core.datasets.mock_dataset import MockGPTDataset  # noqa: E402
 from pretrain_gpt import forward_step  # noqa: E402

@@ -26,13 +26,14 @@ from megatron.training.arguments import format_config
 from megatron.training.checkpointing import Checkpointer
 from megatron.training.config import Config
 from megatron.training.data import build_loader, endless
-from megatron.training.fast_paths import fast_paths_line
 from megatron.training.initialize import initialize_distributed, world_size_from_env
-from megatron.training.logging import TensorBoardWriter, flops_per_iteration, iteration_line, tensorboard_scalars
 from megatron.training.memory import memory_report, theoretical_bytes
-from megatron.training.profiling import StepProfiler
-from megatron.training.progress import ProgressLog
 from megatron.training.reliability.supervisor import Supervisor
+from megatron.training.reporting.fast_paths import fast_paths_line
+from megatron.training.reporting.logging import (TensorBoardWriter, flops_per_iteration, iteration_line,
+                                                 tensorboard_scalars)
+from megatron.training.reporting.profiling import StepProfiler
+from megatron.training.reporting.progress import ProgressLog
 from megatron.training.startup import check_fits_in_memory, startup_checks
 from megatron.training.state import BatchSchedule, ModelBundle, TrainState, batch_schedule
 

@@ -88,6 +88,8 @@ ROOMS = {
     "megatron.training.reliability": ("megatron.training.errors", "megatron.training.state",
                                       "megatron.training.reliability", "megatron.training.arguments",
                                       "megatron.training.config", "megatron.training.memory"),
+    "megatron.training.reporting": ("megatron.training.errors", "megatron.training.state",
+                                    "megatron.training.reporting", "megatron.training.planning.architecture"),
 }
 
 
