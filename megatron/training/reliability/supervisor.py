@@ -7,7 +7,8 @@ and the loop calls it at fixed points instead of calling each part:
                                        straggler clock (straggler.py) and the test-only faults
                                        (fault_injection.py) are built
     before_training()                  --exit-signal-handler's handlers are installed (exits.py)
-    before_step(iteration)             the guard and the faults learn the iteration; the straggler clock starts
+    before_step(iteration)             the guard and the faults learn the iteration
+    before_forward_backward()          the straggler clock starts
     after_forward_backward(reported)   the clock stops; the guard sees the step's losses
     (optimizer.step(supervisor.guard)  the guard's flags travel with the gradient norm)
     after_step(state, applied, norm)   skipped and NaN iterations counted
