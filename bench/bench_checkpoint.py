@@ -26,7 +26,8 @@ import torch  # noqa: E402
 
 from megatron.core.checkpointing import checksums  # noqa: E402
 from megatron.training.arguments import parse_args  # noqa: E402
-from megatron.training.training import TrainState, setup  # noqa: E402
+from megatron.training.state import TrainState  # noqa: E402
+from megatron.training.training import setup  # noqa: E402
 from pretrain_gpt import forward_step  # noqa: E402
 
 COMMON = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
@@ -47,15 +48,16 @@ SIZES = {
 def build(size: str, directory: str):
     config = parse_args(COMMON + SIZES[size] + ["--save", directory])
     run = setup(config, forward_step, vocab_size=config.data.vocab_size + 1)
-    for chunk in run.chunks:
+    for chunk in run.model.chunks:
         for buffer in chunk.buffers:  # gradients are not part of a checkpoint: free their memory
             buffer.grad_data = torch.empty(0)
-    run.optimizer.prepare_state_for_load(1)
+    optimizer = run.model.optimizer
+    optimizer.prepare_state_for_load(1)
     with torch.no_grad():
-        for _, _, _, master in run.optimizer.state_regions():
+        for _, _, _, master in optimizer.state_regions():
             master.normal_()
-            for key in run.optimizer.moment_keys():
-                run.optimizer.optimizer.state[master][key].normal_()
+            for key in optimizer.moment_keys():
+                optimizer.optimizer.state[master][key].normal_()
     return run
 
 
@@ -72,21 +74,21 @@ def main(argv=None):
     args = parser.parse_args(argv)
     root = args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_")
     run = build(args.size, os.path.join(root, "save"))
-    params = sum(p.numel() for c in run.chunks for p in c.module.parameters())
+    params = sum(p.numel() for c in run.model.chunks for p in c.module.parameters())
     checkpointer = run.checkpointer
     save_times, load_times, blocked_times, async_totals, record_times, verify_times = [], [], [], [], [], []
     for repeat in range(args.repeats):
         shutil.rmtree(os.path.join(root, "save"), ignore_errors=True)
         state = TrainState(iteration=repeat + 1)
         start = time.perf_counter()
-        checkpointer.save(run, state, run.vocab_size)
+        checkpointer.save(run.model, state)
         save_times.append(time.perf_counter() - start)
         directory = os.path.join(root, "save", f"iter_{repeat + 1:07d}")
         size = directory_bytes(directory)
         from megatron.training.checkpointing import read_common
 
         start = time.perf_counter()
-        checkpointer.load(run, directory, read_common(directory))
+        checkpointer.load(run.model, directory, read_common(directory))
         load_times.append(time.perf_counter() - start)
         start = time.perf_counter()
         recorded = checksums.gather(directory, None)
@@ -97,7 +99,7 @@ def main(argv=None):
         if not args.skip_async:
             checkpointer.options.async_save = True
             start = time.perf_counter()
-            checkpointer.save(run, TrainState(iteration=100 + repeat), run.vocab_size)
+            checkpointer.save(run.model, TrainState(iteration=100 + repeat))
             blocked_times.append(time.perf_counter() - start)
             checkpointer.wait()
             async_totals.append(time.perf_counter() - start)

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from megatron.core import utils  # noqa: E402
 from megatron.training.arguments import parse_args  # noqa: E402
 from megatron.training.data import build_loader  # noqa: E402
-from megatron.training.logging import flops_per_iteration  # noqa: E402
+from megatron.training.reporting.logging import flops_per_iteration  # noqa: E402
 from megatron.training.training import setup, train_step  # noqa: E402
 from megatron.core.datasets.mock_dataset import MockGPTDataset  # noqa: E402
 from pretrain_gpt import forward_step  # noqa: E402
@@ -136,7 +136,7 @@ def main() -> None:
     seq = int(flags[flags.index("--seq-length") + 1])
     config = parse_args(flags)
     run = setup(config, forward_step, config.data.vocab_size)
-    dataset = MockGPTDataset(total * run.global_batch_size, seq, config.data.vocab_size, seed=1)
+    dataset = MockGPTDataset(total * run.batches.global_batch_size, seq, config.data.vocab_size, seed=1)
     iterators = [iter(build_loader(dataset, 0, micro, run.groups, config.data.num_workers))]
     device = run.groups.device
     times = []
@@ -151,22 +151,22 @@ def main() -> None:
             times.append(time.perf_counter() - start)
     profile = profile_step(run, iterators, device) if args.profile else None
     seconds = statistics.median(times)
-    flops = flops_per_iteration(run.model_config, run.global_batch_size, seq)
+    flops = flops_per_iteration(run.model.config, run.batches.global_batch_size, seq)
     tflops = flops / seconds / 1e12 / run.groups.world_size
-    tokens = run.global_batch_size * seq / seconds / run.groups.world_size
+    tokens = run.batches.global_batch_size * seq / seconds / run.groups.world_size
     precision = "fp8" if "--fp8-format" in flags else "bf16"
     figures = {
         "preset": args.preset, "flags": " ".join(extra), "precision": precision,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
         "step_ms": seconds * 1000, "tflops_per_gpu": tflops, "tokens_per_gpu": tokens,
         "mfu_bf16_peak": 100 * tflops / PEAK_TFLOPS["bf16"], "mfu_fp8_peak": 100 * tflops / PEAK_TFLOPS["fp8"],
-        "peak_memory_gb": utils.peak_memory_bytes(device) / 1e9, "attention": run.attention_report,
-        "fast_paths": run.fast_paths, "profile": profile,
+        "peak_memory_gb": utils.peak_memory_bytes(device) / 1e9, "attention": run.reports.attention_report,
+        "fast_paths": run.reports.fast_paths, "profile": profile,
     }
     print(f"preset: {args.preset} | device: {figures['device']} | torch {torch.__version__} | {precision}")
-    print(f"global batch: {run.global_batch_size} x {seq} tokens ({args.micro_batches} micro-batches of {micro})")
-    print(f"{run.attention_report}")
-    print(run.fast_paths)
+    print(f"global batch: {run.batches.global_batch_size} x {seq} tokens ({args.micro_batches} micro-batches of {micro})")
+    print(f"{run.reports.attention_report}")
+    print(run.reports.fast_paths)
     print(f"median step time (ms): {seconds * 1000:.1f}  (min {min(times) * 1000:.1f}, max {max(times) * 1000:.1f})")
     print(f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}")
     if device.type == "cuda":

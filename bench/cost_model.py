@@ -7,7 +7,7 @@ The mixture-of-experts presets (`MOE_PRESETS`: a few layers of Mixtral 8x7B and 
 are predicted the same way, their FLOPs per expert GEMM counted at the rows each expert gets with
 tokens spread evenly (--moe-router-force-load-balancing), the dispatch's passes over the routed rows
 added to the glue, and MFU from Megatron's FLOPs with the active parameters (top-k experts per token,
-megatron/training/logging.py). Their host time is predicted too, from counted operators: the
+megatron/training/reporting/logging.py). Their host time is predicted too, from counted operators: the
 operators of one micro-batch's forward + backward, counted on the CPU on a narrow copy of the preset
 (the count depends on the layers, experts and top-k, not the width) times the host time of one
 operator measured on the H200 (`HOST_SECONDS_PER_OP`); a step is host-bound when that exceeds the
@@ -374,8 +374,8 @@ def moe_step_parts(name: str, precision: str) -> dict:
 
 def moe_prediction(name: str, precision: str) -> dict:
     """Predicted step time, tokens/s and MFU against the BF16 peak, Megatron's FLOPs with the
-    active parameters (megatron/training/logging.py: top-k experts per token)."""
-    from megatron.training.logging import flops_per_iteration
+    active parameters (megatron/training/reporting/logging.py: top-k experts per token)."""
+    from megatron.training.reporting.logging import flops_per_iteration
 
     parts = moe_step_parts(name, precision)
     seconds = sum(t for t, _ in parts.values())

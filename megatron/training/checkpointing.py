@@ -46,7 +46,8 @@ from megatron.core.checkpointing.safe_pickle import check_dcp_files, read_dcp_me
 from megatron.core.checkpointing.sharded import ShardedState
 from megatron.core.distributed import comm
 from megatron.training.errors import CheckpointSaveError, ConfigError
-from megatron.training.state import TrainState
+from megatron.training.state import ModelBundle, TrainState
+
 
 def read_tracker(root: str) -> Optional[int]:
     """The iteration named by `root`'s tracker file, or None when there is no tracker."""
@@ -134,8 +135,9 @@ def _root_cause(error: BaseException, rank: int) -> tuple:
 class Checkpointer:
     """Saves and loads the run's checkpoints (see the module docstring)."""
 
-    def __init__(self, config, groups, rng_tracker, printer):
+    def __init__(self, config, groups, rng_tracker, printer, to_load: Optional[tuple] = None):
         self.config = config
+        self.to_load = to_load  # (directory, its common.json) that --load found, or None
         self.groups = groups
         self.rng_tracker = rng_tracker
         self.print = printer
@@ -149,42 +151,49 @@ class Checkpointer:
         timeout = datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes)
         self.group = comm.new_gloo_group(timeout) if groups.world_size > 1 else None
 
+    def last_directory(self) -> Optional[str]:
+        """The directory of the newest checkpoint this run saved or loaded, if any."""
+        if self.last_saved_iteration is None:
+            return None
+        return checkpoint_dir(self.options.save or self.options.load, self.last_saved_iteration)
+
     # -- saving --------------------------------------------------------------------------------
-    def build_state(self, run) -> ShardedState:
+    def build_state(self, model: ModelBundle) -> ShardedState:
         options = self.options
-        for chunk in run.chunks:
+        for chunk in model.chunks:
             chunk.finish_param_sync()  # the distributed optimizer's gather may still be in flight
         state = ShardedState()
-        ckpt_state.add_model(state, run.chunks, self.groups)
-        for key, bias in ckpt_state.router_biases(run.chunks).items():
+        ckpt_state.add_model(state, model.chunks, self.groups)
+        for key, bias in ckpt_state.router_biases(model.chunks).items():
             state.add_whole(key, bias)
         if not options.no_save_optim:
-            optimizer = run.optimizer
-            ckpt_state.add_optimizer(state, optimizer, run.chunks, masters=optimizer.separate_masters(),
+            optimizer = model.optimizer
+            ckpt_state.add_optimizer(state, optimizer, model.chunks, masters=optimizer.separate_masters(),
                                      moments=optimizer.num_applied_steps > 0)
         if not options.no_save_rng:
             ckpt_state.add_per_rank(state, "rng", self.groups.global_rank,
                                     ckpt_state.rng_tensors(self.rng_tracker, self.groups.device))
-        ckpt_state.add_per_rank(state, "fp8", self.groups.global_rank, ckpt_state.fp8_tensors(run.chunks))
+        ckpt_state.add_per_rank(state, "fp8", self.groups.global_rank, ckpt_state.fp8_tensors(model.chunks))
         return state
 
-    def common(self, run, train_state, vocab_size: int) -> dict:
+    def common(self, model: ModelBundle, train_state: TrainState) -> dict:
         optimizer = None
         if not self.options.no_save_optim:
-            optimizer = {"kind": run.config.optimizer.optimizer, "num_applied_steps": run.optimizer.num_applied_steps,
-                         "grad_scaler": run.optimizer.scaler_state(), "scheduler": run.scheduler.state_dict()}
+            optimizer = {"kind": self.config.optimizer.optimizer, "num_applied_steps": model.optimizer.num_applied_steps,
+                         "grad_scaler": model.optimizer.scaler_state(), "scheduler": model.scheduler.state_dict()}
         return {
             "format": FORMAT, "version": FORMAT_VERSION, "iteration": train_state.iteration,
             "train_state": {name: value for name, value in dataclasses.asdict(train_state).items()
                             if name != "exit_reason"},
             "optimizer": optimizer,
-            "rng_layout": None if self.options.no_save_rng else layout_of(self.groups, len(run.chunks)),
-            "fp8_layout": fp8_layout_of(self.groups, len(run.chunks)) if ckpt_state.fp8_tensors(run.chunks) else None,
-            "model": architecture(run.model_config, vocab_size),
-            "args": dataclasses.asdict(run.config),  # its "model" part: what --use-checkpoint-args restores
+            "rng_layout": None if self.options.no_save_rng else layout_of(self.groups, len(model.chunks)),
+            "fp8_layout": (fp8_layout_of(self.groups, len(model.chunks)) if ckpt_state.fp8_tensors(model.chunks)
+                           else None),
+            "model": architecture(model.config, model.vocab_size),
+            "args": dataclasses.asdict(self.config),  # its "model" part: what --use-checkpoint-args restores
         }
 
-    def save(self, run, train_state, vocab_size: int) -> None:
+    def save(self, model: ModelBundle, train_state: TrainState) -> None:
         """Saves the checkpoint of `train_state.iteration` (asynchronously with --async-save)."""
         self.wait()
         root = self.options.save
@@ -198,8 +207,8 @@ class Checkpointer:
                 if name.endswith(".incomplete"):
                     shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         self._barrier()
-        state = self.build_state(run)
-        common = self.common(run, train_state, vocab_size)
+        state = self.build_state(model)
+        common = self.common(model, train_state)
         self.last_saved_iteration = iteration
         if not self.options.async_save:
             self._write(state, common, incomplete, final, start)
@@ -305,8 +314,13 @@ class Checkpointer:
             comm.barrier(self.group)
 
     # -- loading -------------------------------------------------------------------------------
-    def load(self, run, directory: str, common: dict):
-        """Loads `directory` into the built run; returns the train state to continue from."""
+    def resume(self, model: ModelBundle) -> TrainState:
+        """The train state to continue from: the checkpoint --load found, loaded into `model`, or a
+        fresh start."""
+        return self.load(model, *self.to_load) if self.to_load is not None else TrainState()
+
+    def load(self, model: ModelBundle, directory: str, common: dict) -> TrainState:
+        """Loads `directory` into the built model; returns the train state to continue from."""
         options = self.options
         optimizer_info = common.get("optimizer")
         load_optimizer = not (options.finetune or options.no_load_optim)
@@ -314,34 +328,34 @@ class Checkpointer:
             self.print(f"NOTE: {directory} holds no optimizer state (saved with --no-save-optim or converted); "
                        "the optimizer starts from the loaded weights")
             load_optimizer = False
-        if load_optimizer and optimizer_info["kind"] != run.config.optimizer.optimizer:
+        if load_optimizer and optimizer_info["kind"] != self.config.optimizer.optimizer:
             raise ConfigError(f"the checkpoint {directory} was trained with --optimizer {optimizer_info['kind']}, this "
-                              f"run uses --optimizer {run.config.optimizer.optimizer}; pass --no-load-optim to start "
+                              f"run uses --optimizer {self.config.optimizer.optimizer}; pass --no-load-optim to start "
                               "the optimizer afresh")
         start = time.perf_counter()
         state = ShardedState()
         if load_optimizer:
-            self._add_optimizer_targets(state, run, directory, optimizer_info["num_applied_steps"])
+            self._add_optimizer_targets(state, model, directory, optimizer_info["num_applied_steps"])
         else:
-            ckpt_state.add_model(state, run.chunks, self.groups)
-        rng = self._rng_targets(state, run, directory, common)
-        fp8 = self._fp8_targets(state, run, directory, common)
+            ckpt_state.add_model(state, model.chunks, self.groups)
+        rng = self._rng_targets(state, len(model.chunks), directory, common)
+        fp8 = self._fp8_targets(state, model.chunks, directory, common)
         saved = _storage().saved_shapes(directory)
-        for key, bias in ckpt_state.router_biases(run.chunks).items():
+        for key, bias in ckpt_state.router_biases(model.chunks).items():
             if key in saved:  # absent from checkpoints of runs without --moe-router-enable-expert-bias
                 state.add_whole(key, bias)
         self._verify_checksums(directory, common)
         _storage().load_state(state, directory, process_group=self.group)
         if fp8 is not None:
-            ckpt_state.restore_fp8(run.chunks, fp8)
-        optimizer = run.optimizer
+            ckpt_state.restore_fp8(model.chunks, fp8)
+        optimizer = model.optimizer
         if load_optimizer:
             optimizer.copy_masters_to_model()
             optimizer.load_scaler_state(optimizer_info["grad_scaler"])
-            run.scheduler.load_state_dict(optimizer_info["scheduler"])
+            model.scheduler.load_state_dict(optimizer_info["scheduler"])
         else:
             optimizer.reload_model_params()
-        for chunk in run.chunks:
+        for chunk in model.chunks:
             chunk.finish_param_sync()
         self.loaded_rng = rng
         train_state = TrainState() if options.finetune else TrainState(**common["train_state"])
@@ -377,17 +391,18 @@ class Checkpointer:
             ckpt_state.restore_rng(self.loaded_rng, self.rng_tracker, self.groups.device)
             self.loaded_rng = None
 
-    def _add_optimizer_targets(self, state: ShardedState, run, directory: str, num_applied_steps: int) -> None:
+    def _add_optimizer_targets(self, state: ShardedState, model: ModelBundle, directory: str,
+                               num_applied_steps: int) -> None:
         """The masters (from the saved masters, or the saved weights when those were the masters)
         and, once the optimizer had stepped, its moments."""
-        optimizer = run.optimizer
+        optimizer = model.optimizer
         has_masters = any(key.startswith(ckpt_state.MASTER + "/") for key in _storage().saved_shapes(directory))
         source = ckpt_state.MASTER if has_masters else ckpt_state.MODEL
         if num_applied_steps:
             optimizer.prepare_state_for_load(num_applied_steps)
         else:
             optimizer.num_applied_steps = 0
-        names = ckpt_state.global_names(run.chunks)
+        names = ckpt_state.global_names(model.chunks)
         keys = optimizer.moment_keys() if num_applied_steps else ()
         for param, start, end, master in optimizer.state_regions():
             name = names[param]
@@ -396,11 +411,11 @@ class Checkpointer:
                 state.add_range(ckpt_state.moment_prefix(key), name, param, start, end,
                                 optimizer.optimizer.state[master][key].view(-1))
 
-    def _rng_targets(self, state: ShardedState, run, directory: str, common: dict) -> Optional[dict]:
+    def _rng_targets(self, state: ShardedState, num_chunks: int, directory: str, common: dict) -> Optional[dict]:
         options = self.options
         if options.finetune or options.no_load_rng or common.get("rng_layout") is None:
             return None
-        layout = layout_of(self.groups, len(run.chunks))
+        layout = layout_of(self.groups, num_chunks)
         if common["rng_layout"] != layout:
             self.print(f"NOTE: {directory} was saved at layout {common['rng_layout']}, this run is {layout}: "
                        "random number generator states are not restored (weights, optimizer and data order are)")
@@ -410,13 +425,13 @@ class Checkpointer:
         ckpt_state.add_per_rank(state, "rng", self.groups.global_rank, targets)
         return targets
 
-    def _fp8_targets(self, state: ShardedState, run, directory: str, common: dict) -> Optional[dict]:
+    def _fp8_targets(self, state: ShardedState, chunks: list, directory: str, common: dict) -> Optional[dict]:
         """The FP8 delayed-scaling amax histories, restored at the same layout; elsewhere the scales
         warm up again over --fp8-amax-history-len steps (with a note)."""
-        current = ckpt_state.fp8_tensors(run.chunks)
+        current = ckpt_state.fp8_tensors(chunks)
         if not current or self.options.finetune or common.get("fp8_layout") is None:
             return None
-        layout = fp8_layout_of(self.groups, len(run.chunks))
+        layout = fp8_layout_of(self.groups, len(chunks))
         if {**layout, **common["fp8_layout"]} != layout:  # checkpoints before "ep" and "etp" were kept lack them
             self.print(f"NOTE: {directory} was saved at another layout: the FP8 amax histories start afresh")
             return None

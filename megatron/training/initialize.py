@@ -12,7 +12,6 @@ from megatron.core.tensor_parallel.random import RNGStatesTracker, build_tracker
 from megatron.training.builders import parallel_layout
 from megatron.training.config import Config
 from megatron.training.reliability.failures import attempt_store, enable_nccl_flight_recorder
-from megatron.training.reliability.launcher_watch import die_with_launcher
 
 
 def resolve_backend(config: Config) -> str:
@@ -21,7 +20,6 @@ def resolve_backend(config: Config) -> str:
 
 def initialize_distributed(config: Config) -> tuple[ParallelGroups, RNGStatesTracker]:
     """Joins the torchrun rendezvous (or runs as one process) and builds the layout."""
-    die_with_launcher()  # a worker outlives a killed torchrun otherwise (launcher_watch.py)
     backend = resolve_backend(config)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -1,5 +1,6 @@
-"""The run's state: where training stands (`TrainState`, saved in every checkpoint) and how many
-samples each iteration trains on, and for how many iterations (Megatron-LM's rules).
+"""The run's state: where training stands (`TrainState`, saved in every checkpoint), what was built
+to train (`ModelBundle`), and how many samples each iteration trains on, and for how many
+iterations (`BatchSchedule`, Megatron-LM's rules).
 
 Training is iteration-based (--train-iters) or sample-based (--train-samples: iterations = samples /
 global batch size, the partial last batch dropped). With --rampup-batch-size START INCREMENT SAMPLES
@@ -11,6 +12,10 @@ micro-batch-size x data-parallel size.
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron.core.optimizer import OptimizerParamScheduler
+from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
+from megatron.core.transformer.config import ExecutionConfig, TransformerConfig
+
 
 @dataclass
 class TrainState:
@@ -21,6 +26,18 @@ class TrainState:
     nan_iterations: int = 0
     floating_point_operations: float = 0.0  # of all iterations so far, every job of the run (--log-progress)
     exit_reason: Optional[str] = None  # why training stopped before --train-iters (not saved)
+
+
+@dataclass(frozen=True)
+class ModelBundle:
+    """The model as built to train: what a step runs, what a checkpoint saves and loads."""
+
+    chunks: list                         # of ModelChunk (DDP or FSDP2), one per virtual pipeline stage
+    optimizer: MixedPrecisionOptimizer
+    scheduler: OptimizerParamScheduler
+    config: TransformerConfig            # the architecture (derived)
+    execution: ExecutionConfig           # how the layers run it
+    vocab_size: int                      # the tokenizer's (the model's is padded: config.padded_vocab_size)
 
 
 @dataclass(frozen=True)
@@ -41,6 +58,11 @@ class BatchSchedule:
 
     def num_microbatches_at(self, consumed_samples: int) -> int:
         return self.global_batch_size_at(consumed_samples) // self.micro_batch_times_dp
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per iteration once any ramp-up is over (evaluation always runs this many)."""
+        return self.global_batch_size // self.micro_batch_times_dp
 
     def batch_sizes(self) -> list:
         """Every global batch size the schedule uses, smallest first."""

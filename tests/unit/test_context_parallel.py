@@ -180,10 +180,10 @@ def test_pipeline_activation_shape_splits_the_sequence_over_cp_and_sequence_para
     from megatron.training.training import _activation_shape
 
     def shape(cp, tp, sequence_parallel):
-        return _activation_shape(SimpleNamespace(
-            config=SimpleNamespace(training=SimpleNamespace(seq_length=64, micro_batch_size=2)),
-            groups=ParallelGroups(cp_size=cp, tp_size=tp),
-            model_config=SimpleNamespace(hidden_size=8), execution=SimpleNamespace(sequence_parallel=sequence_parallel)))
+        return _activation_shape(
+            SimpleNamespace(seq_length=64, micro_batch_size=2), ParallelGroups(cp_size=cp, tp_size=tp),
+            SimpleNamespace(config=SimpleNamespace(hidden_size=8),
+                            execution=SimpleNamespace(sequence_parallel=sequence_parallel)))
 
     assert shape(2, 1, False) == (32, 2, 8)
     assert shape(4, 2, True) == (8, 2, 8)

@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import cost_model  # noqa: E402
 
-from megatron.training.logging import flops_per_iteration  # noqa: E402
+from megatron.training.reporting.logging import flops_per_iteration  # noqa: E402
 
 
 @pytest.mark.parametrize("name", sorted(cost_model.PRESETS))

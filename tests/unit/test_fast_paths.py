@@ -8,7 +8,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.parallel_state import single_process
 from megatron.core.tensor_parallel.layers import _mixed_dtype_addmm_works
-from megatron.training.fast_paths import fast_paths_line
+from megatron.training.reporting.fast_paths import fast_paths_line
 from tests.distributed.parity import llama_config, split_overrides
 
 CPU = torch.device("cpu")

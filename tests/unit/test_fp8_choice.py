@@ -8,7 +8,7 @@ the CPU by itself), the model is real, and it trains after the choice. Planted b
 import torch
 
 from megatron.core.transformer.fp8 import choose_fp8_linears, time_linear_gemms
-from megatron.training.fast_paths import _fp8
+from megatron.training.reporting.fast_paths import _fp8
 
 
 def _fp8_model():

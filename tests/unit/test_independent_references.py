@@ -236,8 +236,8 @@ def test_masked_loss_gradients_and_reported_average_equal_cross_entropy_with_ign
     logits = torch.cat([model(t, positions).transpose(0, 1) for t, _, _ in micro_batches]).float()
     ignored = torch.cat([lab.masked_fill(m == 0, -100) for _, lab, m in micro_batches])
     token_mean = F.cross_entropy(logits.reshape(-1, 32), ignored.reshape(-1), ignore_index=-100).item()
-    run = SimpleNamespace(groups=SimpleNamespace(dp_cp=None))
-    logged = reduce_reported(run, [local_sums(reported)])["lm loss"]
+    groups = SimpleNamespace(dp_cp=None)
+    logged = reduce_reported(groups, [local_sums(reported)])["lm loss"]
     assert logged == pytest.approx(token_mean, rel=1e-6)
     per_micro_batch_mean = sum(v["lm loss"][0] / v["lm loss"][1] for v in reported).item() / 2
     assert abs(per_micro_batch_mean - token_mean) > 1e-3  # the two averages differ here: the test can tell

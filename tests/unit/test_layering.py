@@ -20,12 +20,12 @@ FLOORS = [
     ("pretrain_gpt", "tools", "bench"),
 ]
 # What tools may use of the application: its public entry points (flags to a config, the checks and
-# errors of that config, the flag tables, the tokenizer and data the flags name, the planner), never
+# errors of that config, the flag tables, the tokenizer the flags name, the planner), never
 # pretrain_gpt or the loop's internals. Benchmarks drive the loop itself and may use all of it.
 TOOLS = "tools"
 TOOLS_MAY_IMPORT = ("megatron.core", "megatron.training.arguments", "megatron.training.validation",
-                    "megatron.training.errors", "megatron.training.megatron_lm", "megatron.training.data",
-                    "megatron.training.planning", "tools")
+                    "megatron.training.errors", "megatron.training.megatron_lm",
+                    "megatron.training.data.build_tokenizer", "megatron.training.planning", "tools")
 
 
 def floor_of(module: str):
@@ -88,6 +88,8 @@ ROOMS = {
     "megatron.training.reliability": ("megatron.training.errors", "megatron.training.state",
                                       "megatron.training.reliability", "megatron.training.arguments",
                                       "megatron.training.config", "megatron.training.memory"),
+    "megatron.training.reporting": ("megatron.training.errors", "megatron.training.state",
+                                    "megatron.training.reporting", "megatron.training.planning.architecture"),
 }
 
 
@@ -106,6 +108,16 @@ def test_the_rooms_below_the_loop_do_not_call_it():
         found += [f"{path.relative_to(ROOT)}:{line} imports {imported} (room {room})"
                   for line, imported in imported_modules(ast.parse(path.read_text(), str(path)), package)
                   if _within(imported, ("megatron.training",)) and not _within(imported, ROOMS[room])]
+    assert found == [], "\n".join(found)
+
+
+def test_the_loop_reaches_reliability_through_the_supervisor():
+    """The loop calls the Supervisor, which holds the reliability parts; it imports none of them."""
+    path = ROOT / "megatron" / "training" / "training.py"
+    found = [f"megatron/training/training.py:{line} imports {imported}"
+             for line, imported in imported_modules(ast.parse(path.read_text()), "megatron.training")
+             if _within(imported, ("megatron.training.reliability",))
+             and not _within(imported, ("megatron.training.reliability.supervisor",))]
     assert found == [], "\n".join(found)
 
 

@@ -64,9 +64,9 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8"
 def test_estimate_is_the_start_up_figure_of_the_built_run(flags):
     config = parse_args(TINY + flags)
     run = setup(config, pretrain_gpt.forward_step, 255)
-    built = theoretical_bytes(run.chunks, run.optimizer)
-    lay = layout_from_config(config, run.model_config, 1)
-    estimate = persistent_terms(architecture(run.model_config), lay, 2, first=True, last=True)
+    built = theoretical_bytes(run.model.chunks, run.model.optimizer)
+    lay = layout_from_config(config, run.model.config, 1)
+    estimate = persistent_terms(architecture(run.model.config), lay, 2, first=True, last=True)
     assert estimate["weights"] == built["parameters"]
     assert estimate["optimizer state"] == built["optimizer_state"]
     # the gradient buffer rounds its buckets up; a few hundred elements at most here

@@ -15,7 +15,7 @@ import bench_pretrain  # noqa: E402
 import cost_model  # noqa: E402
 
 from megatron.training.arguments import parse_args  # noqa: E402
-from megatron.training.logging import flops_per_iteration  # noqa: E402
+from megatron.training.reporting.logging import flops_per_iteration  # noqa: E402
 from megatron.training.startup import startup_checks  # noqa: E402
 
 H100_BYTES = 80e9

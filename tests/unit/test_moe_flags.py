@@ -11,7 +11,7 @@ import pytest
 
 from megatron.training.arguments import parse_args
 from megatron.training.builders import transformer_config
-from megatron.training.logging import flops_per_iteration
+from megatron.training.reporting.logging import flops_per_iteration
 from megatron.training.validation import ConfigError, validate
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -160,9 +160,9 @@ def test_expert_terms_are_the_start_up_figures_of_the_built_run(flags):
 
     config = parse_args(TINY + ["--num-experts", "4", "--moe-ffn-hidden-size", "32"] + flags)
     run = setup(config, pretrain_gpt.forward_step, 255)
-    built = theoretical_bytes(run.chunks, run.optimizer)
-    arch = architecture(run.model_config)
-    lay = layout_from_config(config, run.model_config, 1)
+    built = theoretical_bytes(run.model.chunks, run.model.optimizer)
+    arch = architecture(run.model.config)
+    lay = layout_from_config(config, run.model.config, 1)
     dense = persistent_terms(arch, lay, 2, first=True, last=True)
     experts = expert_terms(arch, lay, 2)
     assert dense["weights"] + experts["expert weights"] == built["parameters"]
@@ -223,11 +223,11 @@ def test_fp8_weight_copies_are_the_casts_the_built_run_caches():
     config = parse_args(TINY + ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--bf16", "--fp8-format",
                                 "hybrid", "--fp8-recipe", "tensorwise", "--disable-bias-linear"])
     run = setup(config, pretrain_gpt.forward_step, 255)
-    dataset = MockGPTDataset(run.global_batch_size, 16, 255, seed=1)
+    dataset = MockGPTDataset(run.batches.global_batch_size, 16, 255, seed=1)
     train_step(run, [iter(build_loader(dataset, 0, 2, run.groups, 0))])
-    dense, experts = _fp8_cache_bytes(run.chunks)
-    lay = layout_from_config(config, run.model_config, 1)
-    terms = memory_per_stage(architecture(run.model_config), lay)[0].terms
+    dense, experts = _fp8_cache_bytes(run.model.chunks)
+    lay = layout_from_config(config, run.model.config, 1)
+    terms = memory_per_stage(architecture(run.model.config), lay)[0].terms
     # the casts hold a 4-byte scale each besides the 1-byte elements the plan counts (< 0.1% here)
     assert experts > 0 and abs(terms["expert FP8 weight copies"] / experts - 1) < 0.001
     # the dense term also counts the layers' norms and routers, which are never cast (a few % here)

@@ -109,7 +109,7 @@ def test_an_empty_table_file_is_refused(tmp_path):
 def test_throughput_counts_the_log_lines_flops(family):
     """The plan's TFLOP/s and MFU use the formula of the iteration log line."""
     from megatron.core.transformer.config import TransformerConfig, derive
-    from megatron.training.logging import flops_per_iteration as logged
+    from megatron.training.reporting.logging import flops_per_iteration as logged
     from megatron.training.planning.architecture import architecture, flops_per_iteration
 
     if family == "llama":

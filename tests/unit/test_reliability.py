@@ -138,7 +138,7 @@ def _oom_run(**training):
 def test_out_of_memory_names_the_estimate_the_peak_and_the_flags():
     run = _oom_run()
     with pytest.raises(DeviceOutOfMemory) as raised:
-        with MemoryWatch(run, lambda: 12):
+        with MemoryWatch(run.config, run.groups, run.chunks, run.optimizer, lambda: 12):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     message = str(raised.value)
     assert message.startswith("out of memory on rank 0 (cpu) with 12 iterations completed: CUDA out of memory. Tried to "

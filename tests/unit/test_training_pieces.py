@@ -7,7 +7,7 @@ from megatron.core.optimizer.grad_scaler import DynamicGradScaler
 from megatron.core.optimizer.lr_scheduler import LRScheduleConfig, learning_rate
 from megatron.core.transformer.config import TransformerConfig, derive
 from megatron.training.data import PretrainingSampler
-from megatron.training.logging import flops_per_iteration, iteration_line
+from megatron.training.reporting.logging import flops_per_iteration, iteration_line
 
 
 def test_warmup_then_cosine_to_min():

@@ -38,9 +38,10 @@ def memory_flags(config, groups) -> list:
     return flags
 
 
-def out_of_memory_message(error: BaseException, run, iteration: int) -> str:
-    groups = run.groups
-    figures = theoretical_bytes(run.chunks, run.optimizer)
+def out_of_memory_message(error: BaseException, config, groups, chunks: list, optimizer, iteration: int) -> str:
+    """The error's first line, the start-up estimate of `chunks` and `optimizer` beside the measured
+    peak, and the flags that would reduce memory."""
+    figures = theoretical_bytes(chunks, optimizer)
     estimate = figures["parameters"] + figures["gradients"] + figures["optimizer_state"]
     peak = utils.peak_memory_bytes(groups.device)
     capacity = utils.memory_capacity_bytes(groups.device)
@@ -53,14 +54,17 @@ def out_of_memory_message(error: BaseException, run, iteration: int) -> str:
             f"not included)\n"
             f"  measured peak: {peak / _GIB:.2f} GiB of {capacity / _GIB:.2f} GiB (the excess over the estimate is "
             f"activations and temporary buffers)\n"
-            f"  to use less memory: " + "; ".join(memory_flags(run.config, groups)))
+            f"  to use less memory: " + "; ".join(memory_flags(config, groups)))
 
 
 class MemoryWatch:
     """Turns an out-of-memory error inside its `with` block into `DeviceOutOfMemory`."""
 
-    def __init__(self, run, iteration: Callable[[], int]):
-        self.run = run
+    def __init__(self, config, groups, chunks: list, optimizer, iteration: Callable[[], int]):
+        self.config = config
+        self.groups = groups
+        self.chunks = chunks
+        self.optimizer = optimizer
         self.iteration = iteration
 
     def __enter__(self):
@@ -69,4 +73,5 @@ class MemoryWatch:
     def __exit__(self, kind, error, tb):
         if error is None or not is_out_of_memory(error):
             return False
-        raise DeviceOutOfMemory(out_of_memory_message(error, self.run, self.iteration())) from error
+        raise DeviceOutOfMemory(out_of_memory_message(error, self.config, self.groups, self.chunks, self.optimizer,
+                                                     self.iteration())) from error
