@@ -41,6 +41,9 @@ def derive(config, *, vocab_size: Optional[int] = None, tp_size: int = 1,
     values.update(num_query_groups=groups, group_query_attention=groups != heads)
     if values["max_position_embeddings"] is None:
         values["max_position_embeddings"] = seq_length
+    if values["multi_latent_attention"] and values["rope_type"] is None:
+        # Megatron-LM's multi-latent attention defaults to YaRN, which at factor 1 is plain RoPE.
+        values["rope_type"] = "rope" if values["rotary_scaling_factor"] == 1 else "yarn"
     if values["num_experts"] is not None:  # mixture of experts: the expert size; the layer pattern checked
         if values["moe_ffn_hidden_size"] is None:
             values["moe_ffn_hidden_size"] = values["ffn_hidden_size"]

@@ -65,7 +65,8 @@ class Family:
     a field without a key cannot take a value other than the one the family implies.
     `implies`: the values of fields it has no key for. `selects`: the fields whose implied values
     pick the family of a model on export (any other field it cannot express is then named in the
-    error); `experts`: whether it is a mixture-of-experts family (--num-experts set). `extra`:
+    error); `experts`: whether it is a mixture-of-experts family (--num-experts set; None: either, as
+    DeepSeek-V3, whose config says which layers are). `extra`:
     config entries it has that GPTModel has no field for, written on export and required on import.
     `copies`: entries written on export from a field ({key: field}). `layer_pattern`: the family
     keeps --moe-layer-freq as `mlp_only_layers` and `decoder_sparse_step` (Qwen-MoE).
@@ -86,7 +87,7 @@ class Family:
     extra: dict = field(default_factory=dict)
     copies: dict = field(default_factory=dict)
     context: str = ""  # placed after a setting it cannot express ("with LayerNorm ")
-    experts: bool = False
+    experts: Optional[bool] = False
     layer_pattern: bool = False
     note: str = ""  # appended to the error naming a setting it cannot express
     ignored: Callable = _no_extra_tensors
