@@ -209,7 +209,8 @@ FLAGS = {
     "--use-fused-weighted-squared-relu": error("the squared-ReLU activation is not built"),
     "--no-bias-dropout-fusion": note(_FUSION),
     "--no-rope-fusion": note(_FUSION),
-    "--yarn-correction-range-round-to-int": alias("the default (off with --no-yarn-correction-range-round-to-int)",
+    "--yarn-correction-range-round-to-int": alias("YaRN rounds its interpolation band's bounds to whole channels by default "
+                                                  "(off with --no-yarn-correction-range-round-to-int)",
                                                   yarn_correction_range_round_to_int=True),
     "--cross-entropy-loss-fusion": note("the vocabulary-parallel cross entropy runs as PyTorch ops"),
     "--cross-entropy-fusion-impl": note("the vocabulary-parallel cross entropy runs as PyTorch ops"),

@@ -55,6 +55,10 @@ def _same_entries(entries):
     return entries
 
 
+def _no_changes(config) -> dict:
+    return {}
+
+
 @dataclass(frozen=True)
 class Family:
     """A Hugging Face model family GPTModel computes exactly (up to the weight transforms of
@@ -74,7 +78,10 @@ class Family:
     keys holding no weights of their own (buffers); `normalize_key`: a key's canonical spelling.
     `reader(read)`: given `read(key)` of the HF config's entries, the `read` the keys use (a family
     whose config spells one setting several ways puts it in one form: Falcon's attention layouts);
-    `writer(entries)`: the exported entries from those the keys wrote (its inverse)."""
+    `writer(entries)`: the exported entries from those the keys wrote (its inverse).
+    `expressible(config)`: for a family that expresses only some values of fields it has keys for
+    (DeepSeek-V3: dense layers first only), the changes taking a derived config to the nearest it
+    expresses (the random round-trip tests draw through it)."""
 
     name: str
     title: str
@@ -94,6 +101,7 @@ class Family:
     normalize_key: Callable = _same_key
     reader: Callable = _same_entries
     writer: Callable = _same_entries
+    expressible: Callable = _no_changes
 
     def key(self, spec: dataclasses.Field) -> Optional[HFKey]:
         """The HF key of a TransformerConfig field in this family, or None."""

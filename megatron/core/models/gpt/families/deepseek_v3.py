@@ -119,10 +119,15 @@ def _read_experts(read):
                          "scores a group by its best 2 experts, Megatron-Core by its best num_experts_per_tok / "
                          "topk_group; only num_experts_per_tok = 2 x topk_group converts")
     shared = read("n_shared_experts") or 0
-    values = {"first_k_dense_replace": [0] * dense + [1] * (layers - dense) if dense else "1",
+    values = {"first_k_dense_replace": _pattern(dense, layers),
               "n_shared_experts": shared * read("moe_intermediate_size") if shared else None,
               "n_group": groups if groups > 1 else None, "topk_group": group_topk if groups > 1 else None}
     return lambda key: values[key] if key in values else read(key)
+
+
+def _pattern(dense: int, layers: int) -> str:
+    """--moe-layer-freq for the first `dense` layers dense, as Megatron-LM's DeepSeek-V3 scripts spell it."""
+    return f"[0]*{dense}+[1]*{layers - dense}" if dense else "1"
 
 
 def _write_experts(entries: dict) -> dict:
@@ -140,6 +145,23 @@ def _write_experts(entries: dict) -> dict:
     entries["n_shared_experts"] = shared // size if shared and shared % size == 0 else 0
     entries.update(norm_topk_prob=True)
     return entries
+
+
+def expressible(config) -> dict:
+    """The nearest mixture of experts HF expresses: its dense layers first, the shared experts a
+    whole number of experts, and with groups top-k = 2 x the groups chosen."""
+    if config.num_experts is None:
+        return {}
+    layers = config.num_layers
+    pattern = moe_layer_pattern(config.moe_layer_freq, layers)
+    dense = pattern.index(1) if 1 in pattern else layers
+    changes = dict(moe_layer_freq=_pattern(dense, layers))
+    shared, size = config.moe_shared_expert_intermediate_size, config.moe_ffn_hidden_size
+    if shared is not None:
+        changes.update(moe_shared_expert_intermediate_size=max(1, shared // size) * size)
+    if config.moe_router_num_groups is not None:
+        changes.update(moe_router_topk=2 * config.moe_router_group_topk)
+    return changes
 
 
 def weights(config) -> list:
@@ -190,4 +212,5 @@ FAMILIES = [Family("deepseek_v3", "DeepSeek-V3", "DeepseekV3Config", "DeepseekV3
                         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                         moe_router_dtype="fp32"),
                    weights, llama.SELECTS, experts=None,
-                   extra=dict(hidden_act="silu", attention_bias=False), reader=reader, writer=writer)]
+                   extra=dict(hidden_act="silu", attention_bias=False), reader=reader, writer=writer,
+                   expressible=expressible)]
