@@ -198,6 +198,7 @@ def test_flags_and_their_default():
 @pytest.mark.parametrize("changes,message", [
     (dict(norm_topk_prob=False), "norm_topk_prob=False is not supported"),
     (dict(num_experts_per_tok=2), "num_experts_per_tok=2 with topk_group=2"),
+    (dict(num_experts_per_tok=1, n_group=1, topk_group=1), "num_experts_per_tok=1 is not supported"),
     (dict(rope_scaling=dict(YARN, attention_factor=1.5)), "attention_factor is not supported"),
     (dict(rope_scaling=dict(YARN, mscale=0.0, mscale_all_dim=1.0)), "has no Megatron-Core equivalent"),
     (dict(rope_scaling=dict(rope_type="linear", factor=2.0)), "rope_type 'linear' is not supported"),

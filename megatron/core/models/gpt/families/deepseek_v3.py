@@ -114,6 +114,9 @@ def _read_experts(read):
         raise ValueError("DeepSeek-V3 norm_topk_prob=False is not supported: Megatron-Core's sigmoid router always "
                          "normalizes the chosen experts' weights")
     topk, groups, group_topk = read("num_experts_per_tok"), read("n_group") or 1, read("topk_group") or 1
+    if topk == 1:
+        raise ValueError("DeepSeek-V3 num_experts_per_tok=1 is not supported: transformers normalizes the one "
+                         "expert's weight to 1, Megatron-Core's sigmoid router keeps its score")
     if groups > 1 and topk != 2 * group_topk:
         raise ValueError(f"DeepSeek-V3 num_experts_per_tok={topk} with topk_group={group_topk}: transformers "
                          "scores a group by its best 2 experts, Megatron-Core by its best num_experts_per_tok / "
