@@ -2,9 +2,14 @@
 `transformers`' DeepseekV3ForCausalLM on tiny models built here (fp32, random weights, written with
 save_pretrained: one tensor per expert, as on the hub): equal logits (1e-4) past the original
 context, the round trip gives the files' tensors and config back, 5 AdamW steps track
-transformers; YaRN's frequencies equal a direct evaluation of its formula."""
+transformers; YaRN's frequencies equal a direct evaluation of its formula and Megatron-Core's own
+YarnRotaryEmbedding."""
 import dataclasses
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -26,12 +31,17 @@ from megatron.core.models.gpt.hf_mapping import (  # noqa: E402
     model_to_logical,
 )
 from megatron.core.transformer.config import TransformerConfig, derive  # noqa: E402
-from megatron.core.transformer.rope import inverse_frequencies  # noqa: E402
+from megatron.core.transformer.rope import (  # noqa: E402
+    inverse_frequencies,
+    yarn_concentration,
+    yarn_softmax_correction,
+)
 from megatron.training.arguments import parse_args  # noqa: E402
 from tests.hf_training import assert_training_tracks_transformers  # noqa: E402
 from tests.unit.test_arguments import MINIMAL  # noqa: E402
 from tests.unit.test_hf_parity import randomize  # noqa: E402
 from tests.unit.test_mla import deepseek_config  # noqa: E402
+from tests.optional import require_megatron_core, skip_unless_importable_by_megatron_core  # noqa: E402
 from tests.unit.test_moe_flags import _script_args  # noqa: E402
 
 VOCAB, BATCH, SEQ, TOLERANCE = 128, 2, 40, 1e-4  # 40 positions: past the original 16 of the YaRN cases
@@ -173,6 +183,38 @@ def test_yarn_frequencies_equal_the_formula():
     unrounded = inverse_frequencies(dataclasses.replace(config, yarn_correction_range_round_to_int=False)).double()
     mix = ((torch.arange(d // 2, dtype=torch.float64) - crossing[0]) / (crossing[1] - crossing[0])).clamp(0, 1)
     torch.testing.assert_close(unrounded, theta * (1 - mix) + theta / factor * mix, rtol=1e-6, atol=0)
+
+
+REFERENCE_CASES = [
+    dict(dim=64, base=10000, factor=40, original=4096, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0,
+         round=True),  # DeepSeek-V3's
+    dict(dim=16, base=10000, factor=4, original=16, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.5,
+         round=True),
+    dict(dim=32, base=500000, factor=8, original=8192, beta_fast=16, beta_slow=2, mscale=0.7, mscale_all_dim=0.0,
+         round=False),
+]
+
+
+def test_yarn_equals_megatron_core():
+    """Our frequencies, concentration and softmax factor against Megatron-Core's own YarnRotaryEmbedding
+    (run in a subprocess: both packages are `megatron`)."""
+    root = require_megatron_core("megatron/core/models/common/embeddings/yarn_rotary_pos_embedding.py")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": root}
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_core_yarn_reference.py")
+    done = subprocess.run([sys.executable, "-W", "ignore", script, json.dumps(REFERENCE_CASES)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        skip_unless_importable_by_megatron_core(done.stderr)
+        raise AssertionError(done.stderr[-3000:])
+    for case, expected in zip(REFERENCE_CASES, json.loads(done.stdout.strip().splitlines()[-1]), strict=True):
+        config = _yarn_config(
+            qk_pos_emb_head_dim=case["dim"], rotary_base=case["base"], rotary_scaling_factor=case["factor"],
+            yarn_original_max_position_embeddings=case["original"], yarn_beta_fast=case["beta_fast"],
+            yarn_beta_slow=case["beta_slow"], mscale=case["mscale"], mscale_all_dim=case["mscale_all_dim"],
+            yarn_correction_range_round_to_int=case["round"])
+        torch.testing.assert_close(inverse_frequencies(config), torch.tensor(expected["inv_freq"]), rtol=1e-6, atol=0)
+        assert yarn_concentration(config) == pytest.approx(expected["concentration"], rel=1e-12)
+        assert yarn_softmax_correction(config) == pytest.approx(expected["softmax"], rel=1e-12)
 
 
 def _yarn_config(**values):
