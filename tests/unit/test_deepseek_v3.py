@@ -117,7 +117,8 @@ def test_the_scaling_and_the_expert_bias_change_the_logits(tmp_path):
     hf, ours, _ = saved_pair("experts", tmp_path)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     reference = logits(ours, tokens, ours=True)
-    plain = GPTModel(dataclasses.replace(ours.config, rope_type="rope"), parallel_state.single_process()).eval()
+    plain = GPTModel(dataclasses.replace(ours.config, rope_type="rope", rotary_scaling_factor=1.0),
+                     parallel_state.single_process()).eval()
     plain.load_state_dict(ours.state_dict())
     assert (logits(plain, tokens, ours=True) - reference).abs().max() > 100 * TOLERANCE
     for name, buffer in ours.named_buffers():
@@ -234,7 +235,10 @@ def test_flags_and_their_default():
     assert model.yarn_correction_range_round_to_int is False and model.rope_type is None
     assert derive(model).rope_type == "yarn"
     assert derive(parse_args(mla).model).rope_type == "rope"
-    assert derive(parse_args(mla + ["--rope-type", "rope"] + yarn).model).rotary_scaling_factor == 1.0  # unused
+    unused = derive(parse_args(mla + ["--rope-type", "rope", "--rotary-scaling-factor", "40"]).model)
+    assert unused.rotary_scaling_factor == 1.0
+    with pytest.raises(ValueError, match="--rope-type yarn, or drop --rotary-scaling-factor and --mscale-all-dim"):
+        derive(parse_args(mla + ["--rope-type", "rope"] + yarn).model)
 
 
 @pytest.mark.parametrize("changes,message", [

@@ -14,10 +14,10 @@ def inverse_frequencies(config) -> torch.Tensor:
     rotary_dim = (config.qk_pos_emb_head_dim if config.multi_latent_attention
                   else int(config.kv_channels * config.rotary_percent))
     inv_freq = 1.0 / (config.rotary_base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    if uses_yarn(config):
+        return _yarn_scaling(rotary_dim, config)
     if config.use_rope_scaling:
         inv_freq = _llama31_scaling(inv_freq, config)
-    if uses_yarn(config):
-        inv_freq = _yarn_scaling(rotary_dim, config)
     return inv_freq.float()
 
 

@@ -59,6 +59,12 @@ def derive(config, *, vocab_size: Optional[int] = None, tp_size: int = 1,
 
 
 def _check(values: dict) -> None:
+    if (values["multi_latent_attention"] and values["rope_type"] == "rope" and values["rotary_scaling_factor"] > 1
+            and values["mscale_all_dim"]):
+        # Megatron-Core scales multi-latent attention's softmax by YaRN's mscale whatever the rope type.
+        raise ValueError("--rotary-scaling-factor with --mscale-all-dim and --rope-type rope: Megatron-Core then "
+                         "scales the attention by YaRN's factor on plain RoPE, which is not built here; use "
+                         "--rope-type yarn, or drop --rotary-scaling-factor and --mscale-all-dim")
     if values["normalization"] not in NORMALIZATIONS:
         raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {values['normalization']!r}")
     if values["position_embedding_type"] not in POSITION_EMBEDDINGS:
