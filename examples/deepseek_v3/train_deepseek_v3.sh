@@ -17,8 +17,9 @@
 # 671B is DeepSeek-V3's 61 layers (the first 3 dense); `proxy` keeps every width and the routing at
 # NUM_LAYERS layers (the first dense), as the proxy configurations of Megatron-LM for ROCm do, so
 # one node measures a layer's speed. Not built yet (docs/models.md): multi-token prediction
-# (--mtp-num-layers) and YaRN (--rope-type yarn, which DeepSeek-V3 applies only when it extends the
-# context after pretraining), so this trains the main model with plain RoPE.
+# (--mtp-num-layers), so this trains the main model. It uses plain RoPE at DeepSeek-V3's pretraining
+# context of 4096; with SEQ_LENGTH above it, DeepSeek-V3's YaRN context extension (--rope-type yarn,
+# factor 40 over 4096, mscale and mscale-all-dim 1, beta 32 and 1, as its config.json).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 DEFAULT_GPU_MODEL_SIZE=proxy
@@ -53,6 +54,10 @@ MODEL_ARGS+=(--multi-latent-attention --qk-layernorm --max-position-embeddings "
              --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff "$MOE_AUX_LOSS"
              --moe-grouped-gemm --moe-token-dispatcher-type "$MOE_DISPATCHER")
 if [ "$MOE_LAYER_RECOMPUTE" = 1 ]; then MODEL_ARGS+=(--moe-layer-recompute); fi
+if [ "$SEQ_LENGTH" -gt 4096 ]; then
+  MODEL_ARGS+=(--rope-type yarn --rotary-scaling-factor 40 --mscale 1.0 --mscale-all-dim 1.0
+               --yarn-original-max-position-embeddings 4096 --yarn-beta-fast 32 --yarn-beta-slow 1)
+fi
 # 61 layers over 16 pipeline stages: 3 on the first (with the embedding), 2 on the last (with the
 # output layer), 4 on each other stage. Other uneven splits: the same two flags in EXTRA_ARGS.
 if [ "$MODEL_SIZE" = 671B ] && [ "$PP" = 16 ]; then

@@ -1,8 +1,8 @@
 """Multi-latent attention (--multi-latent-attention) against `transformers`' DeepseekV3ForCausalLM
 on tiny all-dense models built here (fp32, random weights): equal logits (1e-4) with and without
 the query latent and in both rotary channel orders, the round trip gives the tensors and config
-back, 5 training steps track transformers + torch AdamW; checkpoints with mixture-of-experts layers
-are refused by name."""
+back, 5 training steps track transformers + torch AdamW. (YaRN and the mixture-of-experts layers:
+tests/unit/test_deepseek_v3.py.)"""
 import pytest
 import torch
 
@@ -91,11 +91,6 @@ def test_mla_round_trip_gives_the_tensors_back(case):
 def test_five_training_steps_track_transformers_and_adamw():
     hf, ours = pair("q-latent")
     assert_training_tracks_transformers(hf, ours, VOCAB, BATCH, SEQ)
-
-
-def test_mixture_of_experts_layers_are_refused_by_name():
-    with pytest.raises(ValueError, match="first_k_dense_replace=1 < num_hidden_layers=2"):
-        hf_config_to_transformer_config(deepseek_config(first_k_dense_replace=1))
 
 
 def test_flags_and_the_pai_spellings():

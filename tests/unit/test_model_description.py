@@ -104,8 +104,9 @@ from megatron.core.models.gpt import hf_mapping  # noqa: E402
 
 
 def _family_architecture(rng: random.Random, name: str) -> TransformerConfig:
-    """A random architecture the family can express: its selecting values, and the fields it has no
-    key for at their defaults."""
+    """A random architecture the family can express: its selecting values, the fields it has no key
+    for at their defaults, and the fields it expresses only some values of at the nearest
+    (`Family.expressible`)."""
     family = hf_mapping.FAMILIES[name]
     experts = dict(num_experts=rng.choice([4, 8])) if family.experts else {}
     given = random_architecture(rng, **family.implies, **experts)
@@ -113,7 +114,8 @@ def _family_architecture(rng: random.Random, name: str) -> TransformerConfig:
              if role_of(field, given) != RUN and hf_mapping._key(field, family) is None and field.name not in family.implies}
     if given.max_position_embeddings is None:
         fixed["max_position_embeddings"] = 128
-    return derive(dataclasses.replace(given, **fixed), vocab_size=VOCAB)
+    config = derive(dataclasses.replace(given, **fixed), vocab_size=VOCAB)
+    return derive(dataclasses.replace(config, **family.expressible(config)), vocab_size=VOCAB)
 
 
 def _compared(config: TransformerConfig, family) -> list:

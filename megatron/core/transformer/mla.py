@@ -6,7 +6,9 @@ kv_lora_rank channels plus one rotated key part of qk_pos_emb_head_dim channels 
 heads; the latent is normalized and projected to each head's key (qk_head_dim) and value
 (v_head_dim). The latents' norms are there with --qk-layernorm, as in Megatron-Core's layer spec
 (DeepSeek-V3 has them). Only the rotated parts carry the rotary embedding ("decoupled RoPE"); the attention
-runs on [no-position part; rotated part] (scale 1/sqrt(qk_head_dim + qk_pos_emb_head_dim)).
+runs on [no-position part; rotated part] (scale 1/sqrt(qk_head_dim + qk_pos_emb_head_dim), times
+YaRN's mscale(factor, --mscale-all-dim)^2 with --rope-type yarn, as Megatron-Core and DeepSeek-V3;
+applied to the queries, so that every attention kernel takes it).
 
 Tensor parallelism splits the heads: the up projections are column-parallel and the output
 projection row-parallel; the down projections are whole on every rank. With sequence parallelism
@@ -26,6 +28,7 @@ from megatron.core.transformer.attention import CoreAttention
 from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.fusions import rotary, rotary_interleaved
 from megatron.core.transformer.norm import build_norm
+from megatron.core.transformer.rope import yarn_softmax_correction
 
 
 def _norm(norm, x):
@@ -80,6 +83,7 @@ class MultiLatentAttention(torch.nn.Module):
         self.core_attention = CoreAttention(config, rng_tracker, execution=execution)
         self.linear_proj = RowParallelLinear(heads * self.v_dim, h, **dict(common, bias=config.add_bias_linear))
         self._rotate = rotary_interleaved if config.rotary_interleaved else rotary
+        self.softmax_correction = yarn_softmax_correction(config)
 
     def forward(self, x, rotary_cos_sin=None, attention_mask=None):
         # x: [s, b, h] ([s/tp, b, h] with sequence parallelism: the down projections see this rank's tokens)
@@ -104,6 +108,8 @@ class MultiLatentAttention(torch.nn.Module):
             cos, sin = rotary_cos_sin
             q_rot, k_rot = self._rotate(q_rot, cos, sin), self._rotate(k_rot, cos, sin)
         q = torch.cat((q_nope, q_rot), dim=-1)  # [s, b, n, nope + rope]
+        if self.softmax_correction != 1.0:
+            q = q * self.softmax_correction
         k = torch.cat((k_nope, k_rot.expand(-1, -1, n, -1)), dim=-1)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, n, s, d]
         out = self.core_attention(q, k, v, attention_mask)  # [b, n, s, v_dim]

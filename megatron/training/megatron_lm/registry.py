@@ -58,7 +58,7 @@ GROUPS = {
     "biencoder": error("biencoder/ICT retrieval models are not built here"),
     "vision": error("vision models are not built here"),
     "moe": error("this mixture-of-experts option is not built here (docs/moe.md lists what is)"),
-    "mla": error("this option of multi-latent attention is not built here (YaRN scaling, latent caching, "
+    "mla": error("this option of multi-latent attention is not built here (latent caching, "
                  "fused down projections; the attention itself is: docs/models.md)"),
     "heterogeneous architecture": error("heterogeneous layer configurations are not built here"),
     "retro": error("Retro is not built here"),
@@ -94,8 +94,6 @@ PREFIXES = {
     "--linear-": error("linear-attention layers are not built"),
     "--gdp-": error("linear-attention layers are not built"),
     "--mup-": error("the muP parametrization is not built; weights are normal with --init-method-std"),
-    "--yarn-": error("YaRN RoPE scaling is not built (Llama 3.1 scaling is: --use-rope-scaling)"),
-    "--no-yarn-": error("YaRN RoPE scaling is not built (Llama 3.1 scaling is: --use-rope-scaling)"),
     "--fim-": error("fill-in-the-middle samples are not built"),
     "--logits-": error("logits distillation is not built"),
     "--mtp-": error("multi-token prediction is not built"),
@@ -211,7 +209,9 @@ FLAGS = {
     "--use-fused-weighted-squared-relu": error("the squared-ReLU activation is not built"),
     "--no-bias-dropout-fusion": note(_FUSION),
     "--no-rope-fusion": note(_FUSION),
-    "--rope-type": only("rope", text="only standard RoPE (rope) is built"),
+    "--yarn-correction-range-round-to-int": alias("YaRN rounds its interpolation band's bounds to whole channels by default "
+                                                  "(off with --no-yarn-correction-range-round-to-int)",
+                                                  yarn_correction_range_round_to_int=True),
     "--cross-entropy-loss-fusion": note("the vocabulary-parallel cross entropy runs as PyTorch ops"),
     "--cross-entropy-fusion-impl": note("the vocabulary-parallel cross entropy runs as PyTorch ops"),
     "--optimizer-cpu-offload": error("optimizer offloading to CPU is not built; use --use-distributed-optimizer "
@@ -592,8 +592,8 @@ REFUSED_VALUES = {
         "sqrtsoftplus": "the sqrt-softplus router score is not built (softmax and sigmoid are)",
     },
     "--position-embedding-type": {
-        "yarn": "YaRN RoPE scaling is not built (Llama 3.1 scaling is: --position-embedding-type rope "
-                "--use-rope-scaling)",
+        "yarn": "YaRN scaling of standard attention is not built (of multi-latent attention it is: "
+                "--multi-latent-attention --rope-type yarn; Llama 3.1 scaling: --use-rope-scaling)",
         "mrope": "multimodal RoPE is not built",
         "relative": "relative position embeddings (T5) are not built",
     },

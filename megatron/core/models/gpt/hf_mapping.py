@@ -117,7 +117,7 @@ def _key(spec: dataclasses.Field, family: Family) -> Optional[HFKey]:
 
 
 def _implied(config: TransformerConfig, family: Family) -> bool:
-    return ((config.num_experts is not None) == family.experts
+    return ((family.experts is None or (config.num_experts is not None) == family.experts)
             and all(getattr(config, name) == family.implies[name] for name in family.selects))
 
 
@@ -310,8 +310,9 @@ def load_logical_into_model(model, logical: dict) -> None:
                              f"the parameter is {tuple(param.shape)}")
         param.copy_(local)
     for name, buffer in model.named_buffers():
-        # A Megatron-LM import's MoE router biases (--moe-router-enable-expert-bias): trained state
-        # without gradients, whole on every rank; absent from Hugging Face checkpoints (zeros).
+        # The MoE routers' expert biases (--moe-router-enable-expert-bias): trained state without
+        # gradients, whole on every rank; from a Megatron-LM import or DeepSeek-V3's
+        # e_score_correction_bias (absent from the other Hugging Face families: zeros).
         global_name = model.global_param_name(name)
         if name.endswith(".router.expert_bias") and global_name in logical:
             buffer.copy_(logical[global_name][""])
@@ -324,4 +325,7 @@ def model_to_logical(model) -> dict:
     for name, param in model.named_parameters():
         full = param.tp_layout.local_to_full(param, group=model.groups.tp)
         logical[model.global_param_name(name)] = {part: tensor.clone() for part, tensor in full.items()}
+    for name, buffer in model.named_buffers():  # the MoE routers' expert biases, as loaded above
+        if name.endswith(".router.expert_bias"):
+            logical[model.global_param_name(name)] = {"": buffer.clone()}
     return logical

@@ -17,6 +17,15 @@ def _rope_scaling(config) -> bool:
     return _rope(config) and config.use_rope_scaling
 
 
+def _yarn(config) -> bool:
+    return config.multi_latent_attention and config.rope_type == "yarn"
+
+
+def _effective_rope_type(rope_type, config) -> str:
+    """YaRN at factor 1 is plain RoPE: checkpoints and conversions compare the two as equal."""
+    return "rope" if rope_type == "yarn" and config.rotary_scaling_factor == 1 else rope_type
+
+
 def _learned_positions_are_a_shape(config) -> str:
     return ARCHITECTURE if config.position_embedding_type == "learned_absolute" else NUMERICS
 
@@ -114,6 +123,25 @@ class TransformerConfig:
     """Channels per query/key head that carry the rotary embedding (projected from the hidden state for the key, shared by all heads)."""
     v_head_dim: int = arch_field(128, applies=_mla)
     """Channels per value head."""
+    rope_type: Optional[Literal["rope", "yarn"]] = arch_field(None, NUMERICS, applies=_mla,
+                                                              compared_as=_effective_rope_type)
+    """Rotary embedding of multi-latent attention: rope, or yarn (YaRN: --rotary-scaling-factor, --mscale, --mscale-all-dim, --yarn-*); unset: yarn when --rotary-scaling-factor is not 1, else rope (Megatron-LM's default is yarn, which at factor 1 is plain RoPE). Other attention ignores it, as in Megatron-Core (Megatron-LM's --position-embedding-type yarn is not built)."""
+    rotary_scaling_factor: float = arch_field(1.0, NUMERICS, applies=_yarn)
+    """YaRN: how many times the context is extended beyond --yarn-original-max-position-embeddings (DeepSeek-V3: 40); long wavelengths are slowed by it, short ones kept, the band between interpolated."""
+    mscale: float = arch_field(1.0, NUMERICS, applies=_yarn)
+    """YaRN: the rotated channels are scaled by (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor) + 1) (Megatron-Core's concentration factor)."""
+    mscale_all_dim: float = arch_field(0.0, NUMERICS, applies=_yarn)
+    """YaRN: with m = 0.1 mscale_all_dim ln(factor) + 1, the attention scale 1/sqrt(qk-head-dim + qk-pos-emb-head-dim) is multiplied by m^2 and the rotated channels divided by m (DeepSeek-V3: 1.0; 0: neither)."""
+    yarn_original_max_position_embeddings: int = arch_field(4096, NUMERICS, applies=_yarn)
+    """YaRN: the context length the model was first trained at, which sets the band of interpolated frequencies (Megatron-Core's multi-latent attention field original_max_position_embeddings, default 4096)."""
+    yarn_beta_fast: float = arch_field(32.0, NUMERICS, applies=_yarn)
+    """YaRN: frequencies that turn more than this many times over the original context are kept (Megatron-Core's field beta_fast, default 32)."""
+    yarn_beta_slow: float = arch_field(1.0, NUMERICS, applies=_yarn)
+    """YaRN: frequencies that turn fewer than this many times over the original context are slowed by the whole factor (Megatron-Core's field beta_slow, default 1)."""
+    yarn_correction_range_round_to_int: bool = arch_field(True, NUMERICS, applies=_yarn, flag=Flag(
+        "--no-yarn-correction-range-round-to-int", "store_false",
+        "YaRN: keep the interpolation band's bounds fractional instead of rounding them outwards to whole channels."))
+    """YaRN: round the interpolation band's bounds outwards to whole channels (off with --no-yarn-correction-range-round-to-int)."""
     add_bias_linear: bool = arch_field(True, flag=Flag(
         "--disable-bias-linear", "store_false",
         "Disable the biases of the linear layers (as Llama); by default they have biases (as GPT)."))

@@ -41,6 +41,9 @@ def derive(config, *, vocab_size: Optional[int] = None, tp_size: int = 1,
     values.update(num_query_groups=groups, group_query_attention=groups != heads)
     if values["max_position_embeddings"] is None:
         values["max_position_embeddings"] = seq_length
+    if values["multi_latent_attention"] and values["rope_type"] is None:
+        # Megatron-LM's multi-latent attention defaults to YaRN, which at factor 1 is plain RoPE.
+        values["rope_type"] = "rope" if values["rotary_scaling_factor"] == 1 else "yarn"
     if values["num_experts"] is not None:  # mixture of experts: the expert size; the layer pattern checked
         if values["moe_ffn_hidden_size"] is None:
             values["moe_ffn_hidden_size"] = values["ffn_hidden_size"]
@@ -56,6 +59,12 @@ def derive(config, *, vocab_size: Optional[int] = None, tp_size: int = 1,
 
 
 def _check(values: dict) -> None:
+    if (values["multi_latent_attention"] and values["rope_type"] == "rope" and values["rotary_scaling_factor"] > 1
+            and values["mscale_all_dim"]):
+        # Megatron-Core scales multi-latent attention's softmax by YaRN's mscale whatever the rope type.
+        raise ValueError("--rotary-scaling-factor with --mscale-all-dim and --rope-type rope: Megatron-Core then "
+                         "scales the attention by YaRN's factor on plain RoPE, which is not built here; use "
+                         "--rope-type yarn, or drop --rotary-scaling-factor and --mscale-all-dim")
     if values["normalization"] not in NORMALIZATIONS:
         raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {values['normalization']!r}")
     if values["position_embedding_type"] not in POSITION_EMBEDDINGS:

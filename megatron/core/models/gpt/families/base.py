@@ -55,6 +55,10 @@ def _same_entries(entries):
     return entries
 
 
+def _no_changes(config) -> dict:
+    return {}
+
+
 @dataclass(frozen=True)
 class Family:
     """A Hugging Face model family GPTModel computes exactly (up to the weight transforms of
@@ -65,7 +69,8 @@ class Family:
     a field without a key cannot take a value other than the one the family implies.
     `implies`: the values of fields it has no key for. `selects`: the fields whose implied values
     pick the family of a model on export (any other field it cannot express is then named in the
-    error); `experts`: whether it is a mixture-of-experts family (--num-experts set). `extra`:
+    error); `experts`: whether it is a mixture-of-experts family (--num-experts set; None: either, as
+    DeepSeek-V3, whose config says which layers are). `extra`:
     config entries it has that GPTModel has no field for, written on export and required on import.
     `copies`: entries written on export from a field ({key: field}). `layer_pattern`: the family
     keeps --moe-layer-freq as `mlp_only_layers` and `decoder_sparse_step` (Qwen-MoE).
@@ -73,7 +78,10 @@ class Family:
     keys holding no weights of their own (buffers); `normalize_key`: a key's canonical spelling.
     `reader(read)`: given `read(key)` of the HF config's entries, the `read` the keys use (a family
     whose config spells one setting several ways puts it in one form: Falcon's attention layouts);
-    `writer(entries)`: the exported entries from those the keys wrote (its inverse)."""
+    `writer(entries)`: the exported entries from those the keys wrote (its inverse).
+    `expressible(config)`: for a family that expresses only some values of fields it has keys for
+    (DeepSeek-V3: dense layers first only), the changes taking a derived config to the nearest it
+    expresses (the random round-trip tests draw through it)."""
 
     name: str
     title: str
@@ -86,13 +94,14 @@ class Family:
     extra: dict = field(default_factory=dict)
     copies: dict = field(default_factory=dict)
     context: str = ""  # placed after a setting it cannot express ("with LayerNorm ")
-    experts: bool = False
+    experts: Optional[bool] = False
     layer_pattern: bool = False
     note: str = ""  # appended to the error naming a setting it cannot express
     ignored: Callable = _no_extra_tensors
     normalize_key: Callable = _same_key
     reader: Callable = _same_entries
     writer: Callable = _same_entries
+    expressible: Callable = _no_changes
 
     def key(self, spec: dataclasses.Field) -> Optional[HFKey]:
         """The HF key of a TransformerConfig field in this family, or None."""
