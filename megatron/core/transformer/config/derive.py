@@ -61,3 +61,6 @@ def _check(values: dict) -> None:
     if values["position_embedding_type"] not in POSITION_EMBEDDINGS:
         raise ValueError("--position-embedding-type must be rope, learned_absolute or none, "
                          f"got {values['position_embedding_type']!r}")
+    if values["mtp_num_layers"] is not None and values["mtp_num_layers"] < 1:
+        raise ValueError(f"--mtp-num-layers must be >= 1, got {values['mtp_num_layers']} (leave it unset for no "
+                         "multi-token prediction)")

@@ -1,0 +1,105 @@
+"""Multi-token prediction under tensor parallelism (2 ranks, with and without sequence parallelism)
+and pipeline parallelism (2 stages, the modules on the last one with its copy of the embedding)
+equals the single-process model: 3 optimizer steps through the real schedules and pretrain_gpt's
+forward step and loss (lm loss + factor / D * the depths' losses), compared step by step: the lm and
+mtp_k losses of every micro-batch, the gradient norm, and every gradient (both copies of the
+embedding on the two stages) with relative tolerance 1e-5, as tests/distributed/test_pipeline_parallel.py
+compares them."""
+import torch
+
+from megatron.core.distributed.ddp import DistributedDataParallel, finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.parallel_state import initialize_model_parallel, single_process
+from megatron.core.pipeline_parallel.layout import stage_layer_numbers
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.tensor_parallel.random import build_tracker
+from megatron.core.transformer.config import ExecutionConfig
+from pretrain_gpt import forward_step
+from tests.distributed.harness import run_distributed
+from tests.distributed.parity import gather_full_grads, llama_config
+
+SEED, SEQ, MICRO_BATCH, MICRO_BATCHES, STEPS, RTOL, DEPTHS = 1234, 16, 2, 3, 3, 1e-5, 2
+CASES = [  # (name, tp, pp, sequence parallel, tied embeddings)
+    ("tp2 sp untied", 2, 1, True, False),
+    ("tp2 tied", 2, 1, False, True),
+    ("pp2 tied", 1, 2, False, True),
+    ("pp2 untied", 1, 2, False, False),
+]
+
+
+def _config(tied: bool):
+    return llama_config(num_layers=2, mtp_num_layers=DEPTHS, mtp_loss_scaling_factor=0.5,
+                        untie_embeddings_and_output_weights=not tied)
+
+
+def _micro_batches(step: int) -> list:
+    batches = []
+    for index in range(MICRO_BATCHES):
+        generator = torch.Generator().manual_seed(100 * step + index)
+        tokens = torch.randint(0, 128, (MICRO_BATCH, SEQ + 1), generator=generator)
+        batches.append(dict(tokens=tokens[:, :-1], labels=tokens[:, 1:],
+                            loss_mask=(torch.rand(MICRO_BATCH, SEQ, generator=generator) > 0.2).float(),
+                            position_ids=torch.arange(SEQ).expand(MICRO_BATCH, SEQ)))
+    return batches
+
+
+def _train(groups, tied: bool, sequence_parallel: bool) -> dict:
+    layers = stage_layer_numbers(2, groups.pp_size, groups.pp_rank)[0]
+    model = GPTModel(_config(tied), groups, execution=ExecutionConfig(sequence_parallel=sequence_parallel),
+                     rng_tracker=build_tracker(SEED, groups.tp_rank, groups.pp_rank, groups.device),
+                     pre_process=groups.is_first_stage, post_process=groups.is_last_stage, layer_numbers=layers)
+    model.initialize_parameters(SEED)
+    chunks = [DistributedDataParallel(model, groups)]
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3, clip_grad=0.05, adam_eps=1e-4), chunks, groups)
+    schedule = get_forward_backward_func(groups.pp_size)
+    seq = SEQ // groups.tp_size if sequence_parallel and groups.tp_size > 1 else SEQ
+    losses, grads, norms = [], [], []
+    for step in range(STEPS):
+        chunks[0].zero_grad_buffer()
+        reported = schedule(forward_step_func=forward_step, data_iterator=iter(_micro_batches(step)),
+                            model_chunks=chunks, num_microbatches=MICRO_BATCHES, groups=groups, forward_only=False,
+                            scale_loss=optimizer.scale_loss, tensor_shape=(seq, MICRO_BATCH, 64), dtype=torch.float32)
+        finalize_model_grads(chunks, groups)
+        losses.append([{name: value[0].item() / value[1].item() for name, value in r.items()} for r in reported])
+        grads.append({f"{name}.{part}": grad for name, parts in gather_full_grads(model, groups).items()
+                      for part, grad in parts.items()})
+        applied, norm = optimizer.step()
+        assert applied
+        norms.append(norm)
+    return dict(losses=losses, grads=grads, norms=norms, has_mtp=model.mtp is not None,
+                last_stage=groups.is_last_stage)
+
+
+def _check(name: str, run: dict, reference: dict) -> None:
+    assert run["has_mtp"] == run["last_stage"], (name, "the prediction modules belong on the last stage")
+    for step in range(STEPS):
+        assert abs(run["norms"][step] - reference["norms"][step]) <= RTOL * reference["norms"][step], (name, step)
+        if run["last_stage"]:
+            assert set(run["losses"][step][0]) == {"lm loss", "mtp_1 loss", "mtp_2 loss"}, name
+            for got, want in zip(run["losses"][step], reference["losses"][step]):
+                for key in want:
+                    assert abs(got[key] - want[key]) <= RTOL * abs(want[key]), (name, step, key, got, want)
+        for key, grad in run["grads"][step].items():
+            expected = reference["grads"][step][key]
+            error = ((grad - expected).norm() / expected.norm()).item()
+            assert error <= RTOL, (name, step, key, error)
+
+
+def _run_cases(rank, world_size):
+    references = {tied: _train(single_process(), tied, False) for tied in (True, False)}
+    for name, tp, pp, sequence_parallel, tied in CASES:
+        groups = initialize_model_parallel(tp, pp)
+        run = _train(groups, tied, sequence_parallel)
+        reference = references[tied]
+        _check(name, run, reference)
+        if groups.pp_size > 1:  # the two stages' gradients together cover every parameter
+            covered = [None] * world_size
+            torch.distributed.all_gather_object(covered, set(run["grads"][0]))
+            assert set().union(*covered) == set(reference["grads"][0]), name
+    return True
+
+
+def test_mtp_tp2_sp_and_pp2_match_one_process():
+    """One spawn for the four layouts (process start-up dominates)."""
+    assert all(run_distributed(2, _run_cases))

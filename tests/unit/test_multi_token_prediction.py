@@ -1,0 +1,145 @@
+"""Multi-token prediction (--mtp-num-layers, --mtp-loss-scaling-factor) against a hand computation
+from the model's own weights on a small case: each depth k re-run by hand on the sequence cut to its
+first s - k positions (causal attention makes the cut exact: position i never reads a later one), its
+loss the cross entropy against labels[:, k:] masked by loss_mask[:, k:], and the training loss
+lm loss + factor / D * (mtp_1 + ... + mtp_D) as pretrain_gpt's loss function forms it, with its
+gradients; the modules' checkpoint names are Megatron-Core's; bad settings are refused by name."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.parallel_state import single_process
+from megatron.core.transformer.config import TransformerConfig, derive
+from pretrain_gpt import loss_func
+from tests.distributed.parity import llama_config
+
+BATCH, SEQ, VOCAB, DEPTHS, FACTOR = 2, 12, 128, 2, 0.3
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def build(**overrides) -> GPTModel:
+    """The tiny Llama-style model with DEPTHS prediction modules; every weight (norms included) moved
+    off its initial value so that swapped norms or projections cannot pass."""
+    config = llama_config(mtp_num_layers=DEPTHS, mtp_loss_scaling_factor=FACTOR, **overrides)
+    model = GPTModel(config, single_process())
+    model.initialize_parameters(7)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator))
+    return model
+
+
+def batch():
+    generator = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
+    loss_mask = (torch.rand(BATCH, SEQ, generator=generator) > 0.25).float()
+    return tokens[:, :-1], tokens[:, 1:], torch.arange(SEQ).expand(BATCH, SEQ), loss_mask
+
+
+def rms_norm(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def hand_mtp_losses(model: GPTModel, tokens, labels, positions, loss_mask) -> list:
+    """Each depth's masked mean loss, built from the weights: depth k embeds tokens[:, k:], joins
+    it with the previous depth's hidden states of the first s - k positions, and is scored
+    against labels[:, k:] with loss_mask[:, k:]."""
+    eps = model.config.norm_epsilon
+    embedding = model.embedding.word_embeddings.weight
+    rotary = model.rotary(positions)
+    hidden = model.decoder(model.embedding(tokens, positions), rotary)  # [s, b, h], after the final norm
+    losses = []
+    for k, layer in enumerate(model.mtp.layers, start=1):
+        length = SEQ - k
+        embedded = F.embedding(tokens[:, k:], embedding).transpose(0, 1)  # [s-k, b, h]
+        joined = torch.cat((rms_norm(embedded, layer.enorm.weight, eps),
+                            rms_norm(hidden[:length], layer.hnorm.weight, eps)), dim=-1)
+        x = F.linear(joined, layer.eh_proj.weight)
+        x = layer.transformer_layer(x, model.rotary(positions[:, :length]))
+        hidden = rms_norm(x, layer.final_layernorm.weight, eps)  # [s-k, b, h]
+        logits = F.linear(hidden, model.output_layer).transpose(0, 1)  # [b, s-k, V]
+        token_losses = F.cross_entropy(logits.reshape(-1, VOCAB), labels[:, k:].reshape(-1),
+                                       reduction="none").view(BATCH, length)
+        mask = loss_mask[:, k:]
+        losses.append((token_losses * mask).sum() / mask.sum())
+    return losses
+
+
+def main_loss(model, tokens, labels, positions, loss_mask):
+    model.eval()  # evaluation skips the prediction modules: the main loss alone
+    token_losses = model(tokens, positions, labels=labels)
+    model.train()
+    return (token_losses * loss_mask).sum() / loss_mask.sum()
+
+
+def test_mtp_loss_equals_the_hand_computation():
+    model = build()
+    tokens, labels, positions, loss_mask = batch()
+    output = model(tokens, positions, labels=labels)
+    loss, reported = loss_func(loss_mask, None, False, output, mtp_loss_scaling_factor=FACTOR)
+    expected_depths = hand_mtp_losses(model, tokens, labels, positions, loss_mask)
+    expected = main_loss(model, tokens, labels, positions, loss_mask) + FACTOR / DEPTHS * sum(expected_depths)
+    for k, value in enumerate(expected_depths, start=1):
+        torch.testing.assert_close(reported[f"mtp_{k} loss"][0], value.detach(), rtol=1e-5, atol=0)
+        assert reported[f"mtp_{k} loss"][1] == 1.0  # a mean per micro-batch, as Megatron-Core logs it
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    # and the gradients: of every prediction-module weight, the shared embedding and output layer
+    ours = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    theirs = torch.autograd.grad(expected, list(model.parameters()), allow_unused=True)
+    for (name, _), got, want in zip(model.named_parameters(), ours, theirs):
+        assert want is not None, name
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def test_per_token_loss_adds_the_depth_sums():
+    """--calculate-per-token-loss: the loss is a sum, and so is each depth's term (Megatron-Core)."""
+    model = build()
+    tokens, labels, positions, loss_mask = batch()
+    main, depth_losses = model(tokens, positions, labels=labels)
+    loss, reported = loss_func(loss_mask, None, True, (main, depth_losses), mtp_loss_scaling_factor=FACTOR)
+    sums = [(depth_losses[k - 1, :, :SEQ - k] * loss_mask[:, k:]).sum() for k in range(1, DEPTHS + 1)]
+    torch.testing.assert_close(loss, (main * loss_mask).sum() + FACTOR / DEPTHS * sum(sums), rtol=1e-6, atol=0)
+    assert reported["lm loss"][1] == loss_mask.sum()
+
+
+def test_checkpoint_names_are_megatron_cores():
+    model = build(untie_embeddings_and_output_weights=False)
+    names = {model.global_param_name(name) for name, _ in model.named_parameters()}
+    for depth in range(DEPTHS):
+        prefix = f"mtp.layers.{depth}."
+        assert {prefix + part for part in ("enorm.weight", "hnorm.weight", "eh_proj.weight",
+                                           "final_layernorm.weight")} <= names
+        assert prefix + "transformer_layer.self_attention.linear_qkv.weight" in names
+    assert "output_layer.weight" not in names  # tied: the one embedding serves both ends and every depth
+
+
+def test_evaluation_and_logits_skip_the_prediction_modules():
+    model = build()
+    tokens, labels, positions, _ = batch()
+    model.eval()
+    assert model(tokens, positions, labels=labels).shape == (BATCH, SEQ)
+    assert model(tokens, positions).shape == (SEQ, BATCH, VOCAB)
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_mtp_num_layers_below_one_is_refused(value):
+    with pytest.raises(ValueError, match="--mtp-num-layers must be >= 1"):
+        derive(dataclasses.replace(llama_config(), mtp_num_layers=value))
+
+
+def test_learned_positions_off_the_first_stage_are_refused():
+    config = derive(TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, padded_vocab_size=128,
+                                      max_position_embeddings=16, mtp_num_layers=1))
+    with pytest.raises(ValueError, match="--mtp-num-layers with --pipeline-model-parallel-size > 1"):
+        GPTModel(config, single_process(), pre_process=False, layer_numbers=[1])
