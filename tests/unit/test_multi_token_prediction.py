@@ -143,3 +143,46 @@ def test_learned_positions_off_the_first_stage_are_refused():
                                       max_position_embeddings=16, mtp_num_layers=1))
     with pytest.raises(ValueError, match="--mtp-num-layers with --pipeline-model-parallel-size > 1"):
         GPTModel(config, single_process(), pre_process=False, layer_numbers=[1])
+
+
+def test_deepseek_v3_checkpoint_mtp_weights_import_and_export():
+    """A DeepSeek-V3 checkpoint's prediction module (model.layers.{L}: enorm, hnorm, eh_proj,
+    shared_head.norm, a decoder layer, and copies of the embedding and head) lands on the module's
+    own weights, and the export gives every tensor back but the copies (transformers' model never
+    holds them; the main embedding and head are the ones every depth uses)."""
+    from tests.unit.test_mla import deepseek_config, randomize, transformers
+    from megatron.core.models.gpt.hf_mapping import (hf_config_from_transformer_config,
+                                                     hf_config_to_transformer_config, hf_to_logical,
+                                                     load_logical_into_model, logical_to_hf, model_to_logical)
+
+    hf = randomize(transformers.DeepseekV3ForCausalLM(deepseek_config())).eval()
+    state = dict(hf.state_dict())
+    generator = torch.Generator().manual_seed(5)
+    mtp = {}
+    for key, tensor in state.items():  # the module's layer: shaped as the last decoder layer
+        if key.startswith("model.layers.1."):
+            mtp["model.layers.2." + key[len("model.layers.1."):]] = torch.randn(tensor.shape, generator=generator)
+    for name, shape in (("enorm.weight", (64,)), ("hnorm.weight", (64,)), ("eh_proj.weight", (64, 128)),
+                        ("shared_head.norm.weight", (64,))):
+        mtp[f"model.layers.2.{name}"] = torch.randn(shape, generator=generator)
+    copies = {"model.layers.2.embed_tokens.weight": state["model.embed_tokens.weight"],
+              "model.layers.2.shared_head.head.weight": state["lm_head.weight"]}
+    hf_config = deepseek_config(num_nextn_predict_layers=1)
+    config = hf_config_to_transformer_config(hf_config)
+    assert config.mtp_num_layers == 1
+    ours = GPTModel(config, single_process())
+    load_logical_into_model(ours, hf_to_logical({**state, **mtp, **copies}, config, "deepseek_v3"))
+    layer = ours.mtp.layers[0]
+    for ours_weight, key in ((layer.enorm.weight, "enorm.weight"), (layer.hnorm.weight, "hnorm.weight"),
+                             (layer.eh_proj.weight, "eh_proj.weight"),
+                             (layer.final_layernorm.weight, "shared_head.norm.weight"),
+                             (layer.transformer_layer.self_attention.linear_proj.weight, "self_attn.o_proj.weight"),
+                             (layer.transformer_layer.mlp.linear_fc2.weight, "mlp.down_proj.weight")):
+        assert torch.equal(ours_weight.detach(), mtp[f"model.layers.2.{key}"]), key
+    back = logical_to_hf(model_to_logical(ours), config, "deepseek_v3", vocab_size=VOCAB)
+    assert sorted(back) == sorted({**state, **mtp})
+    for key, tensor in back.items():
+        assert torch.equal(tensor, {**state, **mtp}[key]), key
+    exported = hf_config_from_transformer_config(config, VOCAB)
+    assert exported.num_nextn_predict_layers == 1
+    assert hf_config_to_transformer_config(exported) == config

@@ -80,7 +80,8 @@ class GPTModel(torch.nn.Module):
                                         cp_group=groups.cp, groups=groups, **tp)
         self.mtp = (MultiTokenPredictionBlock(config, execution, groups=groups, rng_tracker=rng_tracker, device=device)
                     if self.mtp_process else None)
-        self.moe_aux_loss_scale, self.moe_aux_losses = share_moe_state(self.decoder, config)
+        # The routers of the decoder and of mixture-of-experts prediction modules share one scale and tracker.
+        self.moe_aux_loss_scale, self.moe_aux_losses = share_moe_state(self, config)
         # FP8 layers' linears get their FP8 GEMMs; `fp8_scaling` holds the delayed recipe's amax history.
         self.fp8_scaling = attach_fp8(self.decoder, execution, config.num_layers, device) if execution.fp8 else None
         self.input_tensor = None  # set by the pipeline schedule on stages after the first
