@@ -132,10 +132,10 @@ def test_evaluation_and_logits_skip_the_prediction_modules():
     assert model(tokens, positions).shape == (SEQ, BATCH, VOCAB)
 
 
-@pytest.mark.parametrize("value", [0, -1])
-def test_mtp_num_layers_below_one_is_refused(value):
-    with pytest.raises(ValueError, match="--mtp-num-layers must be >= 1"):
-        derive(dataclasses.replace(llama_config(), mtp_num_layers=value))
+def test_mtp_num_layers_zero_is_none_and_negative_is_refused():
+    assert derive(dataclasses.replace(llama_config(), mtp_num_layers=0)).mtp_num_layers is None  # as Megatron-Core
+    with pytest.raises(ValueError, match="--mtp-num-layers must be >= 0, got -1"):
+        derive(dataclasses.replace(llama_config(), mtp_num_layers=-1))
 
 
 def test_learned_positions_off_the_first_stage_are_refused():

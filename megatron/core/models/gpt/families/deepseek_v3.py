@@ -7,7 +7,7 @@ mixture-of-experts layers (the layers from `first_k_dense_replace` on) are not m
 with any is refused by name, and an export writes `first_k_dense_replace` = the layer count.
 
 Multi-token prediction (--mtp-num-layers, `num_nextn_predict_layers`): DeepSeek's checkpoints store
-module k after the decoder's layers, at `model.layers.{num_hidden_layers + k}`: `enorm`, `hnorm`,
+module k (from 0) after the decoder's layers, at `model.layers.{num_hidden_layers + k}`: `enorm`, `hnorm`,
 `eh_proj`, `shared_head.norm` (Megatron-Core's `final_layernorm` of the module) and a decoder layer
 built as the last one, plus copies of the embedding (`embed_tokens`) and output head
 (`shared_head.head`), which are read as copies (ignored: the model's embedding and output layer
