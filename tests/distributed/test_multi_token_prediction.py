@@ -1,13 +1,13 @@
 """Multi-token prediction under tensor parallelism (2 ranks, with and without sequence parallelism)
-and pipeline parallelism (2 stages, the modules on the last one with its copy of the embedding)
-equals the single-process model: 3 optimizer steps through the real schedules and pretrain_gpt's
+and pipeline parallelism (2 stages, the modules on the last one with its copy of the embedding), and
+data parallelism with overlapped gradient reduction, equals the single-process model: 3 optimizer steps through the real schedules and pretrain_gpt's
 forward step and loss (lm loss + factor / D * the depths' losses), compared step by step: the lm and
 mtp_k losses of every micro-batch, the gradient norm, and every gradient (both copies of the
 embedding on the two stages) with relative tolerance 1e-5, as tests/distributed/test_pipeline_parallel.py
 compares them."""
 import torch
 
-from megatron.core.distributed.ddp import DistributedDataParallel, finalize_model_grads
+from megatron.core.distributed.ddp import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.parallel_state import initialize_model_parallel, single_process
@@ -20,11 +20,15 @@ from tests.distributed.harness import run_distributed
 from tests.distributed.parity import gather_full_grads, llama_config
 
 SEED, SEQ, MICRO_BATCH, MICRO_BATCHES, STEPS, RTOL, DEPTHS = 1234, 16, 2, 3, 3, 1e-5, 2
-CASES = [  # (name, tp, pp, sequence parallel, tied embeddings)
+CASES = [  # (name, tp, pp, sequence parallel, tied embeddings); the rest of the 2 ranks are data-parallel
     ("tp2 sp untied", 2, 1, True, False),
     ("tp2 tied", 2, 1, False, True),
     ("pp2 tied", 1, 2, False, True),
     ("pp2 untied", 1, 2, False, False),
+    # Overlapped reduction in small buckets: a bucket starts reducing when its gradients are marked
+    # ready, so the embedding (looked up by every depth) and the output layer (used by every depth)
+    # must be marked only after their last use in backward.
+    ("dp2 overlapped grad reduce, tied", 1, 1, False, True),
 ]
 
 
@@ -33,9 +37,11 @@ def _config(tied: bool):
                         untie_embeddings_and_output_weights=not tied)
 
 
-def _micro_batches(step: int) -> list:
+def _micro_batches(step: int, dp_rank: int = 0, dp_size: int = 1) -> list:
+    """This data-parallel rank's share of the step's 2 x MICRO_BATCHES micro-batches (all of them at dp 1)."""
     batches = []
-    for index in range(MICRO_BATCHES):
+    count = MICRO_BATCHES * (2 // dp_size)
+    for index in range(dp_rank * count, (dp_rank + 1) * count):
         generator = torch.Generator().manual_seed(100 * step + index)
         tokens = torch.randint(0, 128, (MICRO_BATCH, SEQ + 1), generator=generator)
         batches.append(dict(tokens=tokens[:, :-1], labels=tokens[:, 1:],
@@ -50,15 +56,18 @@ def _train(groups, tied: bool, sequence_parallel: bool) -> dict:
                      rng_tracker=build_tracker(SEED, groups.tp_rank, groups.pp_rank, groups.device),
                      pre_process=groups.is_first_stage, post_process=groups.is_last_stage, layer_numbers=layers)
     model.initialize_parameters(SEED)
-    chunks = [DistributedDataParallel(model, groups)]
+    overlap = groups.dp_size > 1
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=3000 if overlap else None)
+    chunks = [DistributedDataParallel(model, groups, ddp_config=ddp_config)]
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3, clip_grad=0.05, adam_eps=1e-4), chunks, groups)
     schedule = get_forward_backward_func(groups.pp_size)
     seq = SEQ // groups.tp_size if sequence_parallel and groups.tp_size > 1 else SEQ
     losses, grads, norms = [], [], []
     for step in range(STEPS):
         chunks[0].zero_grad_buffer()
-        reported = schedule(forward_step_func=forward_step, data_iterator=iter(_micro_batches(step)),
-                            model_chunks=chunks, num_microbatches=MICRO_BATCHES, groups=groups, forward_only=False,
+        batches = _micro_batches(step, groups.dp_rank, groups.dp_size)
+        reported = schedule(forward_step_func=forward_step, data_iterator=iter(batches),
+                            model_chunks=chunks, num_microbatches=len(batches), groups=groups, forward_only=False,
                             scale_loss=optimizer.scale_loss, tensor_shape=(seq, MICRO_BATCH, 64), dtype=torch.float32)
         finalize_model_grads(chunks, groups)
         losses.append([{name: value[0].item() / value[1].item() for name, value in r.items()} for r in reported])
@@ -68,7 +77,7 @@ def _train(groups, tied: bool, sequence_parallel: bool) -> dict:
         assert applied
         norms.append(norm)
     return dict(losses=losses, grads=grads, norms=norms, has_mtp=model.mtp is not None,
-                last_stage=groups.is_last_stage)
+                last_stage=groups.is_last_stage, dp_rank=groups.dp_rank)
 
 
 def _check(name: str, run: dict, reference: dict) -> None:
@@ -77,7 +86,8 @@ def _check(name: str, run: dict, reference: dict) -> None:
         assert abs(run["norms"][step] - reference["norms"][step]) <= RTOL * reference["norms"][step], (name, step)
         if run["last_stage"]:
             assert set(run["losses"][step][0]) == {"lm loss", "mtp_1 loss", "mtp_2 loss"}, name
-            for got, want in zip(run["losses"][step], reference["losses"][step]):
+            mine = reference["losses"][step][run["dp_rank"] * len(run["losses"][step]):]
+            for got, want in zip(run["losses"][step], mine, strict=False):
                 for key in want:
                     assert abs(got[key] - want[key]) <= RTOL * abs(want[key]), (name, step, key, got, want)
         for key, grad in run["grads"][step].items():
