@@ -186,3 +186,22 @@ def test_deepseek_v3_checkpoint_mtp_weights_import_and_export():
     exported = hf_config_from_transformer_config(config, VOCAB)
     assert exported.num_nextn_predict_layers == 1
     assert hf_config_to_transformer_config(exported) == config
+
+
+def test_prediction_layer_after_a_mixture_of_experts_layer_is_one_and_logs_its_router():
+    """Built as the last decoder layer (Megatron-Core builds it from the last layer's spec): with the
+    first layer dense and the second a mixture of experts, the module's layer is a mixture of experts
+    whose auxiliary loss is tracked after the decoder's layers and averaged over 1 + D MoE layers."""
+    from megatron.core.transformer.moe.router import aux_loss_log_values
+
+    model = build(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq="[0]*1+[1]*1",
+                  moe_aux_loss_coeff=[0.01])
+    assert [layer.transformer_layer.is_moe for layer in model.mtp.layers] == [True] * DEPTHS
+    tokens, labels, positions, loss_mask = batch()
+    loss, _ = loss_func(loss_mask, None, False, model(tokens, positions, labels=labels), mtp_loss_scaling_factor=FACTOR)
+    loss.backward()
+    assert all(layer.transformer_layer.mlp.router.weight.grad is not None for layer in model.mtp.layers)
+    values = aux_loss_log_values([model], model.config, single_process(), 1, per_layer=True)
+    per_layer = [values[f"moe/load_balancing_loss_layer_{i}"][0] for i in range(2 + DEPTHS)]
+    assert per_layer[0] == 0 and all(value > 0 for value in per_layer[1:])  # layer 0 dense; 1 and the modules MoE
+    torch.testing.assert_close(values["load_balancing_loss"][0], sum(per_layer) / (1 + DEPTHS))
