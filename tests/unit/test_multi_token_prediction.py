@@ -205,3 +205,44 @@ def test_prediction_layer_after_a_mixture_of_experts_layer_is_one_and_logs_its_r
     per_layer = [values[f"moe/load_balancing_loss_layer_{i}"][0] for i in range(2 + DEPTHS)]
     assert per_layer[0] == 0 and all(value > 0 for value in per_layer[1:])  # layer 0 dense; 1 and the modules MoE
     torch.testing.assert_close(values["load_balancing_loss"][0], sum(per_layer) / (1 + DEPTHS))
+
+
+@torch.no_grad()
+def test_prediction_module_logits_equal_transformers_mtp_layer():
+    """An independent reference: `transformers`' MtpLayer (the module its speculative decoding loads
+    from DeepSeek-V3 checkpoints) with DeepseekV3's decoder layer and norm, its weights put at the
+    checkpoint names (model.layers.{L}.enorm, ..., shared_head.norm = its post_norm) and imported:
+    given the same previous hidden states (the decoder's output after its final norm) and the
+    tokens shifted by one, the module's logits equal ours (1e-4, fp32)."""
+    from transformers.modeling_layers import MtpLayer
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
+    from megatron.core.models.gpt.hf_mapping import hf_config_to_transformer_config, hf_to_logical, load_logical_into_model
+    from megatron.core.transformer.multi_token_prediction import roll_left
+    from tests.unit.test_mla import deepseek_config, randomize, transformers
+
+    hf_config = deepseek_config(num_nextn_predict_layers=1)
+    hf = randomize(transformers.DeepseekV3ForCausalLM(hf_config)).eval()
+    module = randomize(MtpLayer(hf_config, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, 0)).eval()
+    names = {"mtp_block.": "", "post_norm.": "shared_head.norm."}
+    mtp = {}
+    for key, tensor in module.state_dict().items():
+        renamed = next((new + key[len(old):] for old, new in names.items() if key.startswith(old)), key)
+        mtp[f"model.layers.2.{renamed}"] = tensor
+    config = hf_config_to_transformer_config(hf_config)
+    ours = GPTModel(config, single_process()).eval()
+    load_logical_into_model(ours, hf_to_logical({**hf.state_dict(), **mtp}, config, "deepseek_v3"))
+
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    shifted = roll_left(tokens)
+    previous = hf.model(input_ids=tokens).last_hidden_state  # [b, s, h], after the final norm
+    rotary = hf.model.rotary_emb(previous, positions)
+    expected = hf.lm_head(module(hf.model.embed_tokens(shifted), previous, rotary, None, positions, None))
+
+    hidden = ours.decoder(ours.embedding(tokens, positions), ours.rotary(positions))
+    layer = ours.mtp.layers[0]
+    got = F.linear(layer(hidden, ours.embedding(shifted, positions), ours.rotary(positions)), ours.output_layer)
+    got = got.transpose(0, 1)[..., :VOCAB]
+    assert expected.std() > 0.5, "logits too small for the comparison to mean anything"
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
