@@ -246,3 +246,11 @@ def test_prediction_module_logits_equal_transformers_mtp_layer():
     got = got.transpose(0, 1)[..., :VOCAB]
     assert expected.std() > 0.5, "logits too small for the comparison to mean anything"
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_megatron_lm_checkpoints_with_prediction_modules_are_refused_by_name():
+    from megatron.core.checkpointing.megatron_lm import check_supported
+
+    with pytest.raises(ValueError, match="--mtp-num-layers checkpoints cannot be imported yet"):
+        check_supported({"mtp_num_layers": 1})
+    check_supported({"mtp_num_layers": 0})  # Megatron-Core builds no module for 0
