@@ -254,3 +254,14 @@ def test_megatron_lm_checkpoints_with_prediction_modules_are_refused_by_name():
     with pytest.raises(ValueError, match="--mtp-num-layers checkpoints cannot be imported yet"):
         check_supported({"mtp_num_layers": 1})
     check_supported({"mtp_num_layers": 0})  # Megatron-Core builds no module for 0
+
+
+def test_context_parallelism_is_refused_at_startup():
+    from megatron.training.arguments import parse_args
+    from megatron.training.validation import ConfigError, validate
+    from tests.unit.test_arguments import MINIMAL
+
+    config = parse_args(MINIMAL + ["--position-embedding-type", "rope", "--mtp-num-layers", "1",
+                                   "--context-parallel-size", "2", "--attention-dropout", "0"])
+    with pytest.raises(ConfigError, match="--mtp-num-layers is not supported with --context-parallel-size 2"):
+        validate(config, world_size=2)
