@@ -13,6 +13,7 @@ import torch
 
 from megatron.core.context_parallel import slice_batch
 from megatron.core.distributed import comm
+from megatron.core.transformer.multi_token_prediction import mtp_loss
 from megatron.training.arguments import parse_args
 from megatron.training.config import Config
 from megatron.training.data import build_tokenizer
@@ -32,21 +33,23 @@ def get_batch(data_iterator, groups, fields=None) -> dict:
 
 
 def stage_fields(model) -> set:
-    """The batch fields a model chunk reads: tokens on the first pipeline stage, labels and the loss
-    mask on the last, positions (rotary embeddings) and document ids (packed-document attention)
-    on every stage."""
+    """The batch fields a model chunk reads: tokens on the first pipeline stage (and on the last
+    with multi-token prediction, which embeds them), labels and the loss mask on the last,
+    positions (rotary embeddings) and document ids (packed-document attention) on every stage."""
     model = getattr(model, "module", model)
     fields = {"position_ids", "document_ids"}
-    if model.pre_process:
+    if model.pre_process or getattr(model, "mtp_process", False):
         fields.add("tokens")
     if model.post_process:
         fields.update(("labels", "loss_mask"))
     return fields
 
 
-def loss_func(loss_mask: torch.Tensor, cp_group, calculate_per_token_loss: bool, token_losses: torch.Tensor):
+def loss_func(loss_mask: torch.Tensor, cp_group, calculate_per_token_loss: bool, token_losses,
+              mtp_loss_scaling_factor: float = 0.1):
     """Mean loss over the micro-batch's unmasked tokens; reports [sum, count] so averages weight
-    tokens equally.
+    tokens equally. With multi-token prediction (`token_losses` then the model's pair of main and
+    MTP per-token losses) the MTP term is added and each depth's loss reported (mtp_loss).
 
     With context parallelism a rank holds part of the sequence: its sum is divided by the count
     over all CP ranks, and multiplied by the CP size because gradients are averaged over the data x
@@ -54,6 +57,11 @@ def loss_func(loss_mask: torch.Tensor, cp_group, calculate_per_token_loss: bool,
 
     With --calculate-per-token-loss the loss is the sum itself: training divides the gradients by
     the token count of the whole global batch."""
+    if isinstance(token_losses, tuple):
+        token_losses, mtp_token_losses = token_losses
+        loss, reported = loss_func(loss_mask, cp_group, calculate_per_token_loss, token_losses)
+        extra, mtp_reported = mtp_loss(mtp_token_losses, loss_mask, mtp_loss_scaling_factor, calculate_per_token_loss)
+        return loss + extra, reported | mtp_reported
     loss_mask = loss_mask.float()
     total = (token_losses.float() * loss_mask).sum()
     count = loss_mask.sum()
@@ -70,7 +78,9 @@ def forward_step(data_iterator, model, calculate_per_token_loss: bool = False):
     batch = get_batch(data_iterator, groups, stage_fields(model))
     output = model(batch.get("tokens"), batch["position_ids"], labels=batch.get("labels"),
                    document_ids=batch.get("document_ids"))
-    return output, partial(loss_func, batch.get("loss_mask"), groups.cp, calculate_per_token_loss)
+    config = getattr(model, "module", model).config
+    return output, partial(loss_func, batch.get("loss_mask"), groups.cp, calculate_per_token_loss,
+                           mtp_loss_scaling_factor=config.mtp_loss_scaling_factor)
 
 
 def _tokenizer_record(config: Config, tokenizer):

@@ -250,6 +250,9 @@ def _validate_context_parallel(config: Config) -> None:
              f"--reset-attention-mask is not supported with --context-parallel-size {cp}: context parallelism runs "
              "causal attention only (documents in a sample attend across EOD); drop --reset-attention-mask or use "
              "--context-parallel-size 1")
+    _require(not m.mtp_num_layers,
+             f"--mtp-num-layers is not supported with --context-parallel-size {cp}: each prediction depth shifts the "
+             "tokens by one, which would cross the context-parallel chunks; use --context-parallel-size 1")
 
 
 def _validate_kernels(config: Config, notes: list) -> None:

@@ -46,7 +46,8 @@ def deepseek_config(**overrides):
     values = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
                   v_head_dim=12, first_k_dense_replace=2, max_position_embeddings=64, tie_word_embeddings=False,
-                  attention_dropout=0.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+                  attention_dropout=0.0, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                  num_nextn_predict_layers=0)  # transformers' model holds no multi-token prediction weights
     return transformers.DeepseekV3Config(**{**values, **overrides})
 
 

@@ -42,8 +42,8 @@ Layouts undone:
 The model's arguments are read by name: TransformerConfig's fields are Megatron-LM's argument names,
 so the config is a loop over them (`config_from_megatron_args`).
 
-Refused with a ValueError naming the option: what GPTModel cannot represent (multi-latent
-attention, multi-token prediction, sliding-window attention, non-vanilla softmax, squared ReLU, quick
+Refused with a ValueError naming the option: what this importer does not map yet (multi-latent
+attention, multi-token prediction) and what GPTModel cannot represent (sliding-window attention, non-vanilla softmax, squared ReLU, quick
 GeGLU, post-layernorm residuals, rotary sequence interpolation, position embeddings other than rope /
 learned_absolute / none; for experts: a router bias, the sqrtsoftplus score function, probabilities
 applied to the experts' input, latent experts, interleaved gate/up rows, legacy files with an
@@ -406,7 +406,6 @@ _UNSUPPORTED = (
     ("moe_mlp_glu_interleave_size", "--moe-mlp-glu-interleave-size", "interleaved gate/up rows of the experts"),
     ("moe_shared_expert_glu_interleave_size", "--moe-shared-expert-glu-interleave-size",
      "interleaved gate/up rows of the shared experts"),
-    ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction"),
     ("rotary_seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor", "rotary interpolation"),
     ("apply_residual_connection_post_layernorm", "--apply-residual-connection-post-layernorm",
      "residuals taken after the layer norm"),
@@ -452,6 +451,10 @@ def check_supported(args: dict, source: str = "checkpoint") -> None:
                          "multi-latent attention, but Megatron-LM's tensors of it (the fused latent norms and "
                          "replicated down projections) are not mapped here; convert the checkpoint to Hugging "
                          "Face format first")
+    if args.get("mtp_num_layers"):
+        raise ValueError(f"{source}: --mtp-num-layers checkpoints cannot be imported yet: GPTModel builds "
+                         "multi-token prediction (under Megatron-Core's names, mtp.layers.*), but this importer does "
+                         "not map Megatron-LM's tensors of it (per format and tensor-parallel layout)")
     for name, flag, what in _UNSUPPORTED:
         if args.get(name):
             raise ValueError(f"{source}: {flag} ({what}; {name}={args[name]!r}) cannot be imported: GPTModel does "

@@ -300,12 +300,15 @@ def _sync_tied_embeddings(model_chunks: list, groups: ParallelGroups) -> None:
 
 
 def shared_embedding_params(module: torch.nn.Module) -> list:
-    """The tied word-embedding parameter(s) held by this stage, first or last (empty if untied)."""
+    """The word-embedding parameter(s) with a copy on another stage, held by this stage, first or
+    last: the tied embedding, or with multi-token prediction the embedding whose copy the last
+    stage's prediction modules read (empty if untied without one)."""
     model = module
     found = []
-    if getattr(model, "share_embeddings", False):
+    mtp = getattr(getattr(model, "config", None), "mtp_num_layers", None) is not None
+    if getattr(model, "share_embeddings", False) or mtp:
         if getattr(model, "pre_process", False):
             found.append(model.embedding.word_embeddings.weight)
-        elif getattr(model, "post_process", False):
-            found.append(model.output_layer)
+        elif getattr(model, "post_process", False):  # the prediction modules' embedding, else the output layer
+            found.append(model.embedding.word_embeddings.weight if hasattr(model, "embedding") else model.output_layer)
     return found

@@ -454,7 +454,9 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(local_rows, embedding_dim, dtype=params_dtype, device=device))
         set_layout(self.weight, layout, "normal")
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, notify: bool = True) -> torch.Tensor:
+        """`notify=False` leaves the "gradient ready" signal to another lookup in the same table
+        whose backward runs later (multi-token prediction embeds the tokens several times)."""
         tokens = tokens.t()  # [s, b]: sequence-first from here on
         outside = None
         local_ids = tokens
@@ -462,7 +464,7 @@ class VocabParallelEmbedding(torch.nn.Module):
             outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
             local_ids = (tokens - self.vocab_start).masked_fill(outside, 0)
         if fuses_grad_accumulation(self.weight, self.gradient_accumulation_fusion):
-            out = _EmbeddingFunction.apply(local_ids, outside, self.weight)
+            out = _EmbeddingFunction.apply(local_ids, outside, self.weight, notify)
         else:
             out = F.embedding(local_ids, self.weight)
             out = out.masked_fill(outside.unsqueeze(-1), 0.0) if outside is not None else out
@@ -476,12 +478,13 @@ class _EmbeddingFunction(torch.autograd.Function):
     (`index_add_` over the s*b looked-up rows) instead of building a dense [V/tp, h] gradient."""
 
     @staticmethod
-    def forward(ctx, local_ids, outside, weight):
+    def forward(ctx, local_ids, outside, weight, notify=True):
         out = F.embedding(local_ids, weight)
         if outside is not None:
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         ctx.save_for_backward(local_ids, outside)
         ctx.weight = weight
+        ctx.notify = notify
         return out
 
     @staticmethod
@@ -492,5 +495,6 @@ class _EmbeddingFunction(torch.autograd.Function):
         main_grad = ctx.weight.main_grad
         main_grad.index_add_(0, local_ids.reshape(-1), grad.reshape(-1, grad.shape[-1]).to(main_grad.dtype))
         ctx.weight.main_grad_empty = False
-        main_grad_ready(ctx.weight)
-        return None, None, None
+        if ctx.notify:
+            main_grad_ready(ctx.weight)
+        return None, None, None, None

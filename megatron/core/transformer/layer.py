@@ -32,8 +32,11 @@ class TransformerLayer(torch.nn.Module):
                                   if not config.parallel_attn or config.parallel_layernorm else None)
         # Mixture-of-experts layers (per --moe-layer-freq) take the model's ParallelGroups: their
         # experts and tokens are laid out over the expert groups.
+        # A multi-token prediction layer (numbered after the decoder's) is built as the last decoder
+        # layer is, as Megatron-Core builds it from the last layer's spec.
+        pattern_index = min(layer_number, config.num_layers - 1)
         self.is_moe = config.num_experts is not None and moe_layer_pattern(config.moe_layer_freq,
-                                                                             config.num_layers)[layer_number] == 1
+                                                                             config.num_layers)[pattern_index] == 1
         if self.is_moe:
             self.mlp = MoELayer(config, execution=execution, layer_number=layer_number, groups=groups, device=device)
         else:

@@ -26,6 +26,8 @@ INTEGER_MINIMUMS = {
     "--expert-model-parallel-size": (1, "Megatron-LM divides --num-experts by it (ZeroDivisionError at 0)"),
     "--expert-tensor-parallel-size": (1, "Megatron-LM divides the expert FFN width by it (ZeroDivisionError at 0)"),
     "--moe-router-topk": (1, "the router sends each token to at least one expert"),
+    "--mtp-num-layers": (0, "Megatron-Core builds no prediction module at 0 (nor does this framework) and fails in "
+                            "its first forward step at a negative count"),
     "--train-iters": (1, "pretrain_gpt.py trains at least one iteration (Megatron-LM skips training at 0 and "
                          "only evaluates, which is not built)"),
     "--train-samples": (1, "pretrain_gpt.py trains at least one global batch"),

@@ -96,7 +96,8 @@ PREFIXES = {
     "--mup-": error("the muP parametrization is not built; weights are normal with --init-method-std"),
     "--fim-": error("fill-in-the-middle samples are not built"),
     "--logits-": error("logits distillation is not built"),
-    "--mtp-": error("multi-token prediction is not built"),
+    "--mtp-": error("this multi-token prediction option is not built (--mtp-num-layers and "
+                    "--mtp-loss-scaling-factor are: docs/models.md)"),
     "--muon-": error("the Muon optimizer is not built (--optimizer adam or sgd)"),
     "--lion-": error("the Lion optimizer is not built (--optimizer adam or sgd)"),
     "--gtp-": error("weight sharding within tensor parallelism is not built"),
@@ -156,8 +157,12 @@ FLAGS = {
     "--glu-linear-offset": only("0", "0.0", text="only a zero offset in the gated linear unit is built"),
     "--onnx-safe": note("ONNX export is not part of training; no effect"),
     "--bert-no-binary-head": note(_NOT_GPT),
-    "--mtp-num-layers": error("multi-token prediction is not built"),
-    "--mtp-loss-scaling-factor": error("multi-token prediction is not built"),
+    "--mtp-use-repeated-layer": error("one multi-token prediction layer shared by every depth is not built; each "
+                                      "depth has its own (--mtp-num-layers)"),
+    "--mtp-standalone": error("multi-token prediction runs on the last pipeline stage; a stage of its own "
+                              "(--pipeline-model-parallel-layout) is not built"),
+    "--mtp-hybrid-override-pattern": error("hybrid (Mamba) models are not built; multi-token prediction layers "
+                                           "are transformer layers"),
     # regularization
     "--start-weight-decay": error("weight-decay schedules are not built; --weight-decay is constant"),
     "--end-weight-decay": error("weight-decay schedules are not built; --weight-decay is constant"),

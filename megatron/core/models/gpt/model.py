@@ -7,8 +7,13 @@ one ExecutionConfig (how it runs: sequence parallelism, recompute, kernels, FP8,
 With pipeline parallelism a stage builds only its part: `pre_process` (the embedding, first stage),
 `post_process` (final norm, output layer and loss, last stage) and `layer_numbers` (the global
 indices of its decoder layers). Stages after the first take `hidden_states` instead of tokens.
+
+With --mtp-num-layers the last stage also holds the multi-token prediction modules
+(transformer.multi_token_prediction) and, off the first stage, a copy of the word embedding tied to
+the first stage's; in training it returns their per-token losses beside the main one.
 """
 import re
+from functools import partial
 from typing import Optional
 
 import torch
@@ -36,6 +41,7 @@ from megatron.core.transformer.block import TransformerBlock
 from megatron.core.transformer.config import DEFAULT_EXECUTION, ExecutionConfig, TransformerConfig, derive
 from megatron.core.transformer.moe.experts import initialize_expert_param
 from megatron.core.transformer.moe.router import share_moe_state
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock, mtp_token_losses
 from megatron.core.transformer.parallelize import parallelize
 from megatron.core.transformer.rope import RotaryEmbedding
 
@@ -62,15 +68,27 @@ class GPTModel(torch.nn.Module):
         device = device if device is not None else groups.device
         layer_numbers = list(range(config.num_layers)) if layer_numbers is None else list(layer_numbers)
 
-        if pre_process:
+        # Multi-token prediction runs on the last stage (Megatron-Core's placement) and embeds tokens there.
+        self.mtp_process = config.mtp_num_layers is not None and post_process
+        if config.mtp_num_layers is not None and groups.cp_size > 1:
+            raise ValueError("--mtp-num-layers with --context-parallel-size > 1 is not built (shifting the tokens "
+                             "would cross the context-parallel chunks); use --context-parallel-size 1")
+        if pre_process or self.mtp_process:
             self.embedding = _Embedding(config, execution, groups, rng_tracker, device)
         self.rotary = RotaryEmbedding(config, device) if config.position_embedding_type == "rope" else None
         self.decoder = TransformerBlock(config, execution, layer_numbers=layer_numbers, post_process=post_process,
                                         groups=groups, rng_tracker=rng_tracker, device=device)
-        self.moe_aux_loss_scale, self.moe_aux_losses = share_moe_state(self.decoder, config)
+        self.mtp = (MultiTokenPredictionBlock(config, execution, groups=groups, rng_tracker=rng_tracker, device=device)
+                    if self.mtp_process else None)
+        # The routers of the decoder and of mixture-of-experts prediction modules share one scale and tracker.
+        self.moe_aux_loss_scale, self.moe_aux_losses = share_moe_state(self, config)
         self.compiled_loss = False  # the loss's chunks as compiled kernels (--no-torch-compile off: parallelize.py)
         self.input_tensor = None  # set by the pipeline schedule on stages after the first
-        if post_process and (not self.share_embeddings or not pre_process):
+        if self.mtp_process and not pre_process:
+            _check_mtp_embedding_copy(config)
+            # The last stage's copy of the word embedding (tied to the first stage's, as below).
+            self.embedding.word_embeddings.weight.shared_embedding = True
+        if post_process and (not self.share_embeddings or not hasattr(self, "embedding")):
             # Untied output layer, or the last stage's copy of the tied embedding (kept equal to the
             # first stage's by an all-reduce of gradients over the embedding group).
             weight = torch.empty(config.padded_vocab_size // groups.tp_size, config.hidden_size,
@@ -116,11 +134,11 @@ class GPTModel(torch.nn.Module):
 
     def vocabulary_weights(self) -> list:
         """The word embedding and output layer weights held by this stage."""
-        weights = [self.embedding.word_embeddings.weight] if self.pre_process else []
+        weights = [self.embedding.word_embeddings.weight] if hasattr(self, "embedding") else []
         return weights + ([self.output_layer] if hasattr(self, "output_layer") else [])
 
     def output_weight(self) -> torch.Tensor:
-        if self.pre_process and self.share_embeddings:
+        if hasattr(self, "embedding") and self.share_embeddings:
             return self.embedding.word_embeddings.weight
         return self.output_layer
 
@@ -130,7 +148,9 @@ class GPTModel(torch.nn.Module):
                 attention_mask: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None):
         """tokens/position_ids/labels: [b, s]. Returns the per-token loss [b, s] when labels are
         given on the last stage, logits [s, b, V/tp] on the last stage otherwise, else the hidden
-        states [s, b, h] ([s/tp, b, h] with sequence parallelism) for the next stage.
+        states [s, b, h] ([s/tp, b, h] with sequence parallelism) for the next stage. With
+        multi-token prediction, in training, the loss comes with the MTP depths' per-token losses:
+        ([b, s], [D, b, s]) (transformer.multi_token_prediction.mtp_loss combines them).
 
         `document_ids` [b, s] (packed documents, --reset-attention-mask, --sft): each token attends
         only to earlier tokens of its own document; the mask is built once here for all layers
@@ -151,9 +171,29 @@ class GPTModel(torch.nn.Module):
         x = self.decoder(x, rotary, attention_mask)
         if not self.post_process:
             return x
-        logits = self._logits(x)
         if labels is None:
-            return logits
+            return self._logits(x)
+        run_mtp = self.mtp is not None and self.training
+        # As Megatron-Core orders it: the MTP modules run before the output layer, so in backward every
+        # output-layer gradient is in before the MTP modules' embedding lookups add theirs.
+        hidden = self.mtp(x, tokens, position_ids, self._mtp_embedding, rotary, attention_mask) if run_mtp else []
+        tied_here = self.share_embeddings and (self.pre_process or run_mtp)
+        loss = self._token_loss(x, labels, notify=not tied_here)
+        if not run_mtp:
+            return loss
+        # [b, s] and [D, b, s]; only the main loss's output GEMM, the last in backward, signals readiness.
+        return loss, mtp_token_losses(hidden, labels, partial(self._token_loss, notify=False))
+
+    def _mtp_embedding(self, tokens, position_ids, depth: int):
+        """The embedding of an MTP depth's shifted tokens. Only the lookup whose backward runs last
+        signals that the embedding's gradient is complete: the first stage's own, else depth 1's."""
+        if tokens is None:
+            raise ValueError("multi-token prediction needs the tokens on the last pipeline stage")
+        return self.embedding(tokens, position_ids, notify=not self.pre_process and depth == 0)
+
+    def _token_loss(self, x, labels, notify: bool = True):
+        """Per-token cross entropy [b, s] of the hidden states x [s, b, h] against labels [b, s]."""
+        logits = self._logits(x, notify)
         vocab_start = self.groups.tp_rank * logits.shape[-1]
         if self.execution.cross_entropy_loss_fusion:
             loss = fused_vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_start,
@@ -165,15 +205,16 @@ class GPTModel(torch.nn.Module):
         # be lost to an in-place op on it), and PyTorch warns about one.
         return loss.t().clone(memory_format=torch.contiguous_format)
 
-    def _logits(self, x):
+    def _logits(self, x, notify: Optional[bool] = None):
         # With tied embeddings on this stage the embedding's backward, which runs later, signals
         # that the shared weight's gradient is complete.
-        tied_here = self.pre_process and self.share_embeddings
+        if notify is None:
+            notify = not (self.pre_process and self.share_embeddings)
         return linear_with_grad_accumulation(
             x, self.output_weight(), group=self.groups.tp,
             input_comm=GATHER_INPUT if self.sequence_parallel else ALL_REDUCE_INPUT_GRAD,
             gradient_accumulation_fusion=self.execution.gradient_accumulation_fusion,
-            notify=not tied_here)  # [s, b, V/tp]
+            notify=notify)  # [s, b, V/tp]
 
 
 class _Embedding(torch.nn.Module):
@@ -200,8 +241,8 @@ class _Embedding(torch.nn.Module):
         self.dropout = config.hidden_dropout
         self.rng_tracker = rng_tracker if self.sequence_parallel else None
 
-    def forward(self, tokens, position_ids):
-        x = self.word_embeddings(tokens)  # [s, b, h] or [s/tp, b, h]
+    def forward(self, tokens, position_ids, notify: bool = True):
+        x = self.word_embeddings(tokens, notify)  # [s, b, h] or [s/tp, b, h]
         if self.position_embeddings is not None:
             positions = self.position_embeddings(position_ids.t())  # [s, b, h]
             if self.sequence_parallel:
@@ -213,3 +254,12 @@ class _Embedding(torch.nn.Module):
                     return F.dropout(x, self.dropout, training=True)
             return F.dropout(x, self.dropout, training=True)
         return x
+
+
+def _check_mtp_embedding_copy(config) -> None:
+    """The last stage's copy of the embedding is kept in step with the first stage's for the word
+    embedding only; a learned position table there would drift."""
+    if config.position_embedding_type == "learned_absolute":
+        raise ValueError("--mtp-num-layers with --pipeline-model-parallel-size > 1 needs --position-embedding-type "
+                         "rope or none: the last stage's copy of a learned position table is not kept in step "
+                         "with the first stage's")

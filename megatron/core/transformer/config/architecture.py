@@ -50,6 +50,10 @@ def _mla(config) -> bool:
     return config.multi_latent_attention
 
 
+def _mtp(config) -> bool:
+    return config.mtp_num_layers is not None
+
+
 def _shared_experts(config) -> bool:
     return _moe(config) and config.moe_shared_expert_intermediate_size is not None
 
@@ -142,6 +146,11 @@ class TransformerConfig:
         "--no-yarn-correction-range-round-to-int", "store_false",
         "YaRN: keep the interpolation band's bounds fractional instead of rounding them outwards to whole channels."))
     """YaRN: round the interpolation band's bounds outwards to whole channels (off with --no-yarn-correction-range-round-to-int)."""
+    # -- Multi-token prediction (DeepSeek-V3; transformer.multi_token_prediction) --------------------
+    mtp_num_layers: Optional[int] = arch_field(None)
+    """Multi-token prediction: this many modules after the last layer, the k-th predicting the token k + 1 ahead (an embedding of the tokens shifted by k joined with the previous depth's hidden state, one transformer layer, the shared output layer); their mean loss, times --mtp-loss-scaling-factor, is added to the training loss. Unset: none."""
+    mtp_loss_scaling_factor: float = arch_field(0.1, RUN, applies=_mtp)
+    """Weight of the multi-token prediction loss: this factor times the mean of the depths' losses is added to the language-model loss."""
     add_bias_linear: bool = arch_field(True, flag=Flag(
         "--disable-bias-linear", "store_false",
         "Disable the biases of the linear layers (as Llama); by default they have biases (as GPT)."))

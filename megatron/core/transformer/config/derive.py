@@ -48,6 +48,8 @@ def derive(config, *, vocab_size: Optional[int] = None, tp_size: int = 1,
         if values["moe_ffn_hidden_size"] is None:
             values["moe_ffn_hidden_size"] = values["ffn_hidden_size"]
         moe_layer_pattern(values["moe_layer_freq"], values["num_layers"])
+    if values["mtp_num_layers"] == 0:  # Megatron-Core builds no prediction module for 0
+        values["mtp_num_layers"] = None
     if values["padded_vocab_size"] is None and vocab_size is not None:
         values["padded_vocab_size"] = padded_vocab_size(vocab_size, values["make_vocab_size_divisible_by"], tp_size)
     _check(values)
@@ -70,3 +72,6 @@ def _check(values: dict) -> None:
     if values["position_embedding_type"] not in POSITION_EMBEDDINGS:
         raise ValueError("--position-embedding-type must be rope, learned_absolute or none, "
                          f"got {values['position_embedding_type']!r}")
+    if values["mtp_num_layers"] is not None and values["mtp_num_layers"] < 0:
+        raise ValueError(f"--mtp-num-layers must be >= 0, got {values['mtp_num_layers']} (0 or unset: no "
+                         "multi-token prediction)")

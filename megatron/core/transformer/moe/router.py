@@ -181,13 +181,18 @@ class _RandomLogits(torch.autograd.Function):
         return grad
 
 
+def _tracked_layers(config) -> int:
+    """The decoder's layers, then the multi-token prediction layers (numbered after them)."""
+    return config.num_layers + (config.mtp_num_layers or 0)
+
+
 def share_moe_state(module: torch.nn.Module, config):
     """One AuxLossScale and one AuxLossTracker for all routers of a model chunk (None, None for a
     dense model): the schedule sets the one, the training loop reads the other."""
     routers = [m for m in module.modules() if isinstance(m, TopKRouter)]
     if not routers:
         return None, None
-    scale, tracker = moe_utils.AuxLossScale(), AuxLossTracker(config.num_layers)
+    scale, tracker = moe_utils.AuxLossScale(), AuxLossTracker(_tracked_layers(config))
     for router in routers:
         router.aux_loss_scale, router.tracker = scale, tracker
     return scale, tracker
@@ -221,10 +226,12 @@ def aux_loss_log_values(model_chunks: list, config, groups, num_microbatches: in
     [sum, count] form the training loop averages over data-parallel ranks. With `per_layer` also
     "moe/<name>_layer_<i>". Clears the trackers. Every rank calls it (it all-reduces)."""
     trackers = [model.moe_aux_losses for model in _moe_models(model_chunks)]
-    num_moe_layers = max(1, sum(moe_utils.moe_layer_pattern(config.moe_layer_freq, config.num_layers)))
+    # Megatron-LM counts the multi-token prediction layers among the MoE layers it averages over.
+    num_moe_layers = max(1, sum(moe_utils.moe_layer_pattern(config.moe_layer_freq, config.num_layers))
+                         + (config.mtp_num_layers or 0))
     result = {}
     for name in aux_loss_names(config):
-        values = torch.zeros(config.num_layers, device=groups.device)
+        values = torch.zeros(_tracked_layers(config), device=groups.device)
         for tracker in trackers:
             if name in tracker.values:
                 values += tracker.values[name]

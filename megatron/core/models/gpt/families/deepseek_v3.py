@@ -18,7 +18,20 @@ in the `topk_group` best of `n_group` groups, normalized, times `routed_scaling_
 (--moe-router-topk-scaling-factor). transformers scores a group by its best two experts,
 Megatron-Core by its best topk/topk_group: they agree when num_experts_per_tok = 2 x topk_group
 (DeepSeek-V3's 8 and 4), and other group settings are refused.
+
+Multi-token prediction (--mtp-num-layers, `num_nextn_predict_layers`): DeepSeek's checkpoints store
+module k (from 0) after the decoder's layers, at `model.layers.{num_hidden_layers + k}`: `enorm`, `hnorm`,
+`eh_proj`, `shared_head.norm` (Megatron-Core's `final_layernorm` of the module) and a decoder layer
+built as the last one, plus copies of the embedding (`embed_tokens`) and output head
+(`shared_head.head`), which are read as copies (ignored: the model's embedding and output layer
+serve every depth, as in Megatron-Core) and not written. `transformers`' DeepseekV3ForCausalLM drops
+these weights on load (its `_keys_to_ignore_on_load_unexpected`), and its config's default is
+`num_nextn_predict_layers: 1`, so a checkpoint it saved says 1 but holds none: set the entry to 0 to
+import such a checkpoint's main model.
 """
+import dataclasses
+import re
+
 from megatron.core.models.gpt.families import llama
 from megatron.core.models.gpt.families.base import Entry, Family, HFKey
 from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
@@ -62,7 +75,12 @@ KEYS = dict(
                                          from_hf=lambda factor: None if factor == 1 else factor),
     moe_router_num_groups=HFKey("n_group", to_hf=lambda groups: groups or 1),
     moe_router_group_topk=HFKey("topk_group", to_hf=lambda groups: groups or 1),
+    mtp_num_layers=HFKey("num_nextn_predict_layers", to_hf=lambda depths: depths or 0,
+                         from_hf=lambda depths: depths or None),
 )
+
+
+_MTP_COPY = re.compile(r"model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight")
 
 
 def reader(read):
@@ -210,10 +228,39 @@ def moe_weights(config, hf: str, ours: str) -> list:
     return entries
 
 
+def mtp_weights(config) -> list:
+    """The multi-token prediction modules' entries: each module's decoder layer mapped as the last
+    decoder layer is (its kind: Megatron-Core builds the module's layer from the last layer's spec)."""
+    last = config.num_layers - 1
+    hf_last, ours_last = f"model.layers.{last}.", f"decoder.layers.{last}."
+    layer = [entry for entry in weights(config) if entry.hf_name.startswith(hf_last)]
+    entries = []
+    for depth in range(config.mtp_num_layers or 0):
+        hf, ours = f"model.layers.{config.num_layers + depth}", f"mtp.layers.{depth}"
+        entries += [Entry(f"{hf}.enorm.weight", f"{ours}.enorm.weight", norm=True),
+                    Entry(f"{hf}.hnorm.weight", f"{ours}.hnorm.weight", norm=True),
+                    Entry(f"{hf}.eh_proj.weight", f"{ours}.eh_proj.weight"),
+                    Entry(f"{hf}.shared_head.norm.weight", f"{ours}.final_layernorm.weight", norm=True)]
+        entries += [dataclasses.replace(entry, hf_name=f"{hf}." + entry.hf_name[len(hf_last):],
+                                        name=f"{ours}.transformer_layer." + entry.name[len(ours_last):])
+                    for entry in layer]
+    return entries
+
+
+def mtp_copies(key: str, config) -> bool:
+    """The copies of the embedding and output head stored with each prediction module."""
+    return bool(config.mtp_num_layers) and bool(_MTP_COPY.fullmatch(key)) and (
+        int(key.split(".")[2]) >= config.num_layers)
+
+
+def weights_with_mtp(config) -> list:
+    return weights(config) + mtp_weights(config)
+
+
 FAMILIES = [Family("deepseek_v3", "DeepSeek-V3", "DeepseekV3Config", "DeepseekV3ForCausalLM", KEYS,
                    dict(llama.SHAPE, qk_layernorm=True, multi_latent_attention=True,
                         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                         moe_router_dtype="fp32"),
-                   weights, llama.SELECTS, experts=None,
+                   weights_with_mtp, llama.SELECTS, experts=None,
                    extra=dict(hidden_act="silu", attention_bias=False), reader=reader, writer=writer,
-                   expressible=expressible)]
+                   expressible=expressible, ignored=mtp_copies)]
