@@ -133,9 +133,11 @@ def test_compile_threads_are_split_between_the_ranks_of_a_node(monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
-    monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)
-    limit_compile_threads()
-    assert os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "8" and inductor_config.compile_threads == 8
+    # inductor's own patch restores the setting: monkeypatch.setattr would see no attribute in the
+    # config module's __dict__ and delete it on undo, hiding it from every later compile.
+    with inductor_config.patch(compile_threads=inductor_config.compile_threads):
+        limit_compile_threads()
+        assert os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "8" and inductor_config.compile_threads == 8
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     limit_compile_threads()
