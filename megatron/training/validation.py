@@ -9,7 +9,7 @@ from megatron.core.context_parallel import check_context_parallel
 from megatron.core.distributed.ddp import validate_data_parallel
 from megatron.core.parallel_state import check_expert_sizes, check_sizes
 from megatron.core.pipeline_parallel.layout import validate_pipeline
-from megatron.core.transformer.moe.moe_utils import LOAD_BALANCING_TYPES, moe_layer_pattern
+from megatron.core.transformer.moe.moe_utils import LOAD_BALANCING_TYPES
 from megatron.training import megatron_lm
 from megatron.training.state import batch_schedule, global_batch_size
 from megatron.core.transformer.config import derive
@@ -531,11 +531,8 @@ def _validate_moe(config: Config, stage_ranks: int) -> None:
         return
     experts, topk = m.num_experts, m.moe_router_topk
     _require(experts >= 1, f"--num-experts must be >= 1, got {experts}")
-    try:
-        moe_layer_pattern(m.moe_layer_freq, m.num_layers)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    check_expert_layout(num_experts=experts, expert_ffn=m.moe_ffn_hidden_size or architecture(config).ffn_hidden_size,
+    derived = architecture(config)  # --moe-layer-freq checked against --num-layers; the expert size filled in
+    check_expert_layout(num_experts=experts, expert_ffn=derived.moe_ffn_hidden_size,
                         tp=tp, ep=ep, etp=etp, stage_ranks=stage_ranks, sequence_parallel=p.sequence_parallel,
                         fsdp2=p.use_torch_fsdp2)
     _require(1 <= topk <= experts, f"--moe-router-topk ({topk}) must be between 1 and --num-experts ({experts})")

@@ -14,7 +14,6 @@ from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
 from megatron.core.transformer.norm import build_norm
 
 
@@ -31,8 +30,7 @@ class TransformerLayer(torch.nn.Module):
                                   if not config.parallel_attn or config.parallel_layernorm else None)
         # Mixture-of-experts layers (per --moe-layer-freq) take the model's ParallelGroups: their
         # experts and tokens are laid out over the expert groups.
-        self.is_moe = config.num_experts is not None and moe_layer_pattern(config.moe_layer_freq,
-                                                                             config.num_layers)[layer_number] == 1
+        self.is_moe = config.num_experts is not None and config.moe_layers[layer_number] == 1
         if self.is_moe:
             self.mlp = MoELayer(config, execution=execution, layer_number=layer_number, groups=groups, device=device)
         else:

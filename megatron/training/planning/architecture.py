@@ -11,7 +11,6 @@ group, not the data-parallel one, replicates them.
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
 from megatron.core.transformer.moe.router import aux_loss_coeffs
 
 
@@ -104,7 +103,7 @@ def _moe_fields(c) -> dict:
     return dict(num_experts=c.num_experts, moe_ffn_hidden_size=c.moe_ffn_hidden_size, moe_router_topk=c.moe_router_topk,
                 moe_shared_expert_size=c.moe_shared_expert_intermediate_size or 0,
                 moe_shared_expert_gate=bool(c.moe_shared_expert_intermediate_size and c.moe_shared_expert_gate),
-                moe_layers=tuple(moe_layer_pattern(c.moe_layer_freq, c.num_layers)),
+                moe_layers=c.moe_layers,
                 moe_dispatcher=c.moe_token_dispatcher_type, moe_capacity_factor=c.moe_expert_capacity_factor,
                 moe_pad_to_capacity=bool(c.moe_pad_expert_input_to_capacity),
                 moe_router_fp32=c.moe_router_dtype is not None, moe_aux_loss=bool(aux_loss_coeffs(c)),

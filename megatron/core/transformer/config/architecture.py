@@ -180,6 +180,8 @@ class TransformerConfig:
     """With --moe-expert-capacity-factor: fill every expert to its capacity (weight-0 padding)."""
     moe_token_drop_policy: Literal["probs", "position"] = arch_field("probs", RUN, applies=_moe)
     """Which tokens an expert over capacity keeps: the highest probabilities, or by position."""
+    moe_layers: Optional[tuple] = arch_field(None, RUN, flag=None, applies=_moe)
+    """Which layers are mixtures of experts: one 0/1 per layer, from --moe-layer-freq (derived: `derive`)."""
 
     # -- read by the layers (of a derived config) ---------------------------------------------
     @property

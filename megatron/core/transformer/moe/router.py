@@ -219,7 +219,7 @@ def aux_loss_log_values(model_chunks: list, config, groups, num_microbatches: in
     [sum, count] form the training loop averages over data-parallel ranks. With `per_layer` also
     "moe/<name>_layer_<i>". Clears the trackers. Every rank calls it (it all-reduces)."""
     trackers = [model.moe_aux_losses for model in _moe_models(model_chunks)]
-    num_moe_layers = max(1, sum(moe_utils.moe_layer_pattern(config.moe_layer_freq, config.num_layers)))
+    num_moe_layers = max(1, sum(config.moe_layers))
     result = {}
     for name in aux_loss_names(config):
         values = torch.zeros(config.num_layers, device=groups.device)
