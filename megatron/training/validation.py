@@ -245,10 +245,10 @@ def _validate_context_parallel(config: Config) -> None:
     cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
     if cp == 1:
         return
-    groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
+    arch = architecture(config)
     try:
-        check_context_parallel(cp_size=cp, comm_type=p.cp_comm_type, num_local_heads=m.num_attention_heads // tp,
-                               num_local_groups=max(groups // tp, 1), attention_dropout=m.attention_dropout,
+        check_context_parallel(cp_size=cp, comm_type=p.cp_comm_type, num_local_heads=arch.local_heads(tp),
+                               num_local_groups=arch.local_query_groups(tp), attention_dropout=m.attention_dropout,
                                seq_length=t.seq_length)
     except ValueError as error:
         raise ConfigError(str(error)) from None

@@ -345,8 +345,8 @@ class SelfAttention(torch.nn.Module):
         config.check_tensor_parallel(tp_size)
         self.config = config
         kv_shards = min(tp_size, config.num_query_groups)
-        self.num_local_heads = config.num_attention_heads // tp_size
-        self.num_local_groups = config.num_query_groups // kv_shards
+        self.num_local_heads = config.local_heads(tp_size)
+        self.num_local_groups = config.local_query_groups(tp_size)
         self.head_dim = config.kv_channels
         parts = (
             Part("q", config.query_projection_size, tp_size),

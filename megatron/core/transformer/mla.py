@@ -53,7 +53,7 @@ class MultiLatentAttention(torch.nn.Module):
             raise ValueError("--multi-latent-attention with --context-parallel-size > 1 is not built")
         config.check_tensor_parallel(tp_size)
         self.tp_group = tp_group
-        self.num_local_heads = config.num_attention_heads // tp_size
+        self.num_local_heads = config.local_heads(tp_size)
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
         self.sequence_parallel = execution.sequence_parallel and tp_size > 1

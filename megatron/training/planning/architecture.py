@@ -73,6 +73,15 @@ class Architecture:
     def kv_size(self) -> int:
         return self.num_query_groups * self.kv_channels
 
+    def local_heads(self, tp: int) -> int:
+        """Query heads on one tensor-parallel rank."""
+        return self.num_attention_heads // tp
+
+    def local_kv_size(self, tp: int) -> int:
+        """Key (or value) channels on one tensor-parallel rank: the groups split over the ranks, or
+        one group per rank, replicated, when TP exceeds the groups."""
+        return self.kv_channels * self.num_query_groups // min(tp, self.num_query_groups)
+
 
 def architecture(model_config) -> Architecture:
     """The planner's view of a `TransformerConfig` (its derived values already filled in)."""
@@ -131,7 +140,7 @@ def layer_parameters(arch: Architecture, tp: int, moe: bool = False) -> int:
         attention = mla_parameters(a, tp)
     else:
         q_local = a.query_size // tp
-        kv_local = a.kv_channels * a.num_query_groups // min(tp, a.num_query_groups)
+        kv_local = a.local_kv_size(tp)
         qkv_out = q_local + 2 * kv_local
         qkv = h * qkv_out + (qkv_out if a.add_bias_linear or a.add_qkv_bias else 0)
         attention = qkv + q_local * h + (h if a.add_bias_linear else 0)
@@ -150,7 +159,7 @@ def mla_parameters(arch: Architecture, tp: int) -> int:
     and the latents' norms (--qk-layernorm) whole, the up projections and the output projection
     split by heads."""
     a, h = arch, arch.hidden_size
-    heads = a.num_attention_heads // tp
+    heads = a.local_heads(tp)
     q_head = a.qk_head_dim + a.qk_pos_emb_head_dim
 
     def latent_norm(width: int) -> int:  # the latents' norms come with --qk-layernorm

@@ -192,6 +192,15 @@ class TransformerConfig:
     def kv_projection_size(self) -> int:
         return self.kv_channels * self.num_query_groups
 
+    def local_heads(self, tp_size: int) -> int:
+        """Query heads on one tensor-parallel rank (see `check_tensor_parallel`)."""
+        return self.num_attention_heads // tp_size
+
+    def local_query_groups(self, tp_size: int) -> int:
+        """Key/value heads on one tensor-parallel rank: the groups split over the ranks, or one
+        group per rank, replicated, when there are more ranks than groups."""
+        return max(1, self.num_query_groups // tp_size)
+
     @property
     def activation(self) -> str:
         """The MLP's activation: silu (SwiGLU), gelu_tanh (--openai-gelu) or gelu."""
