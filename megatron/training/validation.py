@@ -11,6 +11,7 @@ from megatron.core.parallel_state import check_expert_sizes, check_sizes
 from megatron.core.pipeline_parallel.layout import validate_pipeline
 from megatron.core.transformer.moe.moe_utils import LOAD_BALANCING_TYPES
 from megatron.training import megatron_lm
+from megatron.training.arguments import as_flags  # the library's messages name fields; the user reads flags
 from megatron.training.state import batch_schedule, global_batch_size
 from megatron.core.transformer.config import derive
 from megatron.training.config import Config
@@ -49,7 +50,7 @@ def _checked(config: Config, world_size: int) -> list:
     try:
         dp = check_sizes(world_size, tp, pp, cp)
     except ValueError as error:
-        raise ConfigError(str(error)) from None
+        raise ConfigError(as_flags(str(error))) from None
 
     _require(not (t.bf16 and t.fp16), "--bf16 and --fp16 are mutually exclusive; pass one of them")
     for flag, value in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
@@ -81,7 +82,7 @@ def _checked(config: Config, world_size: int) -> list:
                                overlap_param_gather_with_optimizer_step=p.overlap_param_gather_with_optimizer_step,
                                virtual_pipeline_size=virtual_size)
     except ValueError as error:
-        raise ConfigError(str(error)) from None
+        raise ConfigError(as_flags(str(error))) from None
 
     if p.sequence_parallel and tp == 1:
         notes.append("--sequence-parallel has no effect with --tensor-model-parallel-size 1; disabled")
@@ -137,7 +138,7 @@ def _megatron_lm_notes(config: Config) -> list:
     try:
         notes = megatron_lm.check(config.megatron_lm_flags)
     except ValueError as error:
-        raise ConfigError(str(error)) from None
+        raise ConfigError(as_flags(str(error))) from None
     _require("--no-position-embedding" not in config.megatron_lm_flags
              or config.model.position_embedding_type == "rope",
              "--no-position-embedding is deprecated in Megatron-LM and accepted with --position-embedding-type rope "
@@ -251,7 +252,7 @@ def _validate_context_parallel(config: Config) -> None:
                                num_local_groups=arch.local_query_groups(tp), attention_dropout=m.attention_dropout,
                                seq_length=t.seq_length)
     except ValueError as error:
-        raise ConfigError(str(error)) from None
+        raise ConfigError(as_flags(str(error))) from None
     if p.sequence_parallel:
         _require((t.seq_length // cp) % tp == 0,
                  f"--seq-length ({t.seq_length}) / --context-parallel-size ({cp}) = {t.seq_length // cp} tokens per "
@@ -304,7 +305,7 @@ def _validate_fp8(config: Config) -> None:
     try:
         check_fp8_options(m.fp8, m.fp8_recipe, m.fp8_margin, m.fp8_amax_history_len, m.fp8_amax_compute_algo)
     except ValueError as error:
-        raise ConfigError(str(error)) from None
+        raise ConfigError(as_flags(str(error))) from None
     _require(t.bf16, "--fp8-format needs --bf16 (FP8 GEMMs take bf16 inputs and write bf16 outputs)")
     _require(not p.use_torch_fsdp2, "--fp8-format with --use-torch-fsdp2 is not supported yet (cached FP8 "
                                     "weights follow DDP's parameter storage); drop one of them")
@@ -349,7 +350,7 @@ def architecture(config: Config):
     try:
         return derive(config.model, seq_length=config.training.seq_length)
     except ValueError as error:
-        raise ConfigError(str(error)) from None
+        raise ConfigError(as_flags(str(error))) from None
 
 
 def implied_tokenizer_type(data_config) -> Optional[str]:
@@ -425,7 +426,7 @@ def _validate_sft(config: Config) -> None:
     try:
         check_prompt_format(d.sft_tokenizer_prompt_format)
     except ValueError as error:
-        raise ConfigError(str(error)) from None
+        raise ConfigError(as_flags(str(error))) from None
     _require(not d.mock_data, "--sft reads JSONL conversations from --data-path; drop --mock-data")
     _require(d.tokenizer_type == "HuggingFaceTokenizer",
              f"--sft needs --tokenizer-type HuggingFaceTokenizer (got {d.tokenizer_type}): conversations are "
@@ -511,7 +512,7 @@ def check_expert_layout(*, num_experts: int, expert_ffn: int, tp: int, ep: int, 
     try:
         check_expert_sizes(stage_ranks, ep, etp)
     except ValueError as error:
-        raise ConfigError(str(error)) from None
+        raise ConfigError(as_flags(str(error))) from None
     _require(etp in (1, tp), f"--expert-tensor-parallel-size ({etp}) must be 1 or --tensor-model-parallel-size ({tp})")
     _require(expert_ffn % etp == 0, f"--moe-ffn-hidden-size ({expert_ffn}) must be divisible by "
                                     f"--expert-tensor-parallel-size ({etp})")

@@ -50,7 +50,7 @@ class MultiLatentAttention(torch.nn.Module):
                  device, cp_group=None):
         super().__init__()
         if cp_group is not None:
-            raise ValueError("--multi-latent-attention with --context-parallel-size > 1 is not built")
+            raise ValueError("`multi_latent_attention` with `context_parallel_size` > 1 is not built")
         config.check_tensor_parallel(tp_size)
         self.tp_group = tp_group
         self.num_local_heads = config.local_heads(tp_size)

@@ -78,8 +78,8 @@ def architecture_for_hf(config: TransformerConfig) -> str:
     registered = families.registry()
     candidates = [family for family in registered if _implied(config, family)]
     if not candidates:
-        raise ValueError("this model has no Hugging Face equivalent here: its --normalization, "
-                         "--position-embedding-type, --swiglu and other layer choices match none of the families "
+        raise ValueError("this model has no Hugging Face equivalent here: its `normalization`, "
+                         "`position_embedding_type`, `swiglu` and other layer choices match none of the families "
                          f"{tuple(f.name for f in registered)} (docs/models.md lists what each implies)")
     refusals = [_unexpressed(config, family) for family in candidates]
     for family, refusal in zip(candidates, refusals):
