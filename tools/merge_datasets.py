@@ -72,7 +72,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         prefixes = input_prefixes(args.input)
         merged = merge(prefixes, args.output_prefix)
     except (ValueError, FileNotFoundError) as error:
-        sys.stderr.write(f"error: {error}\n")
+        from megatron.training.arguments import as_flags  # the library names config fields
+        sys.stderr.write(f"error: {as_flags(str(error))}\n")
         return 1
     print(f"merged {len(prefixes)} datasets: {len(merged.document_indices) - 1} documents, {merged.num_tokens} tokens "
           f"-> {args.output_prefix}.bin/.idx")

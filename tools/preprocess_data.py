@@ -495,7 +495,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with Interrupted() as interrupted:
             run(args, interrupted)
     except (ValueError, FileNotFoundError, ImportError) as error:
-        sys.stderr.write(f"error: {error}\n")
+        from megatron.training.arguments import as_flags  # the library names config fields
+        sys.stderr.write(f"error: {as_flags(str(error))}\n")
         return 1
     except KeyboardInterrupt:
         sys.stderr.write("\ninterrupted: temporary output removed, no dataset written\n")

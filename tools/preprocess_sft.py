@@ -84,5 +84,6 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        from megatron.training.arguments import as_flags  # the library names config fields
+        print(f"error: {as_flags(str(error))}", file=sys.stderr)
         sys.exit(2)

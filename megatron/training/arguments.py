@@ -7,11 +7,16 @@ metadata (a `Flag`), and a field with no flag (`padded_vocab_size`) is not parse
 section's architecture fields are megatron.core's TransformerConfig. Every other flag of
 Megatron-LM's pretrain_gpt.py parses too (megatron.training.megatron_lm): validation turns it into a
 start-up note or an error naming it. Unknown flags are errors.
+
+The library (megatron.core) names the config fields in its messages, in backquotes (`num_experts`);
+`as_flags` spells them as this command line does (--num-experts) wherever such a message reaches
+the user (validation, the exit handling).
 """
 import argparse
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import os
 import re
@@ -195,6 +200,23 @@ def all_flags() -> list:
     are frozen by megatron/training/megatron_lm)."""
     parser = build_parser(megatron_lm_flags=False)
     return sorted(s for action in parser._actions for s in action.option_strings if s.startswith("--"))
+
+
+@functools.lru_cache(maxsize=None)
+def field_flags() -> dict:
+    """{config field: the flag that sets it}, from the same field metadata the parser is built from."""
+    return {field.name: flag_of(field) for cls in SECTIONS.values() for field in dataclasses.fields(cls)
+            if flag_of(field) is not None}
+
+
+_NAMED_FIELD = re.compile(r"`([a-z][a-z0-9_]*)`")
+
+
+def as_flags(message: str) -> str:
+    """A library message as the command line's user reads it: each config field it names in
+    backquotes (`num_experts`) becomes its flag (--num-experts); a name no flag sets stays as written."""
+    flags = field_flags()
+    return _NAMED_FIELD.sub(lambda match: flags.get(match[1], match[0]), message)
 
 
 def format_config(config: Config) -> str:

@@ -77,9 +77,9 @@ def resolve_attention(model_config: TransformerConfig, execution: ExecutionConfi
     log line naming it."""
     backend, report = resolve_attention_backend(
         execution.attention_backend, batch=config.training.micro_batch_size,
-        heads=model_config.num_attention_heads // groups.tp_size,
-        groups=max(1, model_config.num_query_groups // groups.tp_size), seq=config.training.seq_length,
-        head_dim=model_config.kv_channels, dtype=execution.params_dtype, device=groups.device,
+        heads=model_config.local_heads(groups.tp_size), groups=model_config.local_query_groups(groups.tp_size),
+        seq=config.training.seq_length, head_dim=model_config.kv_channels, dtype=execution.params_dtype,
+        device=groups.device,
         batch_first=runs_batch_first(config.training.micro_batch_size, config.training.seq_length,
                                      model_config.hidden_size,
                                      sequence_parallel=execution.sequence_parallel and groups.tp_size > 1,

@@ -8,8 +8,9 @@ from typing import Optional
 from megatron.core.context_parallel import check_context_parallel
 from megatron.core.parallel_layout import check_expert_sizes
 from megatron.core.pipeline_parallel.layout import validate_split
-from megatron.core.transformer.moe.moe_utils import LOAD_BALANCING_TYPES, moe_layer_pattern
+from megatron.core.transformer.moe.moe_utils import LOAD_BALANCING_TYPES
 from megatron.training import megatron_lm
+from megatron.training.arguments import as_flags  # the library's messages name fields; the user reads flags
 from megatron.training.builders import parallel_layout, validate_data_parallel_config
 from megatron.training.state import batch_schedule, global_batch_size
 from megatron.core.transformer.config import derive
@@ -48,7 +49,7 @@ def _checked(config: Config, world_size: int) -> list:
     try:
         layout = parallel_layout(config, world_size)
     except ValueError as error:
-        raise ConfigError(str(error)) from None
+        raise ConfigError(as_flags(str(error))) from None
     tp, cp, dp = layout.tp, layout.cp, layout.dp
 
     _require(not (t.bf16 and t.fp16), "--bf16 and --fp16 are mutually exclusive; pass one of them")
@@ -70,7 +71,7 @@ def _checked(config: Config, world_size: int) -> list:
                                           num_microbatches=batch // (t.micro_batch_size * dp))
         validate_data_parallel_config(config, virtual_size)
     except ValueError as error:
-        raise ConfigError(str(error)) from None
+        raise ConfigError(as_flags(str(error))) from None
 
     if p.sequence_parallel and tp == 1:
         notes.append("--sequence-parallel has no effect with --tensor-model-parallel-size 1; disabled")
@@ -126,7 +127,7 @@ def _megatron_lm_notes(config: Config) -> list:
     try:
         notes = megatron_lm.check(config.megatron_lm_flags)
     except ValueError as error:
-        raise ConfigError(str(error)) from None
+        raise ConfigError(as_flags(str(error))) from None
     _require("--no-position-embedding" not in config.megatron_lm_flags
              or config.model.position_embedding_type == "rope",
              "--no-position-embedding is deprecated in Megatron-LM and accepted with --position-embedding-type rope "
@@ -234,13 +235,13 @@ def _validate_context_parallel(config: Config) -> None:
     cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
     if cp == 1:
         return
-    groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
+    arch = architecture(config)
     try:
-        check_context_parallel(cp_size=cp, comm_type=p.cp_comm_type, num_local_heads=m.num_attention_heads // tp,
-                               num_local_groups=max(groups // tp, 1), attention_dropout=m.attention_dropout,
+        check_context_parallel(cp_size=cp, comm_type=p.cp_comm_type, num_local_heads=arch.local_heads(tp),
+                               num_local_groups=arch.local_query_groups(tp), attention_dropout=m.attention_dropout,
                                seq_length=t.seq_length)
     except ValueError as error:
-        raise ConfigError(str(error)) from None
+        raise ConfigError(as_flags(str(error))) from None
     if p.sequence_parallel:
         _require((t.seq_length // cp) % tp == 0,
                  f"--seq-length ({t.seq_length}) / --context-parallel-size ({cp}) = {t.seq_length // cp} tokens per "
@@ -296,7 +297,7 @@ def _validate_fp8(config: Config) -> None:
     try:
         check_fp8_options(m.fp8, m.fp8_recipe, m.fp8_margin, m.fp8_amax_history_len, m.fp8_amax_compute_algo)
     except ValueError as error:
-        raise ConfigError(str(error)) from None
+        raise ConfigError(as_flags(str(error))) from None
     _require(t.bf16, "--fp8-format needs --bf16 (FP8 GEMMs take bf16 inputs and write bf16 outputs)")
     _require(not p.use_torch_fsdp2, "--fp8-format with --use-torch-fsdp2 is not supported yet (cached FP8 "
                                     "weights follow DDP's parameter storage); drop one of them")
@@ -341,7 +342,7 @@ def architecture(config: Config):
     try:
         return derive(config.model, seq_length=config.training.seq_length)
     except ValueError as error:
-        raise ConfigError(str(error)) from None
+        raise ConfigError(as_flags(str(error))) from None
 
 
 def implied_tokenizer_type(data_config) -> Optional[str]:
@@ -417,7 +418,7 @@ def _validate_sft(config: Config) -> None:
     try:
         check_prompt_format(d.sft_tokenizer_prompt_format)
     except ValueError as error:
-        raise ConfigError(str(error)) from None
+        raise ConfigError(as_flags(str(error))) from None
     _require(not d.mock_data, "--sft reads JSONL conversations from --data-path; drop --mock-data")
     _require(d.tokenizer_type == "HuggingFaceTokenizer",
              f"--sft needs --tokenizer-type HuggingFaceTokenizer (got {d.tokenizer_type}): conversations are "
@@ -503,7 +504,7 @@ def check_expert_layout(*, num_experts: int, expert_ffn: int, tp: int, ep: int, 
     try:
         check_expert_sizes(stage_ranks, ep, etp)
     except ValueError as error:
-        raise ConfigError(str(error)) from None
+        raise ConfigError(as_flags(str(error))) from None
     _require(etp in (1, tp), f"--expert-tensor-parallel-size ({etp}) must be 1 or --tensor-model-parallel-size ({tp})")
     _require(expert_ffn % etp == 0, f"--moe-ffn-hidden-size ({expert_ffn}) must be divisible by "
                                     f"--expert-tensor-parallel-size ({etp})")
@@ -523,11 +524,8 @@ def _validate_moe(config: Config, stage_ranks: int) -> None:
         return
     experts, topk = m.num_experts, m.moe_router_topk
     _require(experts >= 1, f"--num-experts must be >= 1, got {experts}")
-    try:
-        moe_layer_pattern(m.moe_layer_freq, m.num_layers)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    check_expert_layout(num_experts=experts, expert_ffn=m.moe_ffn_hidden_size or architecture(config).ffn_hidden_size,
+    derived = architecture(config)  # --moe-layer-freq checked against --num-layers; the expert size filled in
+    check_expert_layout(num_experts=experts, expert_ffn=derived.moe_ffn_hidden_size,
                         tp=tp, ep=ep, etp=etp, stage_ranks=stage_ranks, sequence_parallel=p.sequence_parallel,
                         fsdp2=p.use_torch_fsdp2)
     _require(1 <= topk <= experts, f"--moe-router-topk ({topk}) must be between 1 and --num-experts ({experts})")

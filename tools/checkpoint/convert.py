@@ -115,6 +115,7 @@ if __name__ == "__main__":
     try:
         convert()
     except (ValueError, KeyError) as error:
-        raise SystemExit(f"error: {error}") from None
+        from megatron.training.arguments import as_flags  # the library names config fields
+        raise SystemExit(f"error: {as_flags(str(error))}") from None
     except ImportError as error:
         raise SystemExit(missing_package(error)) from None

@@ -42,10 +42,10 @@ def check_context_parallel(*, cp_size: int, comm_type: str, num_local_heads: int
         for what, count in (("query heads", num_local_heads), ("key/value groups", num_local_groups)):
             if count % cp_size != 0:
                 raise ValueError(
-                    f"--cp-comm-type a2a splits attention heads over the context-parallel ranks: {what} per "
-                    f"tensor-parallel rank ({count}, from --num-attention-heads / --num-query-groups and "
-                    f"--tensor-model-parallel-size) must be divisible by --context-parallel-size ({cp_size}); "
-                    f"use --cp-comm-type p2p or all_gather")
+                    f"`cp_comm_type` a2a splits attention heads over the context-parallel ranks: {what} per "
+                    f"tensor-parallel rank ({count}, from `num_attention_heads` / `num_query_groups` and "
+                    f"`tensor_model_parallel_size`) must be divisible by `context_parallel_size` ({cp_size}); "
+                    f"use `cp_comm_type` p2p or all_gather")
 
 
 class ContextParallelAttention(torch.nn.Module):

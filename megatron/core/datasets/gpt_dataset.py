@@ -129,10 +129,10 @@ class GPTDataset:
         seq_length = options.seq_length
         if self.tokens_per_epoch < seq_length + 1 and not num_samples:
             raise ValueError(f"the {split_name} split of {indexed_dataset.path_prefix} has {self.tokens_per_epoch} tokens, "
-                             f"fewer than seq_length + 1 = {seq_length + 1}; use more data, a shorter --seq-length "
-                             "or a different --split")
+                             f"fewer than seq_length + 1 = {seq_length + 1}; use more data, a shorter `seq_length` "
+                             "or a different `split`")
         if self.tokens_per_epoch == 0:
-            raise ValueError(f"the {split_name} split of {indexed_dataset.path_prefix} has no tokens; change --split")
+            raise ValueError(f"the {split_name} split of {indexed_dataset.path_prefix} has no tokens; change `split`")
         self.num_epochs = plan_epochs(self.tokens_per_epoch, seq_length, num_samples)
         description = {
             "class": "GPTDataset",

@@ -52,7 +52,7 @@ class _Index:
     def __init__(self, idx_path: str):
         if not os.path.isfile(idx_path):
             raise FileNotFoundError(f"index file {idx_path} does not exist; pass the dataset prefix without .bin/.idx "
-                                    "(e.g. --data-path my-corpus_text_document) and check it was preprocessed")
+                                    "(e.g. `data_path` my-corpus_text_document) and check it was preprocessed")
         file_size = os.path.getsize(idx_path)
         with open(idx_path, "rb") as handle:
             header = handle.read(HEADER_SIZE)

@@ -58,11 +58,11 @@ class Tokenized:
 
 def check_prompt_format(prompt_format: str) -> None:
     if prompt_format in FAMILY_PROMPT_FORMATS:
-        raise ValueError(f"--sft-tokenizer-prompt-format {prompt_format} is written for one model family's special "
+        raise ValueError(f"`sft_tokenizer_prompt_format` {prompt_format} is written for one model family's special "
                          "tokens and is not built here; use chat-template (the tokenizer's own chat_template) or "
                          "identity (the turns' text, one after the other)")
     if prompt_format not in PROMPT_FORMATS:
-        raise ValueError(f"--sft-tokenizer-prompt-format must be one of {', '.join(PROMPT_FORMATS)}, "
+        raise ValueError(f"`sft_tokenizer_prompt_format` must be one of {', '.join(PROMPT_FORMATS)}, "
                          f"got {prompt_format!r}")
 
 
@@ -148,7 +148,7 @@ def _extension(previous: str, text: str, index: int) -> str:
     if not text.startswith(previous):
         raise ValueError(f"the chat template does not render conversations turn by turn: adding turn {index} "
                          "changes the text before it, so the assistant tokens cannot be told apart; use "
-                         "--sft-tokenizer-prompt-format identity or a template that only appends")
+                         "`sft_tokenizer_prompt_format` identity or a template that only appends")
     return text[len(previous):]
 
 
@@ -174,12 +174,12 @@ def check_chat_tokenizer(tokenizer, prompt_format: str) -> None:
     """The prompt format's needs of the tokenizer, checked at startup."""
     check_prompt_format(prompt_format)
     if not hasattr(tokenizer, "encode_text"):
-        raise ValueError(f"--sft needs --tokenizer-type HuggingFaceTokenizer (got {type(tokenizer).__name__}): "
+        raise ValueError(f"`sft` needs `tokenizer_type` HuggingFaceTokenizer (got {type(tokenizer).__name__}): "
                          "conversations are tokenized turn by turn without added special tokens")
     if prompt_format != "identity" and not tokenizer.chat_template:
-        raise ValueError(f"--sft-tokenizer-prompt-format {prompt_format}: the tokenizer of --tokenizer-model "
+        raise ValueError(f"`sft_tokenizer_prompt_format` {prompt_format}: the tokenizer of `tokenizer_model` "
                          f"{tokenizer.name_or_path} has no chat_template (tokenizer_config.json or "
-                         "chat_template.jinja); add one, or use --sft-tokenizer-prompt-format identity")
+                         "chat_template.jinja); add one, or use `sft_tokenizer_prompt_format` identity")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -367,7 +367,7 @@ def split_sources(config: SFTDatasetConfig) -> List[Optional[Tuple[List[str], Op
         return [(*parse_data_path(paths, flag), None) if paths else None
                 for paths, flag in zip(per_split, ("--train-data-path", "--valid-data-path", "--test-data-path"))]
     if not config.data_path:
-        raise ValueError("--sft needs --data-path (JSONL files) or --train-data-path / --valid-data-path / "
+        raise ValueError("`sft` needs `data_path` (JSONL files) or `train_data_path` / `valid_data_path` / "
                          "--test-data-path")
     files, weights = parse_data_path(config.data_path)
     return [(files, weights, bookend) if bookend else None for bookend in split_matrix(parse_split(config.split))]
@@ -402,7 +402,7 @@ def load_indexed(prefix: str) -> List[Tokenized]:
 
     tokens, masks = IndexedDataset(prefix), IndexedDataset(mask_prefix(prefix))
     if not np.array_equal(tokens.sequence_lengths, masks.sequence_lengths):
-        raise ValueError(f"--sft: {mask_prefix(prefix)}.idx does not match {prefix}.idx (other sequence lengths); "
+        raise ValueError(f"`sft`: {mask_prefix(prefix)}.idx does not match {prefix}.idx (other sequence lengths); "
                          "write both again with tools/preprocess_sft.py")
     return [Tokenized(tokens[index], masks[index], prefix, index + 1) for index in range(len(tokens))]
 

@@ -59,7 +59,7 @@ class FullyShardedDataParallel(ModelChunk):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if not dist.is_initialized():
-            raise ValueError("--use-torch-fsdp2 needs torch.distributed: launch with torchrun")
+            raise ValueError("`use_torch_fsdp2` needs torch.distributed: launch with torchrun")
         on_meta = any(p.is_meta for p in module.parameters())
         if on_meta and init_seed is None:
             raise ValueError("a model built on the meta device needs init_seed to be initialized")

@@ -44,7 +44,7 @@ def learning_rate(c: LRScheduleConfig, step: float, max_lr: Optional[float] = No
     elif c.decay_style == "WSD":
         coefficient = _wsd_coefficient(c, step)
     else:
-        raise ValueError(f"unknown --lr-decay-style {c.decay_style!r}")
+        raise ValueError(f"unknown `lr_decay_style` {c.decay_style!r}")
     return min_lr + coefficient * (max_lr - min_lr)
 
 

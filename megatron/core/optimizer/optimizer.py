@@ -75,7 +75,7 @@ def build_inner_optimizer(config: OptimizerConfig, param_groups: list) -> torch.
                                  eps=config.adam_eps, fused=True)
     if config.optimizer == "sgd":
         return torch.optim.SGD(param_groups, lr=config.lr, momentum=config.sgd_momentum)
-    raise ValueError(f"--optimizer must be adam or sgd, got {config.optimizer!r}")
+    raise ValueError(f"`optimizer` must be adam or sgd, got {config.optimizer!r}")
 
 
 def build_grad_scaler(config: OptimizerConfig):

@@ -130,6 +130,6 @@ def _checked(tensor: torch.Tensor, tensor_shape, dtype) -> torch.Tensor:
     (for example a sequence-parallel shard size), so fail loudly instead of hanging the peer."""
     if tuple(tensor.shape) != tuple(tensor_shape) or tensor.dtype != dtype:
         raise RuntimeError(f"pipeline send of shape {tuple(tensor.shape)} {tensor.dtype}, but the schedule expects "
-                           f"{tuple(tensor_shape)} {dtype} (tensor_shape from --seq-length, --micro-batch-size, "
-                           f"--hidden-size and sequence parallelism)")
+                           f"{tuple(tensor_shape)} {dtype} (tensor_shape from `seq_length`, `micro_batch_size`, "
+                           f"`hidden_size` and sequence parallelism)")
     return tensor.detach().contiguous()

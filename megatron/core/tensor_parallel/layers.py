@@ -372,7 +372,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.fp8 = None  # an FP8 GEMM recipe, attached by the model for FP8 layers
         if parts is None:
-            divide(output_size, tp.size, "output features of a column-parallel linear by --tensor-model-parallel-size")
+            divide(output_size, tp.size, "output features of a column-parallel linear by `tensor_model_parallel_size`")
             parts = (Part("", output_size, tp.size),)
         self.layout = TPLayout(0, parts, tp.size, tp.rank)
         local_out = sum(self.layout.local_range(p)[1] for p in parts)

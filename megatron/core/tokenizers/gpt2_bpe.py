@@ -43,7 +43,7 @@ def read_merges(merge_file: str) -> List[Tuple[str, str]]:
                 continue
             parts = line.split(" ")
             if len(parts) != 2:
-                raise ValueError(f"--merge-file {merge_file} line {line_number}: expected two space-separated symbols, got {line!r}")
+                raise ValueError(f"`merge_file` {merge_file} line {line_number}: expected two space-separated symbols, got {line!r}")
             merges.append((parts[0], parts[1]))
     return merges
 
@@ -131,9 +131,9 @@ class GPT2BPETokenizer(MegatronTokenizer):
             with open(vocab_file, encoding="utf-8") as handle:
                 self.encoder: Dict[str, int] = json.load(handle)
         except json.JSONDecodeError as error:
-            raise ValueError(f"--vocab-file {vocab_file} is not valid JSON ({error}); expected GPT-2's vocab.json") from error
+            raise ValueError(f"`vocab_file` {vocab_file} is not valid JSON ({error}); expected GPT-2's vocab.json") from error
         if EOD_TOKEN not in self.encoder:
-            raise ValueError(f"--vocab-file {vocab_file} has no {EOD_TOKEN} token; GPT2BPETokenizer needs it as end-of-document")
+            raise ValueError(f"`vocab_file` {vocab_file} has no {EOD_TOKEN} token; GPT2BPETokenizer needs it as end-of-document")
         if backend not in ("auto", "library", "python"):
             raise ValueError(f"backend must be auto, library or python, got {backend!r}")
         self.backend_name = backend

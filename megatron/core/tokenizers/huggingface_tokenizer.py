@@ -25,19 +25,19 @@ def load_hf_tokenizer(name_or_path: str):
     path = os.path.expanduser(name_or_path)
     if os.path.isfile(path):
         if not path.endswith(".json"):
-            raise ValueError(f"--tokenizer-model {name_or_path}: a file must be a tokenizer.json; "
-                             "for a SentencePiece .model use --tokenizer-type Llama2Tokenizer or SentencePieceTokenizer")
+            raise ValueError(f"`tokenizer_model` {name_or_path}: a file must be a tokenizer.json; "
+                             "for a SentencePiece .model use `tokenizer_type` Llama2Tokenizer or SentencePieceTokenizer")
         return transformers.PreTrainedTokenizerFast(tokenizer_file=path)
     if os.path.isdir(path):
         return transformers.AutoTokenizer.from_pretrained(path)
     if _looks_like_local_path(name_or_path):
-        raise FileNotFoundError(f"--tokenizer-model {name_or_path}: no such file or directory")
+        raise FileNotFoundError(f"`tokenizer_model` {name_or_path}: no such file or directory")
     try:
         return transformers.AutoTokenizer.from_pretrained(name_or_path)
     except Exception as error:  # hub unreachable, unknown repo, gated model, ...
-        raise ValueError(f"--tokenizer-model {name_or_path}: not a local path and could not be loaded from the Hugging Face "
+        raise ValueError(f"`tokenizer_model` {name_or_path}: not a local path and could not be loaded from the Hugging Face "
                          f"hub ({type(error).__name__}: {error}). Download it elsewhere (tokenizer.save_pretrained(DIR)) "
-                         "and pass the local directory or its tokenizer.json to --tokenizer-model") from error
+                         "and pass the local directory or its tokenizer.json to `tokenizer_model`") from error
 
 
 class HuggingFaceTokenizer(MegatronTokenizer):
@@ -45,7 +45,7 @@ class HuggingFaceTokenizer(MegatronTokenizer):
 
     def __init__(self, name_or_path: str):
         if not name_or_path:
-            raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a directory, tokenizer.json or hub name)")
+            raise ValueError("`tokenizer_type` HuggingFaceTokenizer needs `tokenizer_model` (a directory, tokenizer.json or hub name)")
         self.name_or_path = name_or_path
         self.tokenizer = load_hf_tokenizer(name_or_path)
         self._vocab_size = len(self.tokenizer)
@@ -54,7 +54,7 @@ class HuggingFaceTokenizer(MegatronTokenizer):
         if self._eod is None:
             self._eod = next((vocab[token] for token in EOD_CANDIDATES if token in vocab), None)
         if self._eod is None:
-            raise ValueError(f"--tokenizer-model {name_or_path} declares no EOS token and has none of {EOD_CANDIDATES}; "
+            raise ValueError(f"`tokenizer_model` {name_or_path} declares no EOS token and has none of {EOD_CANDIDATES}; "
                              "set eos_token in its tokenizer_config.json")
 
     @property

@@ -14,7 +14,7 @@ def _load_processor(model_file: str, tokenizer_type: str):
     try:
         processor.Load(model_file)
     except (OSError, RuntimeError) as error:
-        raise ValueError(f"--tokenizer-model {model_file} is not a SentencePiece model ({error})") from error
+        raise ValueError(f"`tokenizer_model` {model_file} is not a SentencePiece model ({error})") from error
     return processor
 
 
@@ -28,7 +28,7 @@ class Llama2Tokenizer(MegatronTokenizer):
     def __init__(self, model_file: str):
         self.processor = _load_processor(model_file, "Llama2Tokenizer")
         if self.processor.bos_id() < 0 or self.processor.eos_id() < 0:
-            raise ValueError(f"--tokenizer-model {model_file} defines no BOS/EOS piece; Llama2Tokenizer needs both "
+            raise ValueError(f"`tokenizer_model` {model_file} defines no BOS/EOS piece; Llama2Tokenizer needs both "
                              "(use SentencePieceTokenizer for models without them)")
 
     @property

@@ -348,8 +348,8 @@ class SelfAttention(torch.nn.Module):
         config.check_tensor_parallel(tp.size)
         self.config = config
         kv_shards = min(tp.size, config.num_query_groups)
-        self.num_local_heads = config.num_attention_heads // tp.size
-        self.num_local_groups = config.num_query_groups // kv_shards
+        self.num_local_heads = config.local_heads(tp.size)
+        self.num_local_groups = config.local_query_groups(tp.size)
         self.head_dim = config.kv_channels
         parts = (
             Part("q", config.query_projection_size, tp.size),

@@ -71,7 +71,7 @@ def recompute_segments(execution, num_layers: int) -> list:
     granularity, method, count = (execution.recompute_granularity, execution.recompute_method,
                                   execution.recompute_num_layers)
     if granularity not in (None, "full", "selective"):
-        raise ValueError(f"--recompute-granularity must be full or selective, got {granularity!r}")
+        raise ValueError(f"`recompute_granularity` must be full or selective, got {granularity!r}")
     if granularity != "full":
         if method is not None:
             raise ValueError(f"--recompute-method {method} needs --recompute-granularity full "

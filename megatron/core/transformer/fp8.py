@@ -78,7 +78,7 @@ class FP8Options:
 def check_fp8_options(fp8_format: str, recipe: str, margin: int, amax_history_len: int, amax_compute_algo: str) -> None:
     """Raises ValueError, naming the flag and value, for settings that cannot run."""
     if fp8_format not in FORMATS:
-        raise ValueError(f"--fp8-format must be e4m3 or hybrid, got {fp8_format!r}")
+        raise ValueError(f"`fp8` must be e4m3 or hybrid, got {fp8_format!r}")
     if recipe in NOT_BUILT:
         raise ValueError(f"--fp8-recipe {recipe} is not available without Transformer Engine ({NOT_BUILT[recipe]}); "
                          f"use --fp8-recipe delayed, tensorwise, rowwise or blockwise")
@@ -88,11 +88,11 @@ def check_fp8_options(fp8_format: str, recipe: str, margin: int, amax_history_le
         raise ValueError(f"--fp8-recipe {recipe} takes --fp8-format e4m3 ({E4M3_ONLY[recipe]} multiply E4M3 "
                          f"operands), got --fp8-format {fp8_format}")
     if margin < 0:
-        raise ValueError(f"--fp8-margin must be >= 0, got {margin}")
+        raise ValueError(f"`fp8_margin` must be >= 0, got {margin}")
     if amax_history_len < 1:
-        raise ValueError(f"--fp8-amax-history-len must be >= 1, got {amax_history_len}")
+        raise ValueError(f"`fp8_amax_history_len` must be >= 1, got {amax_history_len}")
     if amax_compute_algo not in ("max", "most_recent"):
-        raise ValueError(f"--fp8-amax-compute-algo must be max or most_recent, got {amax_compute_algo!r}")
+        raise ValueError(f"`fp8_amax_compute_algo` must be max or most_recent, got {amax_compute_algo!r}")
 
 
 # -- quantization ---------------------------------------------------------------------------------
@@ -592,7 +592,7 @@ def attach_fp8(decoder, config, num_layers: int, device) -> Optional[DelayedScal
     options = FP8Options(config.fp8, config.fp8_recipe, config.fp8_margin, config.fp8_amax_history_len,
                          config.fp8_amax_compute_algo)
     if options.recipe == "blockwise" and (reason := blockwise_unavailable(torch.device(device))) is not None:
-        raise ValueError(f"--fp8-recipe blockwise cannot run here: {reason}; use --fp8-recipe tensorwise, "
+        raise ValueError(f"`fp8_recipe` blockwise cannot run here: {reason}; use `fp8_recipe` tensorwise, "
                          f"delayed or rowwise")
     scaling = DelayedScaling(options) if options.recipe == "delayed" else None
     fp8_layers = fp8_layer_numbers(config, num_layers)

@@ -15,7 +15,6 @@ from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
 from megatron.core.transformer.norm import build_norm
 
 
@@ -35,8 +34,7 @@ class TransformerLayer(torch.nn.Module):
         # A multi-token prediction layer (numbered after the decoder's) is built as the last decoder
         # layer is, as Megatron-Core builds it from the last layer's spec.
         pattern_index = min(layer_number, config.num_layers - 1)
-        self.is_moe = config.num_experts is not None and moe_layer_pattern(config.moe_layer_freq,
-                                                                             config.num_layers)[pattern_index] == 1
+        self.is_moe = config.num_experts is not None and config.moe_layers[pattern_index] == 1
         if self.is_moe:
             self.mlp = MoELayer(config, execution=execution, layer_number=layer_number, groups=groups, device=device)
         else:

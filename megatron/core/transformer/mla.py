@@ -56,10 +56,10 @@ class MultiLatentAttention(torch.nn.Module):
                  device, cp_group=None):
         super().__init__()
         if cp_group is not None:
-            raise ValueError("--multi-latent-attention with --context-parallel-size > 1 is not built")
+            raise ValueError("`multi_latent_attention` with `context_parallel_size` > 1 is not built")
         config.check_tensor_parallel(tp.size)
         self.tp_group = tp.group
-        self.num_local_heads = config.num_attention_heads // tp.size
+        self.num_local_heads = config.local_heads(tp.size)
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
         self.sequence_parallel = execution.sequence_parallel and tp.size > 1

@@ -11,7 +11,6 @@ group, not the data-parallel one, replicates them.
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
 from megatron.core.transformer.moe.router import aux_loss_coeffs
 
 
@@ -74,6 +73,15 @@ class Architecture:
     def kv_size(self) -> int:
         return self.num_query_groups * self.kv_channels
 
+    def local_heads(self, tp: int) -> int:
+        """Query heads on one tensor-parallel rank."""
+        return self.num_attention_heads // tp
+
+    def local_kv_size(self, tp: int) -> int:
+        """Key (or value) channels on one tensor-parallel rank: the groups split over the ranks, or
+        one group per rank, replicated, when TP exceeds the groups."""
+        return self.kv_channels * self.num_query_groups // min(tp, self.num_query_groups)
+
 
 def architecture(model_config) -> Architecture:
     """The planner's view of a `TransformerConfig` (its derived values already filled in)."""
@@ -104,7 +112,7 @@ def _moe_fields(c) -> dict:
     return dict(num_experts=c.num_experts, moe_ffn_hidden_size=c.moe_ffn_hidden_size, moe_router_topk=c.moe_router_topk,
                 moe_shared_expert_size=c.moe_shared_expert_intermediate_size or 0,
                 moe_shared_expert_gate=bool(c.moe_shared_expert_intermediate_size and c.moe_shared_expert_gate),
-                moe_layers=tuple(moe_layer_pattern(c.moe_layer_freq, c.num_layers)),
+                moe_layers=c.moe_layers,
                 moe_dispatcher=c.moe_token_dispatcher_type, moe_capacity_factor=c.moe_expert_capacity_factor,
                 moe_pad_to_capacity=bool(c.moe_pad_expert_input_to_capacity),
                 moe_router_fp32=c.moe_router_dtype is not None, moe_aux_loss=bool(aux_loss_coeffs(c)),
@@ -132,7 +140,7 @@ def layer_parameters(arch: Architecture, tp: int, moe: bool = False) -> int:
         attention = mla_parameters(a, tp)
     else:
         q_local = a.query_size // tp
-        kv_local = a.kv_channels * a.num_query_groups // min(tp, a.num_query_groups)
+        kv_local = a.local_kv_size(tp)
         qkv_out = q_local + 2 * kv_local
         qkv = h * qkv_out + (qkv_out if a.add_bias_linear or a.add_qkv_bias else 0)
         attention = qkv + q_local * h + (h if a.add_bias_linear else 0)
@@ -151,7 +159,7 @@ def mla_parameters(arch: Architecture, tp: int) -> int:
     and the latents' norms (--qk-layernorm) whole, the up projections and the output projection
     split by heads."""
     a, h = arch, arch.hidden_size
-    heads = a.num_attention_heads // tp
+    heads = a.local_heads(tp)
     q_head = a.qk_head_dim + a.qk_pos_emb_head_dim
 
     def latent_norm(width: int) -> int:  # the latents' norms come with --qk-layernorm

@@ -65,9 +65,9 @@ def layer_activation_terms(arch: Architecture, lay: Layout, selective: bool = Fa
     a, e, h, tp = arch, lay.compute_bytes, arch.hidden_size, lay.tp
     tokens = lay.micro_batch_size * lay.seq_length / lay.cp
     norm_tokens = tokens / tp if lay.sp else tokens
-    heads = a.num_attention_heads // tp
+    heads = a.local_heads(tp)
     q_local = heads * a.kv_channels
-    kv_local = a.kv_channels * a.num_query_groups // min(tp, a.num_query_groups)
+    kv_local = a.local_kv_size(tp)
     f_local = a.ffn_hidden_size // tp
     terms = {"norms": 2 * _norm_bytes(a, lay, norm_tokens),
              "qkv": e * tokens * (q_local + 2 * kv_local)}  # one buffer; v (a view of it) keeps it alive

@@ -90,7 +90,7 @@ def _gemm_forward(arch: Architecture, lay: Layout, cluster: Cluster, tokens: flo
                   moe: bool = False) -> float:
     a, h, tp = arch, arch.hidden_size, lay.tp
     q_local = a.query_size // tp
-    kv_local = a.kv_channels * a.num_query_groups // min(tp, a.num_query_groups)
+    kv_local = a.local_kv_size(tp)
     f_local = a.ffn_hidden_size // tp
     shapes = [h * (q_local + 2 * kv_local), q_local * h]
     if not moe:
@@ -100,7 +100,7 @@ def _gemm_forward(arch: Architecture, lay: Layout, cluster: Cluster, tokens: flo
 
 def _attention(arch: Architecture, lay: Layout, cluster: Cluster) -> tuple:
     """(forward, backward) seconds of the attention core for one micro-batch on one rank."""
-    heads = arch.num_attention_heads // lay.tp
+    heads = arch.local_heads(lay.tp)
     q_local = heads * arch.kv_channels
     seq, batch = lay.seq_length, lay.micro_batch_size
     forward_flops = 2 * batch * seq * seq * q_local / lay.cp  # causal: half of 4 b s^2 q
@@ -124,7 +124,7 @@ def _elementwise_forward(arch: Architecture, lay: Layout, cluster: Cluster, toke
     e, h = lay.compute_bytes, arch.hidden_size
     norm_tokens = tokens / lay.tp if lay.sp else tokens
     q_local = arch.query_size // lay.tp
-    kv_local = arch.kv_channels * arch.num_query_groups // min(lay.tp, arch.num_query_groups)
+    kv_local = arch.local_kv_size(lay.tp)
     f_local = arch.ffn_hidden_size // lay.tp
     nbytes = 2 * 2 * e * h * norm_tokens + 2 * 3 * e * h * norm_tokens  # two norms, two residual adds
     nbytes += 2 * e * tokens * (q_local + kv_local) if arch.rope else 0
@@ -160,7 +160,7 @@ def _cp_comm(arch: Architecture, lay: Layout, cluster: Cluster, tokens: float, a
     """(forward, backward) exposed seconds of context parallelism's exchanges for one layer."""
     if lay.cp == 1:
         return 0.0, 0.0
-    kv_local = arch.kv_channels * arch.num_query_groups // min(lay.tp, arch.num_query_groups)
+    kv_local = arch.local_kv_size(lay.tp)
     bandwidth = cluster.link_bandwidth(lay.tp * lay.cp)
     kv_bytes = lay.compute_bytes * tokens * 2 * kv_local
     if lay.cp_comm_type == "a2a":

@@ -80,13 +80,14 @@ def exit_on_error(main: Callable, argv: list) -> None:
         # error is the same on every rank: the first rank of each node prints it.
         if os.environ.get("MEGATRON_TRACEBACK") == "1":
             raise
-        from megatron.training.arguments import is_first_rank
+        from megatron.training.arguments import as_flags, is_first_rank
 
+        message = as_flags(str(error))  # a library error names config fields: spelled as flags here
         if isinstance(error, ConfigError):
             if is_first_rank():
-                print(f"error: {error}", file=sys.stderr, flush=True)
+                print(f"error: {message}", file=sys.stderr, flush=True)
             sys.exit(2)
         frame = traceback.extract_tb(error.__traceback__)[-1]
-        print(f"error: {error}\n(raised at {frame.filename}:{frame.lineno}; "
+        print(f"error: {message}\n(raised at {frame.filename}:{frame.lineno}; "
               "set MEGATRON_TRACEBACK=1 for the full traceback)", file=sys.stderr)
         sys.exit(2)

@@ -3,7 +3,6 @@ import datetime
 from typing import Optional
 
 from megatron.core.transformer.config import TransformerConfig
-from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
 from megatron.training.planning.architecture import megatron_flops
 
 
@@ -17,7 +16,7 @@ def flops_per_iteration(model: TransformerConfig, global_batch_size: int, seq_le
     """
     moe = {}
     if model.num_experts is not None:
-        moe = dict(moe_layers=sum(moe_layer_pattern(model.moe_layer_freq, model.num_layers)),
+        moe = dict(moe_layers=sum(model.moe_layers),
                    moe_active_ffn=model.moe_router_topk * model.moe_ffn_hidden_size
                    + (model.moe_shared_expert_intermediate_size or 0))
     return megatron_flops(global_batch_size=global_batch_size, seq_length=seq_length, num_layers=model.num_layers,

@@ -37,7 +37,6 @@ from megatron.core.models.gpt.families.gpt2 import POSITION_EMBEDDINGS
 from megatron.core.models.gpt.families.llama import FINAL_NORM, OUTPUT_LAYER
 from megatron.core.transformer.config import RUN, TransformerConfig, derive, padded_vocab_size
 from megatron.core.transformer.config.fields import applies, compared_value, role_of, setting
-from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
 
 # Re-exported: the vocabulary padding is the config's (config.derive), the names the families'.
 __all__ = ["padded_vocab_size", "POSITION_EMBEDDINGS", "FINAL_NORM", "OUTPUT_LAYER"]
@@ -79,8 +78,8 @@ def architecture_for_hf(config: TransformerConfig) -> str:
     registered = families.registry()
     candidates = [family for family in registered if _implied(config, family)]
     if not candidates:
-        raise ValueError("this model has no Hugging Face equivalent here: its --normalization, "
-                         "--position-embedding-type, --swiglu and other layer choices match none of the families "
+        raise ValueError("this model has no Hugging Face equivalent here: its `normalization`, "
+                         "`position_embedding_type`, `swiglu` and other layer choices match none of the families "
                          f"{tuple(f.name for f in registered)} (docs/models.md lists what each implies)")
     refusals = [_unexpressed(config, family) for family in candidates]
     for family, refusal in zip(candidates, refusals):
@@ -151,8 +150,7 @@ def _to_entries(config: TransformerConfig, family: Family, vocab_size: int) -> d
     for key, name in family.copies.items():
         entries[key] = getattr(config, name)
     if family.layer_pattern:
-        pattern = moe_layer_pattern(config.moe_layer_freq, config.num_layers)
-        entries.update(decoder_sparse_step=1, mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe])
+        entries.update(decoder_sparse_step=1, mlp_only_layers=[i for i, moe in enumerate(config.moe_layers) if not moe])
     return family.writer(entries)
 
 

@@ -231,7 +231,7 @@ class _Embedding(torch.nn.Module):
             gradient_accumulation_fusion=execution.gradient_accumulation_fusion)
         if config.position_embedding_type == "learned_absolute":
             if config.max_position_embeddings is None:
-                raise ValueError("learned absolute position embeddings need --max-position-embeddings (or --seq-length)")
+                raise ValueError("learned absolute position embeddings need `max_position_embeddings` (or `seq_length`)")
             self.position_embeddings = torch.nn.Embedding(config.max_position_embeddings, config.hidden_size,
                                                           dtype=execution.params_dtype, device=device)
             layout: TPLayout = replicated_layout(self.position_embeddings.weight.shape, groups.tp_size, groups.tp_rank)

@@ -217,6 +217,8 @@ class TransformerConfig:
     """With --moe-expert-capacity-factor: fill every expert to its capacity (weight-0 padding)."""
     moe_token_drop_policy: Literal["probs", "position"] = arch_field("probs", RUN, applies=_moe)
     """Which tokens an expert over capacity keeps: the highest probabilities, or by position."""
+    moe_layers: Optional[tuple] = arch_field(None, RUN, flag=None, applies=_moe)
+    """Which layers are mixtures of experts: one 0/1 per layer, from --moe-layer-freq (derived: `derive`)."""
 
     # -- read by the layers (of a derived config) ---------------------------------------------
     @property
@@ -226,6 +228,15 @@ class TransformerConfig:
     @property
     def kv_projection_size(self) -> int:
         return self.kv_channels * self.num_query_groups
+
+    def local_heads(self, tp_size: int) -> int:
+        """Query heads on one tensor-parallel rank (see `check_tensor_parallel`)."""
+        return self.num_attention_heads // tp_size
+
+    def local_query_groups(self, tp_size: int) -> int:
+        """Key/value heads on one tensor-parallel rank: the groups split over the ranks, or one
+        group per rank, replicated, when there are more ranks than groups."""
+        return max(1, self.num_query_groups // tp_size)
 
     @property
     def activation(self) -> str:

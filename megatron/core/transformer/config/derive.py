@@ -27,9 +27,10 @@ def derive(config, *, vocab_size: Optional[int] = None, tp_size: int = 1,
            seq_length: Optional[int] = None) -> TransformerConfig:
     """The TransformerConfig the layers build, from the given one (or from any object with its
     fields, such as the flags' model section): defaults filled in (kv channels, FFN size, query
-    groups, max positions from `seq_length`, the expert FFN size, the vocabulary padded from `vocab_size`), fields that
-    do not apply put back to their defaults, and the result checked. Equal models give equal
-    results; deriving twice changes nothing. Raises ValueError naming the flags."""
+    groups, max positions from `seq_length`, the expert FFN size, which layers are mixtures of
+    experts, the vocabulary padded from `vocab_size`), fields that do not apply put back to their
+    defaults, and the result checked. Equal models give equal results; deriving twice changes
+    nothing. Raises ValueError naming the flags."""
     values = {field.name: getattr(config, field.name) for field in dataclasses.fields(TransformerConfig)}
     hidden, heads = values["hidden_size"], values["num_attention_heads"]
     if values["kv_channels"] is None:
@@ -44,10 +45,10 @@ def derive(config, *, vocab_size: Optional[int] = None, tp_size: int = 1,
     if values["multi_latent_attention"] and values["rope_type"] is None:
         # Megatron-LM's multi-latent attention defaults to YaRN, which at factor 1 is plain RoPE.
         values["rope_type"] = "rope" if values["rotary_scaling_factor"] == 1 else "yarn"
-    if values["num_experts"] is not None:  # mixture of experts: the expert size; the layer pattern checked
+    if values["num_experts"] is not None:  # mixture of experts: the expert size and which layers
         if values["moe_ffn_hidden_size"] is None:
             values["moe_ffn_hidden_size"] = values["ffn_hidden_size"]
-        moe_layer_pattern(values["moe_layer_freq"], values["num_layers"])
+        values["moe_layers"] = tuple(moe_layer_pattern(values["moe_layer_freq"], values["num_layers"]))
     if values["mtp_num_layers"] == 0:  # Megatron-Core builds no prediction module for 0
         values["mtp_num_layers"] = None
     if values["padded_vocab_size"] is None and vocab_size is not None:

@@ -65,7 +65,7 @@ class GroupedMLP(torch.nn.Module):
         self.fp8 = None  # {"fc1": ExpertsFP8, "fc2": ExpertsFP8}, set by `attach_fp8`
         self.routing_padded = execution.moe_router_padding_for_fp8  # counts are multiples of 16 already
         ffn, hidden = config.moe_ffn_hidden_size, config.hidden_size
-        local_ffn = divide(ffn, etp.size, "--moe-ffn-hidden-size by --expert-tensor-parallel-size")
+        local_ffn = divide(ffn, etp.size, "`moe_ffn_hidden_size` by `expert_tensor_parallel_size`")
         dtype = execution.params_dtype
         rows = 2 * local_ffn if self.gated else local_ffn
         self.fc1_weight = torch.nn.Parameter(torch.empty(num_local_experts, rows, hidden, dtype=dtype, device=device))
@@ -82,8 +82,8 @@ class GroupedMLP(torch.nn.Module):
         # group (which then includes the TP ranks); fc2's bias is added on etp rank 0 only, so its
         # gradient is summed over the etp ranks.
         if etp.size > 1 and etp.size != tp.size:
-            raise ValueError(f"--expert-tensor-parallel-size ({etp.size}) must be 1 or "
-                             f"--tensor-model-parallel-size ({tp.size})")
+            raise ValueError(f"`expert_tensor_parallel_size` ({etp.size}) must be 1 or "
+                             f"`tensor_model_parallel_size` ({tp.size})")
         fc1_parts = ((Part("gate", ffn, etp.size), Part("up", ffn, etp.size)) if self.gated
                      else (Part("", ffn, etp.size),))
         layouts = {

@@ -61,7 +61,7 @@ def topk_routing(logits: torch.Tensor, topk: int, *, score_function: str = "soft
         if topk > 1:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
     else:
-        raise ValueError(f"--moe-router-score-function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
+        raise ValueError(f"`moe_router_score_function` must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
     if scaling_factor:
         probs = probs * scaling_factor
     routing_probs = torch.zeros_like(logits).scatter(1, chosen, probs)
@@ -134,7 +134,7 @@ def drop_tokens_over_capacity(probs: torch.Tensor, routing_map: torch.Tensor, to
         elif drop_policy == "position":
             kept = routing_map.int().topk(capacity, dim=0, sorted=False).indices
         else:
-            raise ValueError(f"--moe-token-drop-policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
+            raise ValueError(f"`moe_token_drop_policy` must be one of {DROP_POLICIES}, got {drop_policy!r}")
         keep = torch.zeros_like(routing_map).scatter(0, kept, True)
     final_map = keep if pad_to_capacity else routing_map & keep
     return probs * final_map, final_map

@@ -227,8 +227,7 @@ def aux_loss_log_values(model_chunks: list, config, groups, num_microbatches: in
     "moe/<name>_layer_<i>". Clears the trackers. Every rank calls it (it all-reduces)."""
     trackers = [model.moe_aux_losses for model in _moe_models(model_chunks)]
     # Megatron-LM counts the multi-token prediction layers among the MoE layers it averages over.
-    num_moe_layers = max(1, sum(moe_utils.moe_layer_pattern(config.moe_layer_freq, config.num_layers))
-                         + (config.mtp_num_layers or 0))
+    num_moe_layers = max(1, sum(config.moe_layers) + (config.mtp_num_layers or 0))
     result = {}
     for name in aux_loss_names(config):
         values = torch.zeros(_tracked_layers(config), device=groups.device)

@@ -3,7 +3,6 @@ attention. Its config keys and weight names are also the base of Qwen3, Mixtral 
 families, which import them from here."""
 from megatron.core.models.gpt.families.base import IN_WEIGHTS, TIED, Entry, Family, HFKey
 from megatron.core.models.gpt.model import WORD_EMBEDDINGS
-from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
 
 FINAL_NORM = "decoder.final_layernorm"
 OUTPUT_LAYER = "output_layer.weight"
@@ -50,7 +49,7 @@ def weights(config, experts=None) -> list:
     down projections, `{e}` in place of the expert), the mixture-of-experts layers' too. Query/key
     norms (--qk-layernorm) and q/k/v biases (--add-qkv-bias) where the config has them."""
     entries = [Entry("model.embed_tokens.weight", WORD_EMBEDDINGS, vocab=True)]
-    pattern = moe_layer_pattern(config.moe_layer_freq, config.num_layers) if config.num_experts else None
+    pattern = config.moe_layers if config.num_experts else None
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}", f"decoder.layers.{i}"
         entries += attention_weights(config, hf, ours)

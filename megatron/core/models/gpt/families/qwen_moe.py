@@ -7,7 +7,6 @@ expert scaled by a sigmoid gate (--moe-shared-expert-intermediate-size with
 --moe-shared-expert-gate)."""
 from megatron.core.models.gpt.families import llama
 from megatron.core.models.gpt.families.base import Entry, Family, HFKey
-from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
 
 QWEN3_MOE_KEYS = dict(
     llama.KEYS, num_experts="num_experts", moe_ffn_hidden_size="moe_intermediate_size",
@@ -26,7 +25,7 @@ def weights(config) -> list:
     entries = llama.weights(config, experts=EXPERTS)
     if config.moe_shared_expert_intermediate_size is None:
         return entries
-    for i, moe in enumerate(moe_layer_pattern(config.moe_layer_freq, config.num_layers)):
+    for i, moe in enumerate(config.moe_layers):
         if moe:
             hf, shared = f"model.layers.{i}.mlp", f"decoder.layers.{i}.mlp.shared_experts"
             entries += llama.mlp_weights(f"{hf}.shared_expert", f"{shared}.mlp")
