@@ -19,11 +19,15 @@ from argparse import Namespace
 from pathlib import PosixPath
 from signal import Signals
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import numpy
 import torch
 
 from megatron.core.checkpointing import CheckpointFormatError
+
+if TYPE_CHECKING:  # imported when read_dcp_metadata runs (see there)
+    from torch.distributed.checkpoint.metadata import Metadata
 
 
 class MegatronObject:
