@@ -19,7 +19,8 @@ def test_the_script_installs_the_reference_apart_and_runs_every_test():
     script = (ROOT / "tools" / "dev" / "run_tests.sh").read_text()
     assert 'pip install --quiet -e ".[test]"' in script
     assert '--no-deps --target "$MEGATRON_CORE_REF" "megatron-core==0.16.1"' in script
-    # Every test, with the 20 slowest printed at the end so that a new slow test is seen.
-    assert script.rstrip().splitlines()[-1] == 'python -m pytest -q --durations=20 tests "$@"'
+    # Every test, on two workers scheduled by tests/conftest.py, with the 20 slowest printed at the end
+    # so that a new slow test is seen.
+    assert script.rstrip().splitlines()[-1] == 'python -m pytest -q --durations=20 -n 2 tests "$@"'
     for path in (ROOT / "tools" / "dev" / "run_tests.sh", ROOT / ".ci" / "run"):
         assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0, path
