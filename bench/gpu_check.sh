@@ -97,7 +97,7 @@ for run in "${RUNS[@]}"; do
       -- "${PRECISION[@]}" $flags > "$WORK/run$index.log" 2>&1
   status=$?
   log "bench $name $preset: exit status $status (limit ${limit}s, predicted ${estimate}s)"
-  echo "$name|$preset|$flags|$status" >> "$WORK/runs.txt"
+  echo "$index|$name|$preset|$flags|$status" >> "$WORK/runs.txt"
 done
 
 # 3. the GPU test lane, with the time left
