@@ -7,6 +7,8 @@
 #     --tunableop  also measure bf16 llama3-8b-8layers with PyTorch TunableOp (GEMMs tuned at start)
 #   GPU_CHECK_DRY_RUN=1 bash bench/gpu_check.sh  # CPU smoke run of every step (tiny presets, no install)
 #   GPU_CHECK_BUDGET (seconds, default 570), GPU_CHECK_MAX_RUNS (default all), PYTHON (default python3)
+#   GPU_CHECK_ONLY (a bash regular expression): only the runs whose "name preset" matches, e.g.
+#     GPU_CHECK_ONLY='^[^ ]+ (mixtral|qwen3|deepseek)' for the MoE runs alone
 #
 # Needs: a CUDA GPU with PyTorch (and Triton) installed; no internet (the project installs with
 # --no-deps --no-build-isolation, or runs from the source tree if that fails). Steps, in order, each
@@ -42,6 +44,7 @@ REPORT=${REPORT_ARG:-${GPU_CHECK_REPORT:-$ROOT/gpu_check_report.md}}
 DRY_RUN=${GPU_CHECK_DRY_RUN:-0}
 BUDGET=${GPU_CHECK_BUDGET:-570}
 MAX_RUNS=${GPU_CHECK_MAX_RUNS:-99}   # benchmark runs to do at most (the smoke test does one)
+ONLY=${GPU_CHECK_ONLY:-}             # a regular expression over "name preset": the runs to do
 LANE_MIN=60                          # seconds the test lane needs at least
 PYTHON=${PYTHON:-python3}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -78,6 +81,7 @@ for run in "${RUNS[@]}"; do
   IFS='|' read -r name preset flags warmup steps estimate env <<< "$run"
   index=$((index + 1))
   if [ "$index" -gt "$MAX_RUNS" ]; then break; fi
+  if [ -n "$ONLY" ] && ! [[ "$name $preset" =~ $ONLY ]]; then continue; fi
   limit=$(( estimate * 3 / 2 > estimate + 30 ? estimate * 3 / 2 : estimate + 30 ))
   if [ "$DRY_RUN" != 1 ] && [ $(( $(left) - LANE_MIN )) -lt "$limit" ]; then
     log "skipped $name $preset: needs up to ${limit}s, $(( $(left) - LANE_MIN ))s left before the test lane"
@@ -93,7 +97,7 @@ for run in "${RUNS[@]}"; do
       -- "${PRECISION[@]}" $flags > "$WORK/run$index.log" 2>&1
   status=$?
   log "bench $name $preset: exit status $status (limit ${limit}s, predicted ${estimate}s)"
-  echo "$name|$preset|$flags|$status" >> "$WORK/runs.txt"
+  echo "$index|$name|$preset|$flags|$status" >> "$WORK/runs.txt"
 done
 
 # 3. the GPU test lane, with the time left

@@ -67,14 +67,25 @@ def _beside_plan(f: dict, preset: str, flags: str) -> str:
     return f"{plan.time.seconds * 1e3:.1f} ms, {100 * plan.time.mfu:.1f}% | {ratio:.2f}{flag}"
 
 
+def _run_lines(work: Path) -> list:
+    """(index, name, preset, flags, status) of each run in runs.txt. gpu_check.sh writes the run's
+    number in the plan first (its files are run<index>.*; runs skipped for time or by GPU_CHECK_ONLY
+    leave gaps); a line without it is numbered by its position."""
+    lines = (work / "runs.txt").read_text().splitlines() if (work / "runs.txt").exists() else []
+    runs = []
+    for position, line in enumerate(lines, start=1):
+        fields = line.split("|")
+        index = int(fields.pop(0)) if len(fields) == 5 else position
+        runs.append((index, *fields))
+    return runs
+
+
 def _runs(work: Path) -> list:
     rows = ["| run | preset | step (ms) | TFLOP/s/GPU | MFU (BF16 peak) | MFU (FP8 peak) | tokens/s/GPU | "
             "peak memory (GB) | attention | plan: step, MFU | measured / planned step |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     failures = []
-    runs = (work / "runs.txt").read_text().splitlines() if (work / "runs.txt").exists() else []
-    for index, line in enumerate(runs, start=1):
-        name, preset, flags, status = line.split("|")
+    for index, name, preset, flags, status in _run_lines(work):
         figures_file = work / f"run{index}.json"
         if status != "0" or not figures_file.exists():
             log = (work / f"run{index}.log").read_text().strip().splitlines()[-15:]
@@ -92,9 +103,7 @@ def _runs(work: Path) -> list:
 def _fast_paths(work: Path) -> list:
     """Each run's start-up line naming the implementation of every speed-critical path."""
     lines = []
-    runs = (work / "runs.txt").read_text().splitlines() if (work / "runs.txt").exists() else []
-    for index, line in enumerate(runs, start=1):
-        name, preset = line.split("|")[:2]
+    for index, name, preset, _, _ in _run_lines(work):
         figures_file = work / f"run{index}.json"
         if figures_file.exists():
             lines.append(f"- {name} {preset}: {json.loads(figures_file.read_text()).get('fast_paths', '(not recorded)')}")
@@ -106,9 +115,7 @@ def _profiles(work: Path) -> list:
     from bench_pretrain import profile_text
 
     lines = []
-    runs = (work / "runs.txt").read_text().splitlines() if (work / "runs.txt").exists() else []
-    for index, line in enumerate(runs, start=1):
-        name, preset = line.split("|")[:2]
+    for index, name, preset, _, _ in _run_lines(work):
         figures_file = work / f"run{index}.json"
         profile = json.loads(figures_file.read_text()).get("profile") if figures_file.exists() else None
         if profile:

@@ -216,7 +216,7 @@ def _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs):
 @pytest.mark.parametrize("fp8_format, recipe", [("e4m3", "tensorwise"), ("e4m3", "delayed"), ("hybrid", "delayed")])
 def test_grouped_fp8_path_equals_the_loop(monkeypatch, fp8_format, recipe):
     """The grouped path (one cast per tensor for all experts, each row scaled by its expert's scale,
-    `torch._scaled_grouped_mm`; hybrid's E5M2 gradient GEMMs as a loop) gives the loop's results:
+    `torch._scaled_grouped_mm`; hybrid's E5M2 gradient GEMMs on the dequantized casts) gives the loop's results:
     the same FP8 values, so only bf16 rounding of the outputs differs. The kernel stands in as
     PyTorch defines it; tests/gpu runs the real one."""
     from megatron.core.transformer.moe import fp8_experts

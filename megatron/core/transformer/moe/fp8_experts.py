@@ -21,9 +21,9 @@ dense layers).
 The GEMMs run as one `torch._scaled_grouped_mm` per GEMM where it exists (an NVIDIA GPU of compute
 capability 9.0, H100/H200; bf16 activations; one scale per expert and tensor, i.e. tensorwise or
 delayed), with each expert's scale given per row (and per output column of its weight): E4M3
-operands only, so under `hybrid` (E5M2 gradients) the two gradient GEMMs loop over the experts with
-`torch._scaled_mm` on the same casts. Elsewhere, and for rowwise, all three GEMMs loop over the
-experts that received rows, each with its `FP8Linear`.
+operands only, so under `hybrid` (E5M2 gradients) the two gradient GEMMs run as
+`_dequantized_grouped_mm` below, as on the CPU. Elsewhere, and for rowwise, all three GEMMs loop
+over the experts that received rows, each with its `FP8Linear`.
 
 Under --moe-router-padding-for-fp8 the dispatcher pads the routing instead of these rows: every
 expert's count is a multiple of 16 already, so the counts stay on the device and the tensorwise and
@@ -36,7 +36,7 @@ only the order of the fp32 additions and the output's rounding differ from the G
 import torch
 
 from megatron.core.tensor_parallel.layers import main_grad_empty, main_grad_ready
-from megatron.core.transformer.fp8 import GRAD, INPUT, WEIGHT, quantize, scale_from_amax, scaled_mm
+from megatron.core.transformer.fp8 import GRAD, INPUT, WEIGHT, quantize, scale_from_amax
 
 FP8_ALIGNMENT = 16  # rows per expert are padded to a multiple of this (Megatron-Core's FP8 alignment)
 
@@ -266,27 +266,18 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
         g_q = quantize_rows(grad, g_scale, row_expert, fp8.grad_dtype)                # [N, n], cast once
         g_t = g_q.t().contiguous()                                                    # [n, N]
         _, w_dgrad, w_scale = fp8.weights(weight)
-        # The grouped kernel multiplies E4M3 operands only; `_dequantized_grouped_mm` takes E5M2 too.
-        if fp8.grad_dtype == fp8.forward_dtype or not ctx.kernel:
-            g_row_scale = _with_sentinel(g_scale.reciprocal()).index_select(0, row_expert)      # [N]
-            grad_input = _grouped_gemm(ctx.kernel, g_q, w_dgrad, g_row_scale,
-                                       w_scale.reciprocal().unsqueeze(1).expand(-1, in_features).contiguous(),
-                                       offs, grad.dtype)
-            # Weight gradient: groups along the contracted (row) dimension, scales group-major.
-            grad_weight = _grouped_gemm(ctx.kernel, g_t, x_t.t(), g_scale.reciprocal().repeat_interleave(out_features),
-                                        x_scale.reciprocal().repeat_interleave(in_features), offs, grad.dtype)
-            empty = torch.as_tensor(counts, device=grad.device).eq(0).view(-1, 1, 1)
-            return grad_input, grad_weight.masked_fill(empty, 0), None, None
-        # Hybrid on the kernel's GPU: the E5M2 GEMMs loop over the experts (device counts read back once).
-        counts = counts.tolist() if torch.is_tensor(counts) else counts
-        grad_input = grad.new_zeros((grad.shape[0], in_features))
-        grad_weight = torch.zeros_like(weight)
-        start = 0
-        for index, count in enumerate(counts):
-            if count:
-                rows = slice(start, start + count)
-                grad_input[rows] = scaled_mm(g_q[rows], w_dgrad[index], g_scale[index], w_scale[index], grad.dtype)
-                grad_weight[index] = scaled_mm(g_t[:, rows], x_t[:, rows].t(), g_scale[index], x_scale[index],
-                                               grad.dtype)
-            start += count
-        return grad_input, grad_weight, None, None
+        # The grouped kernel multiplies E4M3 operands only: under `hybrid` (E5M2 gradients) both
+        # gradient GEMMs run as `_dequantized_grouped_mm`, as on the CPU (the same FP8 values and
+        # scales; no host read). A loop of `_scaled_mm` over the experts' column slices was refused
+        # by cuBLAS on an H200 (an expert's slice of the [n, N] transpose is not 16-byte aligned when
+        # N, which counts the dispatcher's sentinel rows, is no multiple of 16).
+        kernel = ctx.kernel and fp8.grad_dtype == fp8.forward_dtype
+        g_row_scale = _with_sentinel(g_scale.reciprocal()).index_select(0, row_expert)          # [N]
+        grad_input = _grouped_gemm(kernel, g_q, w_dgrad, g_row_scale,
+                                   w_scale.reciprocal().unsqueeze(1).expand(-1, in_features).contiguous(),
+                                   offs, grad.dtype)
+        # Weight gradient: groups along the contracted (row) dimension, scales group-major.
+        grad_weight = _grouped_gemm(kernel, g_t, x_t.t(), g_scale.reciprocal().repeat_interleave(out_features),
+                                    x_scale.reciprocal().repeat_interleave(in_features), offs, grad.dtype)
+        empty = torch.as_tensor(counts, device=grad.device).eq(0).view(-1, 1, 1)
+        return grad_input, grad_weight.masked_fill(empty, 0), None, None
