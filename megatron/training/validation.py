@@ -236,9 +236,11 @@ def _validate_context_parallel(config: Config) -> None:
     if cp == 1:
         return
     arch = architecture(config)
+    # Multi-latent attention gives every head its own key and value (--num-query-groups aside).
+    groups = arch.local_heads(tp) if arch.multi_latent_attention else arch.local_query_groups(tp)
     try:
         check_context_parallel(cp_size=cp, comm_type=p.cp_comm_type, num_local_heads=arch.local_heads(tp),
-                               num_local_groups=arch.local_query_groups(tp), attention_dropout=m.attention_dropout,
+                               num_local_groups=groups, attention_dropout=m.attention_dropout,
                                seq_length=t.seq_length)
     except ValueError as error:
         raise ConfigError(as_flags(str(error))) from None

@@ -59,10 +59,11 @@ class Scenario:
     tied: bool = False
     recompute: tuple = ()
     wrapper: str = "ddp"       # "ddp", "distopt" or "fsdp"
+    model: tuple = ()          # (field, value) overrides of the model config (multi-latent attention)
 
     @property
     def reference_key(self) -> tuple:
-        return self.layers, self.heads, self.groups, self.tied, self.dp * self.n
+        return self.layers, self.heads, self.groups, self.tied, self.dp * self.n, self.model
 
 
 FULL_RECOMPUTE = (("recompute_granularity", "full"), ("recompute_method", "uniform"), ("recompute_num_layers", 1))
@@ -97,7 +98,7 @@ def _model_config(scenario: Scenario, **overrides) -> TransformerConfig:
                   padded_vocab_size=VOCAB, max_position_embeddings=SEQ, normalization="RMSNorm", swiglu=True,
                   add_bias_linear=False, position_embedding_type="rope",
                   untie_embeddings_and_output_weights=not scenario.tied, hidden_dropout=0.0, attention_dropout=0.0)
-    values.update(overrides)
+    values.update(dict(scenario.model), **overrides)
     return TransformerConfig(**values)
 
 
@@ -161,7 +162,7 @@ def _train(chunks, groups, *, n: int, virtual: int, tensor_shape, per_step_batch
     return dict(losses=losses, norms=norms, grads=grads, params=_named(chunks, groups, _local_weight))
 
 
-def _run_scenario(scenario: Scenario) -> dict:
+def run_scenario(scenario: Scenario) -> dict:
     groups = initialize_model_parallel(scenario.tp, scenario.pp, scenario.cp)
     assert (groups.cp_size, groups.dp_size) == (scenario.cp, scenario.dp)
     config = _model_config(scenario)
@@ -185,7 +186,7 @@ def _run_scenario(scenario: Scenario) -> dict:
                   per_step_batches=lambda step: [_micro_batch(step, groups.dp_rank, i) for i in range(scenario.n)])
 
 
-def _reference(scenario: Scenario) -> dict:
+def reference_run(scenario: Scenario) -> dict:
     """One process, no context parallelism, every data-parallel rank's micro-batches in turn."""
     groups = single_process()
     model = GPTModel(_model_config(scenario), groups, execution=_execution(scenario, sequence_parallel=False,
@@ -291,13 +292,13 @@ def _run_all(rank, world_size, scenarios):
         results["bf16 cp1"] = bf16_step(single_process())
     results["memory"] = activation_bytes(initialize_model_parallel(1, 1, world_size))
     for scenario in scenarios:
-        results[scenario.name] = _run_scenario(scenario)
+        results[scenario.name] = run_scenario(scenario)
     if rank == 0:
         results["memory cp1"] = activation_bytes(single_process())
         references = {}
         for scenario in scenarios:
             if scenario.reference_key not in references:
-                references[scenario.reference_key] = _reference(scenario)
+                references[scenario.reference_key] = reference_run(scenario)
         results["references"] = references
     return results
 
@@ -306,7 +307,7 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= RTOL * abs(b)
 
 
-def _check(scenario: Scenario, per_rank: list, reference: dict) -> None:
+def check_scenario(scenario: Scenario, per_rank: list, reference: dict) -> None:
     name = scenario.name
     for result in per_rank:
         for step in range(STEPS):
@@ -342,7 +343,7 @@ def _run_and_check(world_size: int, scenarios: list) -> list:
         assert ((grads - want_grads).norm() / want_grads.norm()).item() <= 2e-2
     for scenario in scenarios:
         assert scenario.tp * scenario.cp * scenario.pp * scenario.dp == world_size
-        _check(scenario, [results[scenario.name] for results in per_rank], references[scenario.reference_key])
+        check_scenario(scenario, [results[scenario.name] for results in per_rank], references[scenario.reference_key])
     return per_rank
 
 

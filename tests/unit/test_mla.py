@@ -22,6 +22,7 @@ from megatron.core.models.gpt.hf_mapping import (  # noqa: E402
     model_to_logical,
 )
 from megatron.training.arguments import parse_args  # noqa: E402
+from megatron.training.validation import ConfigError, validate  # noqa: E402
 from tests.unit.test_arguments import MINIMAL  # noqa: E402
 from tests.unit.test_hf_parity import randomize  # noqa: E402
 from tests.hf_training import assert_training_tracks_transformers  # noqa: E402
@@ -101,3 +102,14 @@ def test_flags_and_the_pai_spellings():
     assert (model.q_lora_rank, model.kv_lora_rank, model.qk_head_dim, model.qk_pos_emb_head_dim) == (24, 16, 16, 8)
     pai = parse_args(MINIMAL + flags + ["--qk-nope-head-dim", "16", "--qk-rope-head-dim", "8"]).model
     assert (pai.qk_head_dim, pai.qk_pos_emb_head_dim) == (16, 8)
+
+
+def test_context_parallel_a2a_counts_a_key_and_value_per_head():
+    """a2a splits the heads over the context-parallel ranks: multi-latent attention has a key and a
+    value per head, so --num-query-groups does not limit it; its heads do."""
+    flags = MINIMAL + ["--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+                       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--position-embedding-type", "rope",
+                       "--attention-dropout", "0", "--context-parallel-size", "4", "--cp-comm-type", "a2a"]
+    validate(parse_args(flags + ["--group-query-attention", "--num-query-groups", "2"]), 4)
+    with pytest.raises(ConfigError, match=r"query heads per tensor-parallel rank \(2"):
+        validate(parse_args(flags + ["--tensor-model-parallel-size", "2"]), 8)

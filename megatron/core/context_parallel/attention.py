@@ -8,6 +8,7 @@ import logging
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from megatron.core.context_parallel.a2a import a2a_attention
 from megatron.core.context_parallel.all_gather import all_gather_attention
@@ -52,7 +53,8 @@ class ContextParallelAttention(torch.nn.Module):
     """Causal softmax(q k^T / sqrt(d)) v over the context-parallel sequence, for local heads; with
     an attention mask (packed documents), the masked attention of `documents`.
 
-    q: [b, nq, s/C, d], k/v: [b, nkv, s/C, d] (this rank's two chunks) -> [b, nq, s/C, d]."""
+    q/k: [b, nq|nkv, s/C, d], v: [b, nkv, s/C, dv] (this rank's two chunks) -> [b, nq, s/C, dv];
+    dv may differ from d (multi-latent attention, `one_head_dim`)."""
 
     def __init__(self, config, *, execution, cp_group, num_local_heads: int, num_local_groups: int):
         super().__init__()
@@ -69,6 +71,12 @@ class ContextParallelAttention(torch.nn.Module):
                                "uses SDPA's flash kernel")
 
     def forward(self, q, k, v, attention_mask=None):
+        value_dim = v.shape[-1]
+        q, k, v = one_head_dim(q, k, v)
+        out = self._attend(q, k, v, attention_mask)
+        return out if out.shape[-1] == value_dim else out[..., :value_dim]
+
+    def _attend(self, q, k, v, attention_mask):
         if attention_mask is not None:  # packed documents: [b, 1, s/C, s] from context_parallel_document_mask
             return document_masked_attention(q, k, v, attention_mask, self.cp_group)
         if self.comm_type == "a2a":
@@ -76,3 +84,19 @@ class ContextParallelAttention(torch.nn.Module):
         kernel = select_kernel(q.device, q.dtype, self.use_flash_attn_package)
         attend = ring_attention if self.comm_type == "p2p" else all_gather_attention
         return attend(q, k, v, self.cp_group, kernel)
+
+
+def one_head_dim(q, k, v) -> tuple:
+    """q, k, v at one head dim D = max(d, dv). The block kernels take one head dim for all three,
+    and the exchanges move them together (the ring and the all-gather stack k with v, a2a packs
+    q, k and v), but multi-latent attention's values are narrower than its queries and keys
+    (DeepSeek-V3: 128 against 192; Transformer Engine pads them the same way for its flash kernels).
+    The narrower side gets zero channels: zero value channels give zero output channels, which the
+    caller cuts off; zero query/key channels leave q.k unchanged, and q is scaled by sqrt(D / d) so
+    that the kernels' 1/sqrt(D) is the attention's 1/sqrt(d)."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv < d:
+        return q, k, F.pad(v, (0, d - dv))
+    if dv > d:
+        return F.pad(q, (0, dv - d)) * (dv / d) ** 0.5, F.pad(k, (0, dv - d)), v
+    return q, k, v

@@ -17,10 +17,16 @@ then partial sums over the TP group), and the up projections gather the latents 
 sequence, as the column-parallel linears of the other attention gather their input; the shared
 rotated key part is gathered the same way (and its gradient, which each rank's heads give in part,
 summed over the group with or without sequence parallelism).
+
+Context parallelism: this rank's tokens (its two chunks of the sequence) go through the layers as
+any others; the rotary embedding comes from their global position ids (`slice_batch` keeps them),
+and the attention core is `ContextParallelAttention` with any `--cp-comm-type`, which pads the
+values to the query/key head dim for its kernels and exchanges and cuts the output back.
 """
 import torch
 import torch.nn.functional as F
 
+from megatron.core.context_parallel import ContextParallelAttention
 from megatron.core.parallel_state import TensorParallel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, replicated_layout, set_layout
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
@@ -55,8 +61,6 @@ class MultiLatentAttention(torch.nn.Module):
     def __init__(self, config, *, execution=DEFAULT_EXECUTION, tp: TensorParallel = TensorParallel(), rng_tracker,
                  device, cp_group=None):
         super().__init__()
-        if cp_group is not None:
-            raise ValueError("`multi_latent_attention` with `context_parallel_size` > 1 is not built")
         config.check_tensor_parallel(tp.size)
         self.tp_group = tp.group
         self.num_local_heads = config.local_heads(tp.size)
@@ -80,7 +84,12 @@ class MultiLatentAttention(torch.nn.Module):
         self.linear_kv_down_proj = ReplicatedLinear(h, self.kv_lora_rank + self.rope_dim, **whole)
         self.kv_layernorm = build_norm(config, self.kv_lora_rank, **norm) if config.qk_layernorm else None
         self.linear_kv_up_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), **common)
-        self.core_attention = CoreAttention(config, rng_tracker, execution=execution)
+        if cp_group is None:
+            self.core_attention = CoreAttention(config, rng_tracker, execution=execution)
+        else:  # context parallelism: every head has its own key and value
+            n = self.num_local_heads
+            self.core_attention = ContextParallelAttention(config, execution=execution, cp_group=cp_group,
+                                                           num_local_heads=n, num_local_groups=n)
         self.linear_proj = RowParallelLinear(heads * self.v_dim, h, **dict(common, bias=config.add_bias_linear))
         self._rotate = rotary_interleaved if config.rotary_interleaved else rotary
         self.softmax_correction = yarn_softmax_correction(config)
