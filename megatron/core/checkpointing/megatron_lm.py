@@ -38,16 +38,19 @@ Layouts undone:
 - Mixture of experts (router, expert bias, routed experts in each form Megatron-Core writes, shared
   experts and their gate): see megatron_lm_moe.py. The router's expert bias, a buffer, is a logical
   entry `decoder.layers.i.mlp.router.expert_bias` of its own.
+- Multi-latent attention and multi-token prediction (`mtp.layers.k.*`, the depth's layer read as a
+  decoder layer is): see megatron_lm_mla.py.
 
 The model's arguments are read by name: TransformerConfig's fields are Megatron-LM's argument names,
 so the config is a loop over them (`config_from_megatron_args`).
 
-Refused with a ValueError naming the option: what this importer does not map yet (multi-latent
-attention, multi-token prediction) and what GPTModel cannot represent (sliding-window attention, non-vanilla softmax, squared ReLU, quick
-GeGLU, post-layernorm residuals, rotary sequence interpolation, position embeddings other than rope /
-learned_absolute / none; for experts: a router bias, the sqrtsoftplus score function, probabilities
-applied to the experts' input, latent experts, interleaved gate/up rows, legacy files with an
-expert-tensor-parallel size other than the tensor-parallel one), Megatron-LM's pre-Core models
+Refused with a ValueError naming the option: what GPTModel cannot represent (sliding-window
+attention, non-vanilla softmax, squared ReLU, quick GeGLU, post-layernorm residuals, rotary sequence
+interpolation, position embeddings other than rope / learned_absolute / none; for multi-latent
+attention and multi-token prediction see megatron_lm_mla.py; for experts: a router bias, the
+sqrtsoftplus score function, probabilities applied to the experts' input, latent experts,
+interleaved gate/up rows, legacy files with an expert-tensor-parallel size other than the
+tensor-parallel one), Megatron-LM's pre-Core models
 (`--use-legacy-models`, keys under `language_model`), checkpoint versions before 3.0, and formats
 other than the two above.
 
@@ -71,6 +74,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megatron.core.checkpointing import megatron_lm_mla as mla
 from megatron.core.checkpointing import megatron_lm_moe as moe
 from megatron.core.checkpointing.safe_pickle import check_dcp_files, first_line, load_pickled
 from megatron.core.checkpointing.safe_reader import SafeFileSystemReader
@@ -88,7 +92,6 @@ _STACKED_LAYERS = "decoder.layers."
 _MODEL_ROOTS = ("embedding.", "decoder.", "output_layer.", "mtp.")
 # A decoder layer or a multi-token prediction depth's layer: (its prefix, the name within the layer).
 _ANY_LAYER = re.compile(rf"({moe.LAYER_PREFIX})\.(.+)")
-_MTP_MODULE = re.compile(r"mtp\.layers\.\d+\.(.+)")
 
 # The Transformer Engine spec's fused layer-norm names -> the local spec's (and ours).
 _FUSED_NORMS = {
@@ -96,11 +99,7 @@ _FUSED_NORMS = {
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
-    # Multi-latent attention: the latents' norms fused into the up projections.
-    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
-    "self_attention.linear_q_up_proj.layer_norm_bias": "self_attention.q_layernorm.bias",
-    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
-    "self_attention.linear_kv_up_proj.layer_norm_bias": "self_attention.kv_layernorm.bias",
+    **mla.FUSED_NORMS,
 }
 # How legacy files split each tensor over TP ranks: the dim its shards are concatenated along, or
 # None for tensors every rank holds whole.
@@ -113,23 +112,9 @@ _LAYER_SPLIT = {
     "self_attention.k_layernorm.weight": None, "self_attention.k_layernorm.bias": None,
     "mlp.linear_fc1.weight": 0, "mlp.linear_fc1.bias": 0,
     "mlp.linear_fc2.weight": 1, "mlp.linear_fc2.bias": None,
-    # Multi-latent attention: the up projections (and the query projection without a query latent)
-    # column-parallel over the heads; the down projections column-parallel in the local spec, whole
-    # on every rank in Transformer Engine's (see _DOWN_PROJECTIONS); the latents' norms whole.
-    "self_attention.linear_q_proj.weight": 0, "self_attention.linear_q_up_proj.weight": 0,
-    "self_attention.linear_kv_up_proj.weight": 0,
-    "self_attention.linear_q_down_proj.weight": 0, "self_attention.linear_kv_down_proj.weight": 0,
-    "self_attention.kv_layernorm.weight": None, "self_attention.kv_layernorm.bias": None,
+    **mla.LAYER_SPLIT,
     **moe.LAYER_SPLIT,
 }
-# The down projections of multi-latent attention and the argument(s) giving their full rows: a legacy
-# shard with that many rows is the whole tensor (Transformer Engine's duplicated linear), else a
-# column-parallel piece.
-_DOWN_PROJECTIONS = {"self_attention.linear_q_down_proj.weight": ("q_lora_rank",),
-                     "self_attention.linear_kv_down_proj.weight": ("kv_lora_rank", "qk_pos_emb_head_dim")}
-# A multi-token prediction depth's own tensors (its layer's are _LAYER_SPLIT's): eh_proj column-parallel.
-_MTP_SPLIT = {"enorm.weight": None, "enorm.bias": None, "hnorm.weight": None, "hnorm.bias": None,
-              "eh_proj.weight": 0, "final_layernorm.weight": None, "final_layernorm.bias": None}
 _MODEL_SPLIT = {
     WORD_EMBEDDINGS: 0, "embedding.position_embeddings.weight": None,
     "decoder.final_layernorm.weight": None, "decoder.final_layernorm.bias": None,
@@ -285,7 +270,7 @@ def _read_legacy(directory: str) -> tuple[dict, dict]:
     args = vars(common["args"])
     files, tp_size, pp_size, ep_size = _legacy_files(directory, args)
     _check_layout(common, tp_size, pp_size, ep_size, directory)
-    whole_rows = _down_projection_rows(args)
+    whole_rows = mla.down_projection_rows(args)
     num_local = args["num_experts"] // ep_size if args.get("num_experts") else 0
     chunks = {}   # (virtual stage, pipeline stage) -> {name with local layer number: full tensor}
     for stage in range(pp_size):
@@ -363,13 +348,6 @@ def _model_chunks(state: dict, file: str) -> list:
     return chunks
 
 
-def _down_projection_rows(args: dict) -> dict:
-    """{name within a layer: full rows} of multi-latent attention's down projections (_DOWN_PROJECTIONS)."""
-    if not args.get("multi_latent_attention"):
-        return {}
-    return {name: sum(args.get(arg) or 0 for arg in rows_from) for name, rows_from in _DOWN_PROJECTIONS.items()}
-
-
 def _merge_tensor_parallel(shards: list, args: dict, whole_rows: dict, file: str) -> dict:
     """The full tensors of one model chunk from its TP shards (Megatron's layouts kept)."""
     gated = bool(args.get("swiglu", False))
@@ -380,7 +358,7 @@ def _merge_tensor_parallel(shards: list, args: dict, whole_rows: dict, file: str
         name = _canonical_name(raw_name)
         dim = _split_dim(name, file)
         pieces = [shard[raw_name] for shard in shards]
-        if dim is None or len(pieces) == 1 or _is_whole(name, pieces[0], whole_rows):
+        if dim is None or len(pieces) == 1 or mla.is_whole(name, pieces[0], whole_rows):
             merged[name] = pieces[0]
         elif gated and moe.GATED_FC1.fullmatch(name):
             halves = [piece.chunk(2, dim=0) for piece in pieces]  # each shard: [gate_r; up_r]
@@ -390,18 +368,12 @@ def _merge_tensor_parallel(shards: list, args: dict, whole_rows: dict, file: str
     return merged
 
 
-def _is_whole(name: str, piece: torch.Tensor, whole_rows: dict) -> bool:
-    """A down projection of multi-latent attention held whole by each TP rank (Transformer Engine's spec)."""
-    match = _ANY_LAYER.fullmatch(name)
-    return match is not None and match.group(2) in whole_rows and piece.shape[0] == whole_rows[match.group(2)]
-
-
 def _split_dim(name: str, file: str) -> Optional[int]:
-    layer, module = _ANY_LAYER.fullmatch(name), _MTP_MODULE.fullmatch(name)
+    layer, module = _ANY_LAYER.fullmatch(name), mla.MTP_MODULE.fullmatch(name)
     if layer:
         table, key = _LAYER_SPLIT, moe.split_key(layer.group(2))
     elif module:
-        table, key = _MTP_SPLIT, module.group(1)
+        table, key = mla.MTP_SPLIT, module.group(1)
     else:
         table, key = _MODEL_SPLIT, name
     if key not in table:
@@ -458,8 +430,7 @@ _UNSUPPORTED = (
     ("window_size", "--window-size", "sliding-window attention"),
     ("attention_output_gate", "--attention-output-gate", "gated attention output"),
     ("use_legacy_models", "--use-legacy-models", "pre-Megatron-Core models"),
-    ("mla_down_proj_fusion", "--mla-down-proj-fusion", "multi-latent attention's down projections fused"),
-    ("mtp_use_repeated_layer", "--mtp-use-repeated-layer", "one multi-token prediction layer for every depth"),
+    *mla.UNSUPPORTED,
 )
 
 
@@ -526,21 +497,8 @@ def config_from_megatron_args(args: dict, padded_vocab_size: int, *, source: str
             values[field.name] = [values[field.name]]
     values.update(padded_vocab_size=padded_vocab_size, openai_gelu=_tanh_gelu(args))
     if args.get("multi_latent_attention"):
-        values["rotary_interleaved"] = _mla_rotary_interleaved(args, source)
+        values["rotary_interleaved"] = mla.rotary_interleaved(args, source)
     return derive(TransformerConfig(**values), seq_length=args.get("seq_length"))
-
-
-def _mla_rotary_interleaved(args: dict, source: str) -> bool:
-    """Megatron-Core's multi-latent attention de-interleaves the rotated channels before it rotates
-    them in halves (rope_utils, multi_latent_attention=True): channel 2i turns with 2i+1, ours with
-    --rotary-interleaved (DeepSeek-V3's order; the permutation of the output, the same for queries and
-    keys, leaves the attention unchanged). With --rotary-interleaved too it would rotate the
-    de-interleaved channels in pairs again, an order GPTModel does not build."""
-    if args.get("rotary_interleaved"):
-        raise ValueError(f"{source}: --multi-latent-attention with --rotary-interleaved cannot be imported: "
-                         "Megatron-Core then de-interleaves the rotated channels and rotates them in pairs, an "
-                         "order GPTModel does not build")
-    return True
 
 
 def _is_list_field(field) -> bool:
