@@ -150,3 +150,18 @@ def test_deepseek_options_we_cannot_represent_are_refused(mla_checkpoints, chang
     args = dict(vars(load_pickled(str(file))["args"]))
     with pytest.raises(ValueError, match=re.escape(message)):
         config_from_megatron_args({**args, **changes}, 128)
+
+
+def test_convert_tool_writes_the_deepseek_model(mla_checkpoints, tmp_path):
+    """tools/checkpoint/convert.py --source-format megatron: our checkpoint (the prediction depth and
+    both routers' expert biases with the weights) reads back to the imported tensors and config."""
+    from megatron.core.checkpointing.conversion import read_weights
+    from tests.unit.test_checkpoint_convert import convert
+
+    source = checkpoint_dir(mla_checkpoints, "torch", "tp2_pp2")
+    convert.convert(["--source-format", "megatron", "--source", str(source), "--target", str(tmp_path / "ours")])
+    logical, config, _, _ = read_weights(str(tmp_path / "ours"))
+    imported = read_megatron_checkpoint(source)
+    assert "mtp.layers.0.transformer_layer.mlp.router.expert_bias" in logical
+    _assert_same_logical(logical, imported.logical)
+    assert (config.multi_latent_attention, config.rotary_interleaved, config.mtp_num_layers) == (True, True, 1)
