@@ -233,7 +233,8 @@ def _rewrite_args(directory: Path, **changes) -> None:
 @pytest.mark.parametrize("changes,message", [
     (dict(qk_layernorm=True), "missing ['decoder.layers.0.self_attention.k_layernorm.weight'"),
     (dict(num_experts=8), "missing ['decoder.layers.0.mlp.experts.fc1_weight'"),  # a dense model's tensors
-    (dict(multi_latent_attention=True), "--multi-latent-attention"),
+    # a dense model's tensors under multi-latent attention's arguments
+    (dict(multi_latent_attention=True), "missing ['decoder.layers.0.self_attention.linear_kv_down_proj.weight'"),
     (dict(position_embedding_type="yarn"), "--position-embedding-type yarn"),
     (dict(num_layers=3), "expected the layers stacked in its first dimension (num_layers=3)"),
     (dict(ffn_hidden_size=64), "decoder.layers.0.mlp.linear_fc1.weight has shapes"),

@@ -248,14 +248,6 @@ def test_prediction_module_logits_equal_transformers_mtp_layer():
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
-def test_megatron_lm_checkpoints_with_prediction_modules_are_refused_by_name():
-    from megatron.core.checkpointing.megatron_lm import check_supported
-
-    with pytest.raises(ValueError, match="--mtp-num-layers checkpoints cannot be imported yet"):
-        check_supported({"mtp_num_layers": 1})
-    check_supported({"mtp_num_layers": 0})  # Megatron-Core builds no module for 0
-
-
 def test_context_parallelism_is_refused_at_startup():
     from megatron.training.arguments import parse_args
     from megatron.training.validation import ConfigError, validate

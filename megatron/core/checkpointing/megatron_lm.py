@@ -38,16 +38,19 @@ Layouts undone:
 - Mixture of experts (router, expert bias, routed experts in each form Megatron-Core writes, shared
   experts and their gate): see megatron_lm_moe.py. The router's expert bias, a buffer, is a logical
   entry `decoder.layers.i.mlp.router.expert_bias` of its own.
+- Multi-latent attention and multi-token prediction (`mtp.layers.k.*`, the depth's layer read as a
+  decoder layer is): see megatron_lm_mla.py.
 
 The model's arguments are read by name: TransformerConfig's fields are Megatron-LM's argument names,
 so the config is a loop over them (`config_from_megatron_args`).
 
-Refused with a ValueError naming the option: what this importer does not map yet (multi-latent
-attention, multi-token prediction) and what GPTModel cannot represent (sliding-window attention, non-vanilla softmax, squared ReLU, quick
-GeGLU, post-layernorm residuals, rotary sequence interpolation, position embeddings other than rope /
-learned_absolute / none; for experts: a router bias, the sqrtsoftplus score function, probabilities
-applied to the experts' input, latent experts, interleaved gate/up rows, legacy files with an
-expert-tensor-parallel size other than the tensor-parallel one), Megatron-LM's pre-Core models
+Refused with a ValueError naming the option: what GPTModel cannot represent (sliding-window
+attention, non-vanilla softmax, squared ReLU, quick GeGLU, post-layernorm residuals, rotary sequence
+interpolation, position embeddings other than rope / learned_absolute / none; for multi-latent
+attention and multi-token prediction see megatron_lm_mla.py; for experts: a router bias, the
+sqrtsoftplus score function, probabilities applied to the experts' input, latent experts,
+interleaved gate/up rows, legacy files with an expert-tensor-parallel size other than the
+tensor-parallel one), Megatron-LM's pre-Core models
 (`--use-legacy-models`, keys under `language_model`), checkpoint versions before 3.0, and formats
 other than the two above.
 
@@ -71,6 +74,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megatron.core.checkpointing import megatron_lm_mla as mla
 from megatron.core.checkpointing import megatron_lm_moe as moe
 from megatron.core.checkpointing.safe_pickle import check_dcp_files, first_line, load_pickled
 from megatron.core.checkpointing.safe_reader import SafeFileSystemReader
@@ -85,7 +89,9 @@ _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _ROUTER_BIAS = ".mlp.router.expert_bias"
 _STACKED_LAYERS = "decoder.layers."
-_MODEL_ROOTS = ("embedding.", "decoder.", "output_layer.")
+_MODEL_ROOTS = ("embedding.", "decoder.", "output_layer.", "mtp.")
+# A decoder layer or a multi-token prediction depth's layer: (its prefix, the name within the layer).
+_ANY_LAYER = re.compile(rf"({moe.LAYER_PREFIX})\.(.+)")
 
 # The Transformer Engine spec's fused layer-norm names -> the local spec's (and ours).
 _FUSED_NORMS = {
@@ -93,6 +99,7 @@ _FUSED_NORMS = {
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+    **mla.FUSED_NORMS,
 }
 # How legacy files split each tensor over TP ranks: the dim its shards are concatenated along, or
 # None for tensors every rank holds whole.
@@ -105,6 +112,7 @@ _LAYER_SPLIT = {
     "self_attention.k_layernorm.weight": None, "self_attention.k_layernorm.bias": None,
     "mlp.linear_fc1.weight": 0, "mlp.linear_fc1.bias": 0,
     "mlp.linear_fc2.weight": 1, "mlp.linear_fc2.bias": None,
+    **mla.LAYER_SPLIT,
     **moe.LAYER_SPLIT,
 }
 _MODEL_SPLIT = {
@@ -237,8 +245,8 @@ def _unstack_layers(tensors: dict, num_layers: int, directory: str) -> dict:
         if _LAYER.fullmatch(name):
             out[_canonical_name(name)] = tensor
             continue
-        if not name.startswith(_STACKED_LAYERS):
-            out[name] = tensor
+        if not name.startswith(_STACKED_LAYERS):  # the multi-token prediction depths are saved one by one
+            out[_canonical_name(name)] = tensor
             continue
         if tensor.ndim == 0 or tensor.shape[0] != num_layers:
             raise ValueError(f"{directory}: {name} has shape {tuple(tensor.shape)}; expected the layers stacked in "
@@ -262,7 +270,7 @@ def _read_legacy(directory: str) -> tuple[dict, dict]:
     args = vars(common["args"])
     files, tp_size, pp_size, ep_size = _legacy_files(directory, args)
     _check_layout(common, tp_size, pp_size, ep_size, directory)
-    gated = bool(args.get("swiglu", False))
+    whole_rows = mla.down_projection_rows(args)
     num_local = args["num_experts"] // ep_size if args.get("num_experts") else 0
     chunks = {}   # (virtual stage, pipeline stage) -> {name with local layer number: full tensor}
     for stage in range(pp_size):
@@ -275,7 +283,7 @@ def _read_legacy(directory: str) -> tuple[dict, dict]:
                                for chunk in _model_chunks(state, file)])
                 del state
             for virtual, chunk_shards in enumerate(zip(*shards, strict=True)):
-                merged = _merge_tensor_parallel(list(chunk_shards), gated, files[(0, stage, ep_rank)])
+                merged = _merge_tensor_parallel(list(chunk_shards), args, whole_rows, files[(0, stage, ep_rank)])
                 if ep_rank > 0:  # the dense tensors are the same on every expert-parallel rank
                     merged = {name: tensor for name, tensor in merged.items() if ".mlp.experts." in name}
                 chunks.setdefault((virtual, stage), {}).update(merged)
@@ -340,8 +348,9 @@ def _model_chunks(state: dict, file: str) -> list:
     return chunks
 
 
-def _merge_tensor_parallel(shards: list, gated: bool, file: str) -> dict:
+def _merge_tensor_parallel(shards: list, args: dict, whole_rows: dict, file: str) -> dict:
     """The full tensors of one model chunk from its TP shards (Megatron's layouts kept)."""
+    gated = bool(args.get("swiglu", False))
     merged = {}
     for raw_name in shards[0]:
         if raw_name.endswith("_extra_state"):
@@ -349,7 +358,7 @@ def _merge_tensor_parallel(shards: list, gated: bool, file: str) -> dict:
         name = _canonical_name(raw_name)
         dim = _split_dim(name, file)
         pieces = [shard[raw_name] for shard in shards]
-        if dim is None or len(pieces) == 1:
+        if dim is None or len(pieces) == 1 or mla.is_whole(name, pieces[0], whole_rows):
             merged[name] = pieces[0]
         elif gated and moe.GATED_FC1.fullmatch(name):
             halves = [piece.chunk(2, dim=0) for piece in pieces]  # each shard: [gate_r; up_r]
@@ -360,8 +369,13 @@ def _merge_tensor_parallel(shards: list, gated: bool, file: str) -> dict:
 
 
 def _split_dim(name: str, file: str) -> Optional[int]:
-    match = _LAYER.fullmatch(name)
-    table, key = (_LAYER_SPLIT, moe.split_key(match.group(2))) if match else (_MODEL_SPLIT, name)
+    layer, module = _ANY_LAYER.fullmatch(name), mla.MTP_MODULE.fullmatch(name)
+    if layer:
+        table, key = _LAYER_SPLIT, moe.split_key(layer.group(2))
+    elif module:
+        table, key = mla.MTP_SPLIT, module.group(1)
+    else:
+        table, key = _MODEL_SPLIT, name
     if key not in table:
         raise ValueError(f"{file}: tensor {name!r} is not part of a GPT model this framework can build "
                          "(an option it does not implement?)")
@@ -370,9 +384,9 @@ def _split_dim(name: str, file: str) -> Optional[int]:
 
 def _canonical_name(name: str) -> str:
     """The local spec's name for a Transformer Engine spec's fused layer-norm name."""
-    match = _LAYER.fullmatch(name)
+    match = _ANY_LAYER.fullmatch(name)
     if match and match.group(2) in _FUSED_NORMS:
-        return f"decoder.layers.{match.group(1)}.{_FUSED_NORMS[match.group(2)]}"
+        return f"{match.group(1)}.{_FUSED_NORMS[match.group(2)]}"
     return name
 
 
@@ -389,6 +403,8 @@ def _number_layers_globally(chunks: dict, pp_size: int, directory: str) -> dict:
             match = _LAYER.fullmatch(name)
             if match:
                 name = f"decoder.layers.{offset + int(match.group(1))}.{match.group(2)}"
+            if name == WORD_EMBEDDINGS and name in tensors and stage > 0:
+                continue  # the multi-token prediction stage's copy, tied to the first stage's
             if name in tensors:
                 raise ValueError(f"{directory}: {name} is held by more than one pipeline stage")
             tensors[name] = tensor
@@ -414,6 +430,7 @@ _UNSUPPORTED = (
     ("window_size", "--window-size", "sliding-window attention"),
     ("attention_output_gate", "--attention-output-gate", "gated attention output"),
     ("use_legacy_models", "--use-legacy-models", "pre-Megatron-Core models"),
+    *mla.UNSUPPORTED,
 )
 
 
@@ -446,15 +463,6 @@ def _vocab_rows(tensors: dict, source: str) -> int:
 def check_supported(args: dict, source: str = "checkpoint") -> None:
     """Raises ValueError naming the first option in Megatron's arguments that GPTModel lacks, or
     whose tensors this importer does not map."""
-    if args.get("multi_latent_attention"):
-        raise ValueError(f"{source}: --multi-latent-attention checkpoints cannot be imported yet: GPTModel builds "
-                         "multi-latent attention, but Megatron-LM's tensors of it (the fused latent norms and "
-                         "replicated down projections) are not mapped here; convert the checkpoint to Hugging "
-                         "Face format first")
-    if args.get("mtp_num_layers"):
-        raise ValueError(f"{source}: --mtp-num-layers checkpoints cannot be imported yet: GPTModel builds "
-                         "multi-token prediction (under Megatron-Core's names, mtp.layers.*), but this importer does "
-                         "not map Megatron-LM's tensors of it (per format and tensor-parallel layout)")
     for name, flag, what in _UNSUPPORTED:
         if args.get(name):
             raise ValueError(f"{source}: {flag} ({what}; {name}={args[name]!r}) cannot be imported: GPTModel does "
@@ -488,6 +496,8 @@ def config_from_megatron_args(args: dict, padded_vocab_size: int, *, source: str
         if field.name in values and _is_list_field(field) and not isinstance(values[field.name], (list, tuple)):
             values[field.name] = [values[field.name]]
     values.update(padded_vocab_size=padded_vocab_size, openai_gelu=_tanh_gelu(args))
+    if args.get("multi_latent_attention"):
+        values["rotary_interleaved"] = mla.rotary_interleaved(args, source)
     return derive(TransformerConfig(**values), seq_length=args.get("seq_length"))
 
 
@@ -512,7 +522,7 @@ def _to_logical(tensors: dict, config: TransformerConfig, source: str) -> dict:
     for name, tensor in tensors.items():
         if name == OUTPUT_LAYER and not config.untie_embeddings_and_output_weights:
             continue  # the last stage's copy of the tied word embedding
-        match = _LAYER.fullmatch(name)
+        match = _ANY_LAYER.fullmatch(name)
         suffix = match.group(2) if match else ""
         if suffix.startswith("self_attention.linear_qkv."):
             parts = _split_qkv(tensor, config, name, source)

@@ -28,6 +28,10 @@ import re
 
 import torch
 
+# A transformer layer's prefix: a decoder layer, or the layer of a multi-token prediction depth (built
+# as the last decoder layer, so a mixture of experts when that is one).
+LAYER_PREFIX = r"(?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)"
+
 # Legacy TP split of the mixture-of-experts tensors (dim the shards are concatenated along; None:
 # whole on every rank), keyed by the name after `decoder.layers.i.` with the expert index as '*'.
 LAYER_SPLIT = {
@@ -37,13 +41,13 @@ LAYER_SPLIT = {
     "mlp.experts.*.linear_fc1.weight": 0, "mlp.experts.*.linear_fc2.weight": 1,
 }
 # Every linear_fc1 of a layer (dense MLP, shared experts, one expert): [gate; up] with SwiGLU.
-GATED_FC1 = re.compile(r"decoder\.layers\.\d+\.mlp\.(?:shared_experts\.|experts\.\d+\.)?linear_fc1\.(weight|bias)")
+GATED_FC1 = re.compile(LAYER_PREFIX + r"\.mlp\.(?:shared_experts\.|experts\.\d+\.)?linear_fc1\.(weight|bias)")
 
-_SEQUENTIAL = re.compile(r"(decoder\.layers\.\d+\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)")
-_TE_GROUPED = re.compile(r"(decoder\.layers\.\d+\.mlp\.experts)\.(linear_fc[12])\.(weight|bias)(\d+)")
-_LEGACY_GROUPED = re.compile(r"(decoder\.layers\.\d+\.mlp\.experts)\.weight([12])")
-_TORCH_DIST = re.compile(r"(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(linear_fc[12]\.weight)")
-_EXPERT = re.compile(r"(decoder\.layers\.\d+\.mlp\.experts)\.(\d+)\.(linear_fc[12])\.weight")
+_SEQUENTIAL = re.compile(r"(" + LAYER_PREFIX + r"\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)")
+_TE_GROUPED = re.compile(r"(" + LAYER_PREFIX + r"\.mlp\.experts)\.(linear_fc[12])\.(weight|bias)(\d+)")
+_LEGACY_GROUPED = re.compile(r"(" + LAYER_PREFIX + r"\.mlp\.experts)\.weight([12])")
+_TORCH_DIST = re.compile(r"(" + LAYER_PREFIX + r"\.mlp\.experts)\.experts\.(linear_fc[12]\.weight)")
+_EXPERT = re.compile(r"(" + LAYER_PREFIX + r"\.mlp\.experts)\.(\d+)\.(linear_fc[12])\.weight")
 
 
 def split_key(layer_suffix: str) -> str:
