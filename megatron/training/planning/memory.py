@@ -190,11 +190,11 @@ def persistent_terms(arch: Architecture, lay: Layout, layers: int, *, first: boo
     return terms
 
 
-def expert_terms(arch: Architecture, lay: Layout, layers: int, first_layer: int = 0) -> dict:
+def expert_terms(arch: Architecture, lay: Layout, layers: int, first_layer: int = 0, last: bool = False) -> dict:
     """The routed experts' weights, gradients and optimizer state on one GPU: E/EP experts split over
     ETP, replicated over the expert-data-parallel ranks, over which the distributed optimizer
-    shards their state."""
-    n = stage_expert_parameters(arch, lay.ep, lay.etp, layers, first_layer)
+    shards their state (`last`: the last stage, with the prediction modules' experts)."""
+    n = stage_expert_parameters(arch, lay.ep, lay.etp, layers, first_layer, last=last)
     if not n:
         return {}
     moments = 2 if lay.optimizer == "adam" else (1 if lay.sgd_momentum else 0)
@@ -204,7 +204,7 @@ def expert_terms(arch: Architecture, lay: Layout, layers: int, first_layer: int 
              "expert optimizer state": state / lay.edp if lay.distributed_optimizer else state}
     fp8 = fp8_layers(arch, lay)
     if fp8:  # each local expert's quantized weights and their transposes, cached per optimizer step
-        cast = stage_expert_parameters(arch, lay.ep, lay.etp, layers, first_layer, weights_only=True)
+        cast = stage_expert_parameters(arch, lay.ep, lay.etp, layers, first_layer, weights_only=True, last=last)
         terms["expert FP8 weight copies"] = 2 * cast * min(1.0, fp8 / arch.num_layers)
     return terms
 
@@ -213,7 +213,7 @@ def stage_memory(arch: Architecture, lay: Layout, stage: int, layers: int) -> St
     first, last = stage == 0, stage == lay.pp - 1
     first_layer = sum(lay.layers_per_stage(arch.num_layers)[:stage])
     terms = persistent_terms(arch, lay, layers, first=first, last=last, first_layer=first_layer)
-    terms.update(expert_terms(arch, lay, layers, first_layer))
+    terms.update(expert_terms(arch, lay, layers, first_layer, last))
     saved, regroup = stage_layer_activations(arch, lay, layers, first_layer)
     in_flight = microbatches_in_flight(lay, stage)
     terms["activations"] = saved * in_flight

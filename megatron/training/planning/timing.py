@@ -189,7 +189,7 @@ def layer_time(arch: Architecture, lay: Layout, cluster: Cluster, fp8: bool = Fa
         gemm += experts
     if lay.fsdp2:  # gather the layer's weights (forward, backward), reduce-scatter its gradients
         shards = lay.dp * lay.cp
-        weights = layer_parameters(arch, lay.tp)
+        weights = layer_parameters(arch, lay.tp, moe)  # a mixture-of-experts layer: its dense part
         bandwidth = cluster.link_bandwidth(lay.tp * lay.cp * lay.dp)
         moved = 2 * _gather(lay.compute_bytes * weights, shards, bandwidth)
         moved += _gather((2 if lay.grad_reduce_in_bf16 else 4) * weights, shards, bandwidth)
@@ -272,7 +272,7 @@ def _data_parallel_seconds(arch: Architecture, lay: Layout, cluster: Cluster, st
     first_layer = sum(lay.layers_per_stage(arch.num_layers)[:stage])
     n = stage_parameters(arch, lay.tp, layers, first=stage == 0, last=stage == lay.pp - 1, pp=lay.pp,
                          first_layer=first_layer)
-    experts = stage_expert_parameters(arch, lay.ep, lay.etp, layers, first_layer) if arch.is_moe else 0
+    experts = stage_expert_parameters(arch, lay.ep, lay.etp, layers, first_layer, last=stage == lay.pp - 1)
     shards = lay.dp * lay.cp
     sharded = lay.distributed_optimizer or lay.fsdp2
     stepped = (n / shards + experts / lay.edp) if sharded else n + experts
