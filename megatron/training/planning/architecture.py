@@ -36,7 +36,6 @@ class Architecture:
     tied_embeddings: bool
     hidden_dropout: float
     attention_dropout: float
-    layer_norms: int = 2           # norms over the hidden size per layer (1: --parallel_attn with one norm, Falcon-7B)
     # Multi-latent attention (--multi-latent-attention; mla False: the fields are unused)
     mla: bool = False
     q_lora_rank: Optional[int] = None
@@ -100,7 +99,7 @@ def architecture(model_config) -> Architecture:
         rope=c.position_embedding_type == "rope", rotary_dim=int(c.kv_channels * c.rotary_percent),
         max_position_embeddings=c.max_position_embeddings,
         tied_embeddings=not c.untie_embeddings_and_output_weights, hidden_dropout=c.hidden_dropout,
-        attention_dropout=c.attention_dropout, layer_norms=1 if c.parallel_attn and not c.parallel_layernorm else 2,
+        attention_dropout=c.attention_dropout,
         model=c, model_key=built.model_key(c), **_mla_fields(c), **_moe_fields(c))
 
 
@@ -182,3 +181,8 @@ def flops_per_iteration(arch: Architecture, global_batch_size: int, seq_length: 
     """Model FLOPs per iteration of this architecture (planning/built.py: counted on the model built
     on the meta device; the log line's TFLOP/s counts the same)."""
     return built.flops_per_iteration(arch.model, global_batch_size, seq_length, arch.model_key)
+
+
+def model_flops(model_config, global_batch_size: int, seq_length: int) -> float:
+    """Model FLOPs per iteration of a model description (the log line's TFLOP/s; planning/built.py)."""
+    return built.flops_per_iteration(model_config, global_batch_size, seq_length)

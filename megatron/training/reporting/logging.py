@@ -3,7 +3,7 @@ import datetime
 from typing import Optional
 
 from megatron.core.transformer.config import TransformerConfig
-from megatron.training.planning.built import flops_per_iteration as built_flops
+from megatron.training.planning.architecture import model_flops
 
 
 def flops_per_iteration(model: TransformerConfig, global_batch_size: int, seq_length: int) -> float:
@@ -15,7 +15,7 @@ def flops_per_iteration(model: TransformerConfig, global_batch_size: int, seq_le
     k = kv_channels; g = query groups; V = padded vocab). One definition, the planner's, so the
     plan's MFU and the log line's TFLOP/s/GPU count the same FLOPs.
     """
-    return built_flops(model, global_batch_size, seq_length)
+    return model_flops(model, global_batch_size, seq_length)
 
 
 def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
