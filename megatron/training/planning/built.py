@@ -122,10 +122,13 @@ def ends_counts(model_config, key: str, tp: int, ep: int = 1, etp: int = 1, *, f
 def stage_counts(model_config, key: str, tp: int, ep: int, etp: int, num_layers: int, first_layer: int, *,
                  first: bool, last: bool) -> Counts:
     """One pipeline stage's parameters on one rank: its decoder layers and its ends."""
-    total = ends_counts(model_config, key, tp, ep, etp, first=first, last=last)
-    for kind, count in layer_kinds(model_config, first_layer, num_layers).items():
-        total = total + layer_counts(model_config, key, kind, tp, ep, etp) * count
-    return total
+    def count() -> Counts:
+        total = ends_counts(model_config, key, tp, ep, etp, first=first, last=last)
+        for kind, n in layer_kinds(model_config, first_layer, num_layers).items():
+            total = total + layer_counts(model_config, key, kind, tp, ep, etp) * n
+        return total
+
+    return _cached(("stage", key, tp, ep, etp, num_layers, first_layer, first, last), count)
 
 
 def forward_flops_per_token(model_config, key: str, seq_length: int) -> int:
