@@ -125,3 +125,26 @@ def test_a_new_layer_kind_is_planned_without_planner_edits(monkeypatch):
 def test_generic_count_is_two_flops_per_weight():
     mlp = MLP(llama_config(), device=torch.device("meta"))
     assert matmul_flops_per_token(mlp, 16) == 2 * (64 * 2 * 96 + 96 * 64)
+
+
+@pytest.mark.parametrize("case", ["llama", "mla"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_activation_widths_are_the_built_layers(case, tp):
+    """The analytic activation terms read the widths the built layer has on this rank: the qkv
+    buffer (key/value heads replicated when TP exceeds the groups) and the output projection's input."""
+    from megatron.training.planning.layout import Layout
+    from megatron.training.planning.memory import layer_activation_terms
+
+    config = CASES[case]
+    lay = Layout(tp=tp, pp=1, cp=1, dp=1, micro_batch_size=2, global_batch_size=2, seq_length=16, precision="bf16",
+                 device="gpu", attention_kernel="flash", fused_elementwise=True)
+    terms = layer_activation_terms(architecture(config), lay, selective=True)
+    layer = layer_module.TransformerLayer(config, groups=ParallelGroups(tp_size=tp), rng_tracker=None,
+                                          device=torch.device("meta"))
+    attention, tokens = layer.self_attention, 2 * 16
+    assert terms["proj_input"] == 2 * tokens * attention.linear_proj.weight.shape[1]
+    if case == "llama":
+        assert terms["qkv"] == 2 * tokens * attention.linear_qkv.weight.shape[0]
+    else:  # q and k are [no-position part; rotated part] per head, v a view of kv_up's output
+        q_width = attention.linear_q_up_proj.weight.shape[0]
+        assert terms["qkv"] == 2 * tokens * (2 * q_width + attention.linear_kv_up_proj.weight.shape[0])

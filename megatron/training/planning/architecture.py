@@ -31,7 +31,7 @@ class Architecture:
     qk_layernorm: bool
     learned_positions: bool        # learned absolute position embeddings (else RoPE or none)
     rope: bool
-    rotary_dim: int                # channels RoPE rotates (kv channels x rotary percent)
+    rotary_dim: int                # channels RoPE rotates (kv channels x rotary percent; MLA: its rotated part)
     max_position_embeddings: int
     tied_embeddings: bool
     hidden_dropout: float
@@ -96,7 +96,8 @@ def architecture(model_config) -> Architecture:
         vocab_size=c.padded_vocab_size, gated_linear_unit=c.swiglu,
         layernorm=c.normalization == "LayerNorm", add_bias_linear=c.add_bias_linear, add_qkv_bias=c.add_qkv_bias,
         qk_layernorm=c.qk_layernorm, learned_positions=c.position_embedding_type == "learned_absolute",
-        rope=c.position_embedding_type == "rope", rotary_dim=int(c.kv_channels * c.rotary_percent),
+        rope=c.position_embedding_type == "rope", rotary_dim=(c.qk_pos_emb_head_dim if c.multi_latent_attention
+                                                                  else int(c.kv_channels * c.rotary_percent)),
         max_position_embeddings=c.max_position_embeddings,
         tied_embeddings=not c.untie_embeddings_and_output_weights, hidden_dropout=c.hidden_dropout,
         attention_dropout=c.attention_dropout,

@@ -91,6 +91,18 @@ def layer_counts(model_config, key: str, kind: str, tp: int, ep: int = 1, etp: i
     return _cached(("layer", key, kind, tp, ep, etp), lambda: _count(_layer(model_config, kind, tp, ep, etp)))
 
 
+def layer_matrices(model_config, key: str, kind: str, tp: int) -> tuple:
+    """Elements of each matrix of one decoder layer of this kind on one tensor-parallel rank, in
+    the order they run (a mixture-of-experts block left out: its router and experts are timed by
+    their rows, planning/moe.py)."""
+    def matrices() -> tuple:
+        layer = _layer(model_config, kind, tp, 1, 1)
+        skipped = {id(p) for p in layer.mlp.parameters()} if layer.is_moe else set()
+        return tuple(p.numel() for p in layer.parameters() if p.dim() == 2 and id(p) not in skipped)
+
+    return _cached(("matrices", key, kind, tp), matrices)
+
+
 def layer_kinds(model_config, first_layer: int, num_layers: int) -> dict:
     """{kind: how many} of decoder layers first_layer .. first_layer + num_layers - 1."""
     kinds = {}
