@@ -17,6 +17,7 @@ build the pieces of `GPTModel` on torch.device("meta") (shapes, no storage) and 
 Each distinct (model, layer kind, TP, EP, ETP) is built once per process (a few milliseconds), so
 a layout search that tries thousands of layouts builds a handful of modules.
 """
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +83,9 @@ def _representative(model_config, kind: str) -> int:
 
 
 def _layer(model_config, kind: str, tp: int, ep: int, etp: int) -> TransformerLayer:
+    if kind == "dense" and "dense" not in layer_kinds(model_config, 0, model_config.num_layers):
+        # asked of a model whose every layer has experts: its dense layer, as the model without experts builds it
+        model_config = dataclasses.replace(model_config, num_experts=None)
     return TransformerLayer(model_config, groups=_groups(tp, ep, etp), rng_tracker=None, device=META,
                             layer_number=_representative(model_config, kind))
 
