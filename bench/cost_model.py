@@ -175,12 +175,24 @@ def step_parts(name: str, precision: str, after: bool) -> dict:
     return parts
 
 
-def megatron_flops(name: str) -> float:
-    """Megatron's FLOPs per iteration for the preset (what TFLOP/s/GPU and MFU are computed from)."""
+def dense_config(name: str):
+    """The dense preset's model description, as bench/bench_pretrain.py builds it."""
+    from megatron.core.transformer.config import TransformerConfig, derive
+
     p = PRESETS[name]
-    h, f, q, k, g = p["h"], p["f"], p["h"], p["h"] // p["heads"], p["groups"]
-    per_layer = 3 * h * f + 2 * h * q + 2 * h * k * g + SEQ * q
-    return 6.0 * MICRO_BATCHES * p["micro"] * SEQ * (p["layers"] * per_layer + h * p["vocab"])
+    return derive(TransformerConfig(
+        num_layers=p["layers"], hidden_size=p["h"], num_attention_heads=p["heads"], num_query_groups=p["groups"],
+        group_query_attention=True, ffn_hidden_size=p["f"], padded_vocab_size=p["vocab"], swiglu=True,
+        add_bias_linear=False, normalization="RMSNorm", position_embedding_type="rope",
+        untie_embeddings_and_output_weights=not p["tied"], max_position_embeddings=SEQ))
+
+
+def megatron_flops(name: str) -> float:
+    """Megatron's FLOPs per iteration for the preset (what TFLOP/s/GPU and MFU are computed from):
+    the log line's count (megatron/training/reporting/logging.py), on the model built on the meta device."""
+    from megatron.training.reporting.logging import flops_per_iteration
+
+    return flops_per_iteration(dense_config(name), MICRO_BATCHES * PRESETS[name]["micro"], SEQ)
 
 
 def prediction(name: str, precision: str, after: bool) -> dict:

@@ -5,7 +5,8 @@ that record every distinct storage saved for backward (parameters excluded, view
 twice counted once), and compares the bytes with the plan's activation term for the same layout:
 per recompute mode (none, selective, full uniform and block), at several shapes, fp32 and bf16,
 GQA and multi-head attention, RMSNorm/SwiGLU/RoPE and LayerNorm/GeLU/dropout with the flash and the
-math attention kernels; and on 2 gloo processes with tensor parallelism (with and without sequence
+math attention kernels, multi-latent attention (with and without the query latent and the latents'
+norms); and on 2 gloo processes with tensor parallelism (with and without sequence
 parallelism, key/value heads split and replicated) and context parallelism (each comm type).
 The plan must agree within 5% (it agrees exactly where every saved tensor is accounted for).
 """
@@ -22,6 +23,8 @@ from tests.distributed.harness import run_distributed
 from tests.distributed.parity import gpt2_config, llama_config, split_overrides
 
 TOLERANCE = 0.05
+MLA = dict(multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8,
+           v_head_dim=12, qk_layernorm=True)
 RECOMPUTE = {"none": {}, "selective": dict(recompute_granularity="selective"),
              "full-uniform-2": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
              "full-block-1": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)}
@@ -32,6 +35,11 @@ MODELS = {
     "gpt-dropout-fp32": dict(family="gpt", hidden_dropout=0.1),
     "gpt-math-dropout-bf16": dict(family="gpt", hidden_dropout=0.1, attention_dropout=0.1, attention_backend="math",
                                   params_dtype=torch.bfloat16),
+    # Multi-latent attention (its value width differs: PyTorch's CPU SDPA runs the math kernel)
+    "mla-latent-norms-fp32": dict(family="llama", attention_backend="math", **MLA),
+    "mla-latent-norms-bf16": dict(family="llama", attention_backend="math", params_dtype=torch.bfloat16, **MLA),
+    "mla-direct-query-bf16": dict(family="llama", attention_backend="math", params_dtype=torch.bfloat16,
+                                  **dict(MLA, q_lora_rank=None, qk_layernorm=False)),
 }
 
 
@@ -65,6 +73,16 @@ def test_one_process(name, recompute):
         measured = saved_bytes(*config, single_process(), seq=seq, batch=batch)
         plan = planned(config, seq=seq, batch=batch)
         assert abs(plan - measured) <= TOLERANCE * measured, (seq, batch, plan, measured)
+
+
+
+@pytest.mark.parametrize("recompute", sorted(RECOMPUTE))
+@pytest.mark.parametrize("name", sorted(name for name in MODELS if name.startswith("mla")))
+def test_multi_latent_attention_is_exact(name, recompute):
+    """Every tensor multi-latent attention saves is accounted for: the plan is the measurement."""
+    for seq, batch in ((32, 2), (64, 1)):
+        config = model_config(name, recompute)
+        assert planned(config, seq=seq, batch=batch) == saved_bytes(*config, single_process(), seq=seq, batch=batch)
 
 
 PARALLEL_CASES = [

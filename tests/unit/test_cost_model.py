@@ -4,7 +4,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -24,9 +23,7 @@ def test_counted_gemm_and_attention_flops_equal_megatrons_formula(name):
         p["layers"] * (sum(cost_model.gemm_flops(tokens, i, o) for i, o in cost_model.linear_shapes(p))
                        + cost_model.attention_flops(p))
         + cost_model.gemm_flops(tokens, p["h"], p["vocab"]))
-    model = SimpleNamespace(hidden_size=p["h"], ffn_hidden_size=p["f"], num_layers=p["layers"],
-                            padded_vocab_size=p["vocab"], swiglu=True, num_attention_heads=p["heads"],
-                            kv_channels=p["h"] // p["heads"], num_query_groups=p["groups"], num_experts=None)
+    model = cost_model.dense_config(name)
     formula = flops_per_iteration(model, cost_model.MICRO_BATCHES * p["micro"], cost_model.SEQ)
     assert counted == pytest.approx(formula, rel=1e-12)
     assert cost_model.megatron_flops(name) == pytest.approx(formula, rel=1e-12)

@@ -127,3 +127,17 @@ def test_the_added_family_converts_through_the_tool(tmp_path):
     back = Qwen2ForCausalLM.from_pretrained(tmp_path / "back", local_files_only=True)
     for key, tensor in back.state_dict().items():
         assert torch.equal(tensor, hf.state_dict()[key]), key
+
+
+@pytest.mark.usefixtures("toy_family")
+def test_the_added_family_is_planned_as_built():
+    """The planner counts the toy family's parameters and FLOPs on its built model: no planner edit."""
+    from megatron.training.planning.architecture import architecture, flops_per_iteration, total_parameters
+    from megatron.training.reporting.logging import flops_per_iteration as logged
+
+    config = hf_config_to_transformer_config(Qwen2ForCausalLM(qwen2_config()).config)
+    built = GPTModel(config, parallel_state.single_process(), device=torch.device("meta"))
+    assert total_parameters(architecture(config)) == sum(p.numel() for p in built.parameters())
+    h, f, q, kv, layers, vocab, s = 64, 96, 64, 32, 2, config.padded_vocab_size, 16
+    per_token = layers * (2 * (h * (q + 2 * kv) + q * h) + 2 * s * q + 2 * 3 * h * f) + 2 * h * vocab  # causal: s/2 keys
+    assert flops_per_iteration(architecture(config), 2, s) == 3 * 2 * s * per_token == logged(config, 2, s)

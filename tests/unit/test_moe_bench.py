@@ -1,10 +1,10 @@
 """The mixture-of-experts bench presets: bench/cost_model.py predicts the model bench_pretrain.py
 runs (same architecture, its FLOPs counted per expert GEMM equal to Megatron's formula with the
 active parameters), each fits one 80 GB GPU, and bench/gpu_check.sh's plan runs them."""
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -52,8 +52,8 @@ def test_counted_expert_flops_equal_megatrons_active_parameter_formula(name):
     formula = flops_per_iteration(cost_model.moe_config(name), cost_model.MICRO_BATCHES * p["micro"], cost_model.SEQ)
     assert counted == pytest.approx(formula, rel=1e-12)
     # MFU is against the active parameters: the same step time with all experts counted would be far higher.
-    dense = SimpleNamespace(**{**vars(cost_model.moe_config(name)), "num_experts": None,
-                               "ffn_hidden_size": p["experts"] * p["expert_f"]})
+    dense = dataclasses.replace(cost_model.moe_config(name), num_experts=None,
+                                ffn_hidden_size=p["experts"] * p["expert_f"])
     assert flops_per_iteration(dense, cost_model.MICRO_BATCHES, cost_model.SEQ) > 2 * formula
 
 

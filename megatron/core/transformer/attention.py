@@ -24,6 +24,7 @@ from megatron.core.parallel_state import TensorParallel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, Part, RowParallelLinear
 from megatron.core.tensor_parallel.random import RNGStatesTracker
 from megatron.core.transformer.config import DEFAULT_EXECUTION
+from megatron.core.transformer.flops import causal_attention_flops_per_token, matmul_flops_per_token
 from megatron.core.transformer.fusions import pick, rotary, rotary_interleaved
 from megatron.core.transformer.norm import build_norm
 
@@ -410,3 +411,9 @@ class SelfAttention(torch.nn.Module):
         """Whether this micro-batch's attention runs batch-first (`runs_batch_first`)."""
         return runs_batch_first(b, s, self.config.hidden_size, sequence_parallel=self.linear_proj.sequence_parallel,
                                 context_parallel=self.context_parallel, fp8=self.linear_proj.fp8 is not None)
+
+    def flops_per_token(self, seq_length: int) -> int:
+        """Forward FLOPs per token (transformer.flops): the projections, and the causal attention
+        products of this rank's heads."""
+        return (matmul_flops_per_token(self, seq_length)
+                + causal_attention_flops_per_token(seq_length, self.num_local_heads, self.head_dim, self.head_dim))

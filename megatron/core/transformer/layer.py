@@ -33,8 +33,7 @@ class TransformerLayer(torch.nn.Module):
         # experts and tokens are laid out over the expert groups.
         # A multi-token prediction layer (numbered after the decoder's) is built as the last decoder
         # layer is, as Megatron-Core builds it from the last layer's spec.
-        pattern_index = min(layer_number, config.num_layers - 1)
-        self.is_moe = config.num_experts is not None and config.moe_layers[pattern_index] == 1
+        self.is_moe = self.kind(config, layer_number) == "moe"
         if self.is_moe:
             self.mlp = MoELayer(config, execution=execution, layer_number=layer_number, groups=groups, device=device)
         else:
@@ -74,3 +73,12 @@ class TransformerLayer(torch.nn.Module):
             with self.dropout_rng.fork():
                 return F.dropout(x, self.hidden_dropout, training=True)
         return F.dropout(x, self.hidden_dropout, training=True)
+
+    @staticmethod
+    def kind(config, layer_number: int) -> str:
+        """What the layer numbered `layer_number` is built as: "moe" (a mixture of experts per
+        --moe-layer-freq) or "dense"; layers of one kind have the same shapes (the planner builds
+        one of each). A multi-token prediction layer, numbered after the decoder's, is of the last
+        decoder layer's kind."""
+        pattern_index = min(layer_number, config.num_layers - 1)
+        return "moe" if config.num_experts is not None and config.moe_layers[pattern_index] == 1 else "dense"

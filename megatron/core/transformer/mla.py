@@ -32,6 +32,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
 from megatron.core.transformer.attention import CoreAttention
 from megatron.core.transformer.config import DEFAULT_EXECUTION
+from megatron.core.transformer.flops import causal_attention_flops_per_token, matmul_flops_per_token
 from megatron.core.transformer.fusions import rotary, rotary_interleaved
 from megatron.core.transformer.norm import build_norm
 from megatron.core.transformer.rope import yarn_softmax_correction
@@ -123,3 +124,10 @@ class MultiLatentAttention(torch.nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, n, s, d]
         out = self.core_attention(q, k, v, attention_mask)  # [b, n, s, v_dim]
         return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, n * self.v_dim))
+
+    def flops_per_token(self, seq_length: int) -> int:
+        """Forward FLOPs per token (transformer.flops): the down, up and output projections, and the
+        causal attention products of this rank's heads (queries and keys of nope + rope channels,
+        values of v_head_dim)."""
+        return matmul_flops_per_token(self, seq_length) + causal_attention_flops_per_token(
+            seq_length, self.num_local_heads, self.nope_dim + self.rope_dim, self.v_dim)

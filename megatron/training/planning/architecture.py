@@ -1,17 +1,18 @@
-"""The model's shape as the planner reads it, and its parameter counts.
+"""The model's shape as the planner reads it, and its parameter and FLOP counts.
 
 `architecture()` is the one place that reads the model description (the core `TransformerConfig`
 with its derived values: padded vocabulary, FFN size default, kv channels, query groups). Every
-other planning module takes the `Architecture` it returns, so a change to the model description
-changes this function alone. Mixture-of-experts layers (per --moe-layer-freq) count their router,
-shared experts and routed experts in place of the dense MLP; the routed experts' parameters are
-counted apart (`stage_expert_parameters`), since EP x ETP splits them and the expert-data-parallel
-group, not the data-parallel one, replicates them.
+other planning module takes the `Architecture` it returns. Parameters and FLOPs are not formulas
+here: they are counted on the model the description builds, on the meta device (planning/built.py),
+so a new family or layer is planned as it is built. The analytic fields serve the activation and
+time terms. The routed experts' parameters are counted apart (`stage_expert_parameters`), since
+EP x ETP splits them and the expert-data-parallel group, not the data-parallel one, replicates them.
 """
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from megatron.core.transformer.moe.router import aux_loss_coeffs
+from megatron.training.planning import built
 
 
 @dataclass(frozen=True)
@@ -30,12 +31,11 @@ class Architecture:
     qk_layernorm: bool
     learned_positions: bool        # learned absolute position embeddings (else RoPE or none)
     rope: bool
-    rotary_dim: int                # channels RoPE rotates (kv channels x rotary percent)
+    rotary_dim: int                # channels RoPE rotates (kv channels x rotary percent; MLA: its rotated part)
     max_position_embeddings: int
     tied_embeddings: bool
     hidden_dropout: float
     attention_dropout: float
-    layer_norms: int = 2           # norms over the hidden size per layer (1: --parallel_attn with one norm, Falcon-7B)
     # Multi-latent attention (--multi-latent-attention; mla False: the fields are unused)
     mla: bool = False
     q_lora_rank: Optional[int] = None
@@ -56,6 +56,10 @@ class Architecture:
     moe_router_fp32: bool = False            # --moe-router-dtype fp32/fp64: the router runs wider
     moe_aux_loss: bool = False               # a load-balancing loss is attached (its scores are saved)
     moe_grouped_gemm: bool = False           # the local experts run as one grouped GEMM per linear
+    # The model description itself: parameters and FLOPs are counted on the model it builds
+    # (planning/built.py), the fields above serve the analytic activation and time terms.
+    model: Any = field(default=None, compare=False, repr=False)
+    model_key: str = field(default="", compare=False, repr=False)
 
     @property
     def is_moe(self) -> bool:
@@ -92,11 +96,12 @@ def architecture(model_config) -> Architecture:
         vocab_size=c.padded_vocab_size, gated_linear_unit=c.swiglu,
         layernorm=c.normalization == "LayerNorm", add_bias_linear=c.add_bias_linear, add_qkv_bias=c.add_qkv_bias,
         qk_layernorm=c.qk_layernorm, learned_positions=c.position_embedding_type == "learned_absolute",
-        rope=c.position_embedding_type == "rope", rotary_dim=int(c.kv_channels * c.rotary_percent),
+        rope=c.position_embedding_type == "rope", rotary_dim=(c.qk_pos_emb_head_dim if c.multi_latent_attention
+                                                                  else int(c.kv_channels * c.rotary_percent)),
         max_position_embeddings=c.max_position_embeddings,
         tied_embeddings=not c.untie_embeddings_and_output_weights, hidden_dropout=c.hidden_dropout,
-        attention_dropout=c.attention_dropout, layer_norms=1 if c.parallel_attn and not c.parallel_layernorm else 2,
-        **_mla_fields(c), **_moe_fields(c))
+        attention_dropout=c.attention_dropout,
+        model=c, model_key=built.model_key(c), **_mla_fields(c), **_moe_fields(c))
 
 
 def _mla_fields(c) -> dict:
@@ -119,136 +124,66 @@ def _moe_fields(c) -> dict:
                 moe_grouped_gemm=bool(c.moe_grouped_gemm))
 
 
-def _norm_parameters(arch: Architecture, width: int) -> int:
-    return (2 if arch.layernorm else 1) * width  # weight (+ bias)
-
-
-def mlp_parameters(arch: Architecture, ffn_hidden_size: int, tp: int) -> int:
-    """Elements of one MLP (fc1, the activation, fc2) of this hidden size on one tensor-parallel rank."""
-    h, f = arch.hidden_size, ffn_hidden_size
-    fc1_out = (2 if arch.gated_linear_unit else 1) * f // tp
-    return h * fc1_out + f // tp * h + ((fc1_out + h) if arch.add_bias_linear else 0)
-
-
 def layer_parameters(arch: Architecture, tp: int, moe: bool = False) -> int:
-    """Elements of one decoder layer's parameters on one tensor-parallel rank (key/value heads are
-    replicated when TP exceeds the query groups). A mixture-of-experts layer (`moe`) holds the
-    router [E, h] and the shared experts (with their gate) in place of the MLP; its routed experts
-    are `expert_layer_parameters`."""
-    a, h = arch, arch.hidden_size
-    if a.mla:
-        attention = mla_parameters(a, tp)
-    else:
-        q_local = a.query_size // tp
-        kv_local = a.local_kv_size(tp)
-        qkv_out = q_local + 2 * kv_local
-        qkv = h * qkv_out + (qkv_out if a.add_bias_linear or a.add_qkv_bias else 0)
-        attention = qkv + q_local * h + (h if a.add_bias_linear else 0)
-    if moe:
-        mlp = a.num_experts * h
-        if a.moe_shared_expert_size:
-            mlp += mlp_parameters(a, a.moe_shared_expert_size, tp) + (h if a.moe_shared_expert_gate else 0)
-    else:
-        mlp = mlp_parameters(a, a.ffn_hidden_size, tp)
-    qk_norms = 2 * _norm_parameters(a, a.kv_channels) if a.qk_layernorm and not a.mla else 0
-    return a.layer_norms * _norm_parameters(a, h) + attention + qk_norms + mlp
-
-
-def mla_parameters(arch: Architecture, tp: int) -> int:
-    """Elements of one multi-latent attention on one tensor-parallel rank: the down projections
-    and the latents' norms (--qk-layernorm) whole, the up projections and the output projection
-    split by heads."""
-    a, h = arch, arch.hidden_size
-    heads = a.local_heads(tp)
-    q_head = a.qk_head_dim + a.qk_pos_emb_head_dim
-
-    def latent_norm(width: int) -> int:  # the latents' norms come with --qk-layernorm
-        return _norm_parameters(a, width) if a.qk_layernorm else 0
-
-    if a.q_lora_rank is None:
-        query = h * heads * q_head
-    else:
-        query = h * a.q_lora_rank + a.q_lora_rank * heads * q_head + latent_norm(a.q_lora_rank)
-    key_value = (h * (a.kv_lora_rank + a.qk_pos_emb_head_dim) + a.kv_lora_rank * heads * (a.qk_head_dim + a.v_head_dim)
-                 + latent_norm(a.kv_lora_rank))
-    return query + key_value + heads * a.v_head_dim * h + (h if a.add_bias_linear else 0)
+    """Elements of one decoder layer's parameters on one tensor-parallel rank, counted on the layer
+    built on the meta device (planning/built.py). A mixture-of-experts layer (`moe`) holds the
+    router and the shared experts in place of the MLP; its routed experts are
+    `expert_layer_parameters`."""
+    return built.layer_counts(arch.model, arch.model_key, "moe" if moe else "dense", tp).dense
 
 
 def expert_layer_parameters(arch: Architecture, ep: int, etp: int, weights_only: bool = False) -> int:
     """Elements of one layer's routed experts on one rank: E/EP experts, each MLP split over ETP
-    (fc2's bias whole on every expert-tensor-parallel rank; `weights_only`: the GEMMs' weights, no bias)."""
-    f, h = arch.moe_ffn_hidden_size, arch.hidden_size
-    fc1_out = (2 if arch.gated_linear_unit else 1) * f // etp
-    one = h * fc1_out + f // etp * h + ((fc1_out + h) if arch.add_bias_linear and not weights_only else 0)
-    return arch.num_experts // ep * one
+    (`weights_only`: the GEMMs' weights, no bias)."""
+    counts = built.layer_counts(arch.model, arch.model_key, "moe", etp, ep, etp)  # built where TP = ETP
+    return counts.expert_weights if weights_only else counts.experts
 
 
 def stage_parameters(arch: Architecture, tp: int, num_layers: int, *, first: bool, last: bool, pp: int,
                      first_layer: int = 0) -> int:
     """Elements of one pipeline stage's parameters on one tensor-parallel rank, routed experts
-    excepted (the last stage of a pipeline with tied embeddings holds its own copy of the embedding
-    as the output layer). The stage holds layers first_layer .. first_layer + num_layers - 1."""
-    moe = arch.moe_layer_count(first_layer, num_layers)
-    total = (num_layers - moe) * layer_parameters(arch, tp)
-    if moe:
-        total += moe * layer_parameters(arch, tp, moe=True)
-    vocabulary = arch.vocab_size // tp * arch.hidden_size
-    if first:
-        total += vocabulary
-        if arch.learned_positions:
-            total += arch.max_position_embeddings * arch.hidden_size
-    if last:
-        total += _norm_parameters(arch, arch.hidden_size)
-        if not arch.tied_embeddings or pp > 1:
-            total += vocabulary
-    return total
+    excepted: layers first_layer .. first_layer + num_layers - 1, the embeddings on the first stage,
+    the final norm, the output layer (a pipeline's last stage holds its own copy of a tied
+    embedding) and the multi-token prediction modules on the last. Counted on the model built on
+    the meta device (planning/built.py); `pp` > 1 never puts the first and last stage together."""
+    del pp  # the built stage's ends follow from first and last
+    return built.stage_counts(arch.model, arch.model_key, tp, 1, 1, num_layers, first_layer,
+                              first=first, last=last).dense
 
 
 def stage_expert_parameters(arch: Architecture, ep: int, etp: int, num_layers: int, first_layer: int = 0,
-                            weights_only: bool = False) -> int:
-    """Elements of the routed experts of a stage's layers on one rank."""
-    moe = arch.moe_layer_count(first_layer, num_layers)
-    return moe * expert_layer_parameters(arch, ep, etp, weights_only) if moe else 0
+                            weights_only: bool = False, last: bool = False) -> int:
+    """Elements of the routed experts of a stage's layers on one rank (`last`: with the
+    mixture-of-experts prediction modules the last stage holds)."""
+    if not arch.is_moe:
+        return 0
+    # built where TP = ETP (ETP is 1 or TP): the experts' shards depend on EP and ETP alone
+    counts = built.stage_counts(arch.model, arch.model_key, etp, ep, etp, num_layers, first_layer, first=False,
+                                last=last)
+    return counts.expert_weights if weights_only else counts.experts
 
 
 def total_parameters(arch: Architecture) -> int:
     """Elements of the whole model (tied embeddings counted once, every expert)."""
     return (stage_parameters(arch, 1, arch.num_layers, first=True, last=True, pp=1)
-            + stage_expert_parameters(arch, 1, 1, arch.num_layers))
+            + stage_expert_parameters(arch, 1, 1, arch.num_layers, last=True))
 
 
 def active_parameters(arch: Architecture) -> int:
     """Elements one token runs through: the top-k routed experts of each mixture-of-experts layer
-    instead of all of them (the dense model: every parameter)."""
+    (the prediction modules' included) instead of all of them (the dense model: every parameter)."""
     if not arch.is_moe:
         return total_parameters(arch)
-    moe_layers = arch.moe_layer_count(0, arch.num_layers)
-    idle = (arch.num_experts - arch.moe_router_topk) * expert_layer_parameters(arch, arch.num_experts, 1)
-    return total_parameters(arch) - moe_layers * idle
-
-
-def megatron_flops(*, global_batch_size: int, seq_length: int, num_layers: int, hidden_size: int,
-                   ffn_hidden_size: int, query_size: int, kv_channels: int, num_query_groups: int, vocab_size: int,
-                   gated: bool, moe_layers: int = 0, moe_active_ffn: int = 0) -> float:
-    """Megatron's model FLOPs per iteration, the one definition (the log line's TFLOP/s/GPU and the
-    plan's MFU both count this; causal attention counted as half, recomputation not counted):
-    6 B s [L (m h f + 2 h q + 2 h k g + s q) + h V]. In the `moe_layers` mixture-of-experts layers f
-    is what a token runs through, `moe_active_ffn` = topk x --moe-ffn-hidden-size plus the shared
-    experts' size (Megatron-LM's count; the router's GEMM, capacity padding and dropped tokens are
-    not counted)."""
-    h, q = hidden_size, query_size
-    m = 3 if gated else 2
-    per_layer = m * h * ffn_hidden_size + 2 * h * q + 2 * h * kv_channels * num_query_groups + seq_length * q
-    total = num_layers * per_layer + moe_layers * m * h * (moe_active_ffn - ffn_hidden_size)
-    return 6.0 * global_batch_size * seq_length * (total + h * vocab_size)
+    experts = stage_expert_parameters(arch, 1, 1, arch.num_layers, last=True)  # every layer's E equal experts
+    return total_parameters(arch) - experts * (arch.num_experts - arch.moe_router_topk) // arch.num_experts
 
 
 def flops_per_iteration(arch: Architecture, global_batch_size: int, seq_length: int) -> float:
-    """`megatron_flops` of this architecture."""
-    a = arch
-    moe = dict(moe_layers=a.moe_layer_count(0, a.num_layers),
-               moe_active_ffn=a.moe_router_topk * a.moe_ffn_hidden_size + a.moe_shared_expert_size) if a.is_moe else {}
-    return megatron_flops(global_batch_size=global_batch_size, seq_length=seq_length, num_layers=a.num_layers,
-                          hidden_size=a.hidden_size, ffn_hidden_size=a.ffn_hidden_size, query_size=a.query_size,
-                          kv_channels=a.kv_channels, num_query_groups=a.num_query_groups, vocab_size=a.vocab_size,
-                          gated=a.gated_linear_unit, **moe)
+    """Model FLOPs per iteration of this architecture (planning/built.py: counted on the model built
+    on the meta device; the log line's TFLOP/s counts the same)."""
+    return built.flops_per_iteration(arch.model, global_batch_size, seq_length, arch.model_key)
+
+
+def model_flops(model_config, global_batch_size: int, seq_length: int) -> float:
+    """Model FLOPs per iteration of a model description (the log line's TFLOP/s; planning/built.py)."""
+    return built.flops_per_iteration(model_config, global_batch_size, seq_length)

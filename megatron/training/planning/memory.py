@@ -22,31 +22,39 @@ FP32 = 4
 _CE_CHUNK_ELEMENTS = 1 << 26  # tensor_parallel.cross_entropy.DEFAULT_CHUNK_ELEMENTS
 
 
-def _norm_bytes(arch: Architecture, lay: Layout, tokens: float) -> float:
-    """What one norm saves for backward (its output, saved by the next linear, counted too)."""
-    e, h = lay.compute_bytes, arch.hidden_size
+def _norm_bytes(arch: Architecture, lay: Layout, tokens: float, width: int = None, stored: int = None) -> float:
+    """What one norm over `width` channels (the hidden size unless given) saves for backward (its
+    output, saved by the next linear, counted too). `stored`: the channels of the buffer its input
+    is a view of (a latent split from a wider projection), when that buffer is what is kept."""
+    e = lay.compute_bytes
+    width = arch.hidden_size if width is None else width
+    stored = width if stored is None else stored
     if arch.layernorm:  # the input, mean and rstd per token (fp32 on GPU, the input's dtype on CPU), the output
-        return e * h * tokens + 2 * (FP32 if lay.device == "gpu" else e) * tokens + e * h * tokens
+        return e * stored * tokens + 2 * (FP32 if lay.device == "gpu" else e) * tokens + e * width * tokens
     if lay.fused_elementwise:  # compiled RMSNorm: the input and 1/rms per token, and the output
-        return e * h * tokens + FP32 * tokens + e * h * tokens
-    # eager RMSNorm: the fp32 input, 1/rms per token, the normalized value in the compute dtype
-    # (for the weight's multiply), and the output
-    return FP32 * h * tokens + FP32 * tokens + e * h * tokens + e * h * tokens
+        return e * stored * tokens + FP32 * tokens + e * width * tokens
+    # eager RMSNorm: the fp32 input (the input itself in fp32, a new tensor otherwise), 1/rms per
+    # token, the normalized value in the compute dtype (for the weight's multiply), and the output
+    fp32_input = FP32 * (stored if e == FP32 else width) * tokens
+    return fp32_input + FP32 * tokens + e * width * tokens + e * width * tokens
 
 
-def _attention_core_bytes(arch: Architecture, lay: Layout, tokens: float, heads: int, q_local: int) -> float:
+def _attention_core_bytes(arch: Architecture, lay: Layout, tokens: float, heads: int, q_local: int,
+                          v_local: int = None) -> float:
     """What the attention kernel saves beyond q, k and v: the log-sum-exp (flash: its output is the
     storage the output projection saves), or the scaled q and k, the probabilities and the dropout
     mask and output (math: s x s per head). PyTorch's CPU math kernel works in fp32 (and then
-    also keeps an fp32 copy of v) and keeps its dropout mask as an fp32 tensor."""
+    also keeps an fp32 copy of v) and keeps its dropout mask as an fp32 tensor. `v_local`: the
+    values' channels when they differ from the queries' (multi-latent attention)."""
     e = lay.compute_bytes
+    v_local = q_local if v_local is None else v_local
     if lay.attention_kernel == "flash":
         return FP32 * tokens * heads
     seq = lay.seq_length // lay.cp
     scores = heads * seq * tokens  # b x heads x s x s
     dropout = arch.attention_dropout > 0
     if lay.device == "cpu":
-        copies = 2 * FP32 * tokens * q_local + (FP32 * tokens * q_local if e != FP32 else 0)
+        copies = 2 * FP32 * tokens * q_local + (FP32 * tokens * v_local if e != FP32 else 0)
         return copies + FP32 * scores + (2 * FP32 * scores if dropout else 0)
     return 2 * e * tokens * q_local + e * scores + ((1 + e) * scores if dropout else 0)
 
@@ -57,20 +65,14 @@ def _dropout_mask_bytes(lay: Layout) -> int:
     return 1 if lay.device == "gpu" else lay.compute_bytes
 
 
-def layer_activation_terms(arch: Architecture, lay: Layout, selective: bool = False, moe: bool = False) -> dict:
-    """{part: bytes} one decoder layer saves for backward for one micro-batch on one rank, without
-    full recomputation (`selective`: the attention core is re-run, its own saved tensors dropped).
-    A mixture-of-experts layer (`moe`) saves its block's terms (planning/moe.py) in place of the
-    MLP's, none with --moe-layer-recompute."""
-    a, e, h, tp = arch, lay.compute_bytes, arch.hidden_size, lay.tp
-    tokens = lay.micro_batch_size * lay.seq_length / lay.cp
-    norm_tokens = tokens / tp if lay.sp else tokens
+def _self_attention_terms(a: Architecture, lay: Layout, tokens: float, norm_tokens: float, selective: bool) -> dict:
+    """What the attention (one qkv projection) saves: the qkv buffer, the rotated q and k, the
+    kernel's own tensors and the output projection's input."""
+    e, tp = lay.compute_bytes, lay.tp
     heads = a.local_heads(tp)
     q_local = heads * a.kv_channels
     kv_local = a.local_kv_size(tp)
-    f_local = a.ffn_hidden_size // tp
-    terms = {"norms": 2 * _norm_bytes(a, lay, norm_tokens),
-             "qkv": e * tokens * (q_local + 2 * kv_local)}  # one buffer; v (a view of it) keeps it alive
+    terms = {"qkv": e * tokens * (q_local + 2 * kv_local)}  # one buffer; v (a view of it) keeps it alive
     a2a = lay.cp > 1 and lay.cp_comm_type == "a2a"
     if a.rope and not a2a:  # the rotated q and k are new tensors (a2a: only its exchanged q, k, v are kept)
         terms["rope"] = e * tokens * (q_local + kv_local)
@@ -81,6 +83,51 @@ def layer_activation_terms(arch: Architecture, lay: Layout, selective: bool = Fa
         if lay.attention_kernel == "math" and lay.device == "cpu" and e != FP32:
             del terms["qkv"]  # the CPU math kernel saves its fp32 copies of q, k and v instead
     terms["proj_input"] = e * tokens * q_local
+    return terms
+
+
+def _mla_terms(a: Architecture, lay: Layout, tokens: float, norm_tokens: float, selective: bool) -> dict:
+    """What multi-latent attention saves: the latents' norms (--qk-layernorm; else the up
+    projections' inputs), q and k (each a concatenation of its no-position and rotated parts: the
+    rotated parts themselves are not kept), kv_up's output (v, a view of it, keeps it alive), the
+    kernel's own tensors at the query/key and value widths, and the output projection's input. The
+    latents' norms run on this rank's tokens (1/TP with sequence parallelism)."""
+    e, heads = lay.compute_bytes, a.local_heads(lay.tp)
+    qk, v = heads * (a.qk_head_dim + a.qk_pos_emb_head_dim), heads * a.v_head_dim
+    kv_up = heads * (a.qk_head_dim + a.v_head_dim)
+    terms = {}
+    if a.q_lora_rank is not None:
+        terms["q latent"] = (_norm_bytes(a, lay, norm_tokens, a.q_lora_rank) if a.qk_layernorm
+                             else e * tokens * a.q_lora_rank)
+    kv_down = a.kv_lora_rank + a.qk_pos_emb_head_dim  # the latent is a view of [latent, rotated key]
+    terms["kv latent"] = (_norm_bytes(a, lay, norm_tokens, a.kv_lora_rank, kv_down) if a.qk_layernorm
+                          else e * tokens * kv_down)
+    terms["qkv"] = e * tokens * (2 * qk + kv_up)
+    if not selective:
+        terms["attention"] = _attention_core_bytes(a, lay, tokens, heads, qk, v)
+        if lay.attention_kernel == "math":  # the kernel keeps its scaled copies of q and k, not them
+            terms["qkv"] = e * tokens * kv_up
+            if lay.device == "cpu" and e != FP32:
+                del terms["qkv"]  # and in fp32 on CPU its copy of v
+    terms["proj_input"] = e * tokens * v
+    return terms
+
+
+# Each attention kind's saved tensors (an architecture's kind: `Architecture.mla`).
+ATTENTION_ACTIVATIONS = {"self": _self_attention_terms, "mla": _mla_terms}
+
+
+def layer_activation_terms(arch: Architecture, lay: Layout, selective: bool = False, moe: bool = False) -> dict:
+    """{part: bytes} one decoder layer saves for backward for one micro-batch on one rank, without
+    full recomputation (`selective`: the attention core is re-run, its own saved tensors dropped).
+    A mixture-of-experts layer (`moe`) saves its block's terms (planning/moe.py) in place of the
+    MLP's, none with --moe-layer-recompute."""
+    a, e, h, tp = arch, lay.compute_bytes, arch.hidden_size, lay.tp
+    tokens = lay.micro_batch_size * lay.seq_length / lay.cp
+    norm_tokens = tokens / tp if lay.sp else tokens
+    terms = {"norms": 2 * _norm_bytes(a, lay, norm_tokens)}
+    terms.update(ATTENTION_ACTIVATIONS["mla" if a.mla else "self"](a, lay, tokens, norm_tokens, selective))
+    f_local = a.ffn_hidden_size // tp
     if moe:
         if not lay.moe_layer_recompute:
             terms.update(moe_terms.block_activation_terms(a, lay))
@@ -190,11 +237,11 @@ def persistent_terms(arch: Architecture, lay: Layout, layers: int, *, first: boo
     return terms
 
 
-def expert_terms(arch: Architecture, lay: Layout, layers: int, first_layer: int = 0) -> dict:
+def expert_terms(arch: Architecture, lay: Layout, layers: int, first_layer: int = 0, last: bool = False) -> dict:
     """The routed experts' weights, gradients and optimizer state on one GPU: E/EP experts split over
     ETP, replicated over the expert-data-parallel ranks, over which the distributed optimizer
-    shards their state."""
-    n = stage_expert_parameters(arch, lay.ep, lay.etp, layers, first_layer)
+    shards their state (`last`: the last stage, with the prediction modules' experts)."""
+    n = stage_expert_parameters(arch, lay.ep, lay.etp, layers, first_layer, last=last)
     if not n:
         return {}
     moments = 2 if lay.optimizer == "adam" else (1 if lay.sgd_momentum else 0)
@@ -204,7 +251,7 @@ def expert_terms(arch: Architecture, lay: Layout, layers: int, first_layer: int 
              "expert optimizer state": state / lay.edp if lay.distributed_optimizer else state}
     fp8 = fp8_layers(arch, lay)
     if fp8:  # each local expert's quantized weights and their transposes, cached per optimizer step
-        cast = stage_expert_parameters(arch, lay.ep, lay.etp, layers, first_layer, weights_only=True)
+        cast = stage_expert_parameters(arch, lay.ep, lay.etp, layers, first_layer, weights_only=True, last=last)
         terms["expert FP8 weight copies"] = 2 * cast * min(1.0, fp8 / arch.num_layers)
     return terms
 
@@ -213,7 +260,7 @@ def stage_memory(arch: Architecture, lay: Layout, stage: int, layers: int) -> St
     first, last = stage == 0, stage == lay.pp - 1
     first_layer = sum(lay.layers_per_stage(arch.num_layers)[:stage])
     terms = persistent_terms(arch, lay, layers, first=first, last=last, first_layer=first_layer)
-    terms.update(expert_terms(arch, lay, layers, first_layer))
+    terms.update(expert_terms(arch, lay, layers, first_layer, last))
     saved, regroup = stage_layer_activations(arch, lay, layers, first_layer)
     in_flight = microbatches_in_flight(lay, stage)
     terms["activations"] = saved * in_flight

@@ -38,7 +38,7 @@ reduce-scatter (n-1)/n), and what hides it here:
 """
 from dataclasses import dataclass, field
 
-from megatron.training.planning import moe as moe_time
+from megatron.training.planning import built, moe as moe_time
 from megatron.training.planning.architecture import (Architecture, flops_per_iteration, layer_parameters,
                                                      stage_expert_parameters, stage_parameters)
 from megatron.training.planning.hardware import Cluster
@@ -88,13 +88,9 @@ class LayerTime:
 
 def _gemm_forward(arch: Architecture, lay: Layout, cluster: Cluster, tokens: float, fp8: bool,
                   moe: bool = False) -> float:
-    a, h, tp = arch, arch.hidden_size, lay.tp
-    q_local = a.query_size // tp
-    kv_local = a.local_kv_size(tp)
-    f_local = a.ffn_hidden_size // tp
-    shapes = [h * (q_local + 2 * kv_local), q_local * h]
-    if not moe:
-        shapes += [h * f_local * (2 if a.gated_linear_unit else 1), f_local * h]
+    """Each matrix of the layer built for this TP rank (planning/built.py), at the micro-batch's
+    rows; a mixture-of-experts block's GEMMs are planning/moe.py's."""
+    shapes = built.layer_matrices(arch.model, arch.model_key, "moe" if moe else "dense", lay.tp)
     return sum(cluster.gemm_seconds(2 * tokens * weights, fp8) for weights in shapes)
 
 
@@ -189,7 +185,7 @@ def layer_time(arch: Architecture, lay: Layout, cluster: Cluster, fp8: bool = Fa
         gemm += experts
     if lay.fsdp2:  # gather the layer's weights (forward, backward), reduce-scatter its gradients
         shards = lay.dp * lay.cp
-        weights = layer_parameters(arch, lay.tp)
+        weights = layer_parameters(arch, lay.tp, moe)  # a mixture-of-experts layer: its dense part
         bandwidth = cluster.link_bandwidth(lay.tp * lay.cp * lay.dp)
         moved = 2 * _gather(lay.compute_bytes * weights, shards, bandwidth)
         moved += _gather((2 if lay.grad_reduce_in_bf16 else 4) * weights, shards, bandwidth)
@@ -272,7 +268,7 @@ def _data_parallel_seconds(arch: Architecture, lay: Layout, cluster: Cluster, st
     first_layer = sum(lay.layers_per_stage(arch.num_layers)[:stage])
     n = stage_parameters(arch, lay.tp, layers, first=stage == 0, last=stage == lay.pp - 1, pp=lay.pp,
                          first_layer=first_layer)
-    experts = stage_expert_parameters(arch, lay.ep, lay.etp, layers, first_layer) if arch.is_moe else 0
+    experts = stage_expert_parameters(arch, lay.ep, lay.etp, layers, first_layer, last=stage == lay.pp - 1)
     shards = lay.dp * lay.cp
     sharded = lay.distributed_optimizer or lay.fsdp2
     stepped = (n / shards + experts / lay.edp) if sharded else n + experts

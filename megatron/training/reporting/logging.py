@@ -3,27 +3,19 @@ import datetime
 from typing import Optional
 
 from megatron.core.transformer.config import TransformerConfig
-from megatron.training.planning.architecture import megatron_flops
+from megatron.training.planning.architecture import model_flops
 
 
 def flops_per_iteration(model: TransformerConfig, global_batch_size: int, seq_length: int) -> float:
-    """6*B*s*[ L*( m*h*f + 2*h*q + 2*h*k*g + s*q ) + h*V ], causal attention counted as half.
-
-    m = 3 for SwiGLU else 2; q = heads*kv_channels; k = kv_channels; g = query groups; V = padded vocab.
-    In a mixture-of-experts layer f is what a token runs through: topk x --moe-ffn-hidden-size plus
-    the shared experts' size (Megatron-LM's count; the router's GEMM is not counted). One definition,
-    the planner's, so the plan's MFU and the log line's TFLOP/s/GPU count the same FLOPs.
+    """Megatron's model FLOPs of one iteration, counted on the model built on the meta device
+    (planning/built.py: each layer kind's matrices and attention products, a token's top-k experts,
+    the multi-token prediction modules and their logits; 3x the forward, causal attention counted
+    as half, recomputation not). For a dense model it is
+    6*B*s*[ L*( m*h*f + 2*h*q + 2*h*k*g + s*q ) + h*V ] (m = 3 for SwiGLU else 2; q = heads*kv_channels;
+    k = kv_channels; g = query groups; V = padded vocab). One definition, the planner's, so the
+    plan's MFU and the log line's TFLOP/s/GPU count the same FLOPs.
     """
-    moe = {}
-    if model.num_experts is not None:
-        moe = dict(moe_layers=sum(model.moe_layers),
-                   moe_active_ffn=model.moe_router_topk * model.moe_ffn_hidden_size
-                   + (model.moe_shared_expert_intermediate_size or 0))
-    return megatron_flops(global_batch_size=global_batch_size, seq_length=seq_length, num_layers=model.num_layers,
-                          hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size,
-                          query_size=model.num_attention_heads * model.kv_channels, kv_channels=model.kv_channels,
-                          num_query_groups=model.num_query_groups, vocab_size=model.padded_vocab_size,
-                          gated=model.swiglu, **moe)
+    return model_flops(model, global_batch_size, seq_length)
 
 
 def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,

@@ -12,6 +12,7 @@ router and dispatcher see only this rank's tokens.
 import torch
 
 from megatron.core.transformer.config import DEFAULT_EXECUTION
+from megatron.core.transformer.flops import flops_per_token
 from megatron.core.transformer.moe.experts import GroupedMLP, SharedExpertMLP
 from megatron.core.transformer.moe.fp8_experts import FP8_ALIGNMENT
 from megatron.core.transformer.moe.router import TopKRouter
@@ -60,6 +61,14 @@ class MoELayer(torch.nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def flops_per_token(self, seq_length: int) -> int:
+        """Forward FLOPs per token (transformer.flops), Megatron-LM's count: the top-k experts a token
+        is routed to and the shared experts' MLP; the router's GEMM, the shared experts' gate,
+        capacity padding and dropped tokens are not counted."""
+        weights = self.experts.fc1_weight[0].numel() + self.experts.fc2_weight[0].numel()  # one local expert
+        routed = 2 * self.router.topk * weights
+        return routed + (flops_per_token(self.shared_experts.mlp, seq_length) if self.shared_experts is not None else 0)
 
 
 def _check_router_padding(config, execution) -> None:
