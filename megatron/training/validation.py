@@ -532,9 +532,11 @@ def _validate_moe(config: Config, stage_ranks: int) -> None:
                         fsdp2=p.use_torch_fsdp2)
     _require(1 <= topk <= experts, f"--moe-router-topk ({topk}) must be between 1 and --num-experts ({experts})")
     groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
-    _require((groups is None) == (group_topk is None), "group-limited routing needs both --moe-router-num-groups "
-                                                       f"and --moe-router-group-topk (got {groups} and {group_topk})")
-    if groups is not None:
+    # As Megatron-Core: --moe-router-group-topk turns group-limited routing on and needs the groups;
+    # --moe-router-num-groups alone routes over all experts (the ROCm fork's DeepSeek-V3 script passes 1).
+    _require(group_topk is None or groups is not None, f"group-limited routing (--moe-router-group-topk "
+                                                       f"{group_topk}) needs --moe-router-num-groups")
+    if group_topk is not None:
         _require(experts % groups == 0, f"--num-experts ({experts}) must be divisible by --moe-router-num-groups "
                                         f"({groups})")
         _require(1 <= group_topk <= groups and topk % group_topk == 0 and topk // group_topk <= experts // groups,

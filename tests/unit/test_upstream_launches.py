@@ -44,8 +44,8 @@ REFUSED = {
     # adds only with nvidia-modelopt installed; the parsers read for upstream_flags.json do not define them
     ("NVIDIA", "examples/gptoss/02_train.sh"):
         "unrecognized arguments: --export-force-local-attention --enable-gpt-oss",
-    # the fork's DeepSeek V3 script: its tokenizer is the first thing refused (multi-latent attention next:
-    # test_deepseek_v3_is_refused_for_multi_latent_attention_after_its_tokenizer)
+    # the fork's DeepSeek V3 script: its tokenizer is the one thing refused (with another tokenizer it
+    # validates: test_deepseek_v3_validates_with_another_tokenizer)
     ("ROCm-index", "examples/deepseek_v3/train_deepseekv3.sh"):
         f"--tokenizer-type DeepSeekV3Tokenizer is not supported: "
         f"{REFUSED_VALUES['--tokenizer-type']['DeepSeekV3Tokenizer']}",
@@ -89,12 +89,15 @@ def test_a_pretrain_gpt_launch_is_a_valid_configuration_or_refused_with_its_reas
     assert expected in message
 
 
-def test_deepseek_v3_is_refused_for_multi_latent_attention_after_its_tokenizer():
-    """With a tokenizer built here in place of the fork's DeepSeek one, the script stops at its first
-    multi-latent attention flag, with the reason the flag table gives the MLA group."""
+def test_deepseek_v3_validates_with_another_tokenizer():
+    """With a tokenizer built here in place of the fork's DeepSeek one, the script's model validates:
+    multi-latent attention with its YaRN scaling (--rotary-scaling-factor 40, --mscale, --mscale-all-dim:
+    YaRN, as Megatron-LM's multi-latent attention defaults to), shared experts, and
+    --moe-router-num-groups 1 without --moe-router-group-topk (no group-limited routing, as in
+    Megatron-Core); the fork's own switches are accepted with a note."""
     script = next(s for s in GPT if s["source"] == "ROCm-index" and s["path"].endswith("train_deepseekv3.sh"))
     argv = ["HuggingFaceTokenizer" if word == "DeepSeekV3Tokenizer" else word for word in script["argv"]]
-    with pytest.raises(ConfigError) as raised:
-        validate(parse_args(argv), script["world_size"])
-    assert str(raised.value) == _flag_error("--rotary-scaling-factor")
-    assert "multi-latent attention is not built" in str(raised.value)
+    config = parse_args(argv)
+    notes = validate(config, script["world_size"])
+    assert config.model.multi_latent_attention and config.model.rotary_scaling_factor == 40
+    assert any(note.startswith("--enable-shared-expert") for note in notes)
