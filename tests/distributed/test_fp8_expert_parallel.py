@@ -32,12 +32,14 @@ from tests.threaded_ranks import run_ranks
 EXPERTS, HIDDEN, SEQ, BATCH, RTOL = 4, 32, 12, 2, 1e-5
 
 
-def _layer(groups, dispatcher):
+def fp8_moe_layer(groups, dispatcher, execution=ExecutionConfig()):
+    """A 4-expert MoE layer (hybrid FP8, delayed scaling, history 2) with its weights initialized from
+    the seed as every rank's copy would be; returns the layer and its scaling state."""
     cfg = derive(TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, padded_vocab_size=64,
                                    ffn_hidden_size=48, num_experts=EXPERTS, moe_ffn_hidden_size=32, moe_router_topk=2,
                                    swiglu=True, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
                                    moe_router_load_balancing_type="none", moe_token_dispatcher_type=dispatcher))
-    layer = MoELayer(cfg, execution=ExecutionConfig(), layer_number=0, groups=groups, device=torch.device("cpu"))
+    layer = MoELayer(cfg, execution=execution, layer_number=0, groups=groups, device=torch.device("cpu"))
     for name, param in layer.named_parameters():
         init = initialize_expert_param if hasattr(param, "expert_offset") else initialize_param
         init(param, f"decoder.layers.0.mlp.{name}", 5, 0.2, cfg.num_layers)
@@ -60,7 +62,7 @@ def _run(groups, dispatcher, batch: slice, sequence: slice = slice(None)) -> lis
     """Two passes (a roll between): per pass the output, input gradient and the stacked experts'
     weight gradients of this rank's experts (global experts expert_offset ..., expert-tensor shard
     etp_rank)."""
-    layer, scaling = _layer(groups, dispatcher)
+    layer, scaling = fp8_moe_layer(groups, dispatcher)
     x, grad = _data()
     results = []
     for _ in range(2):

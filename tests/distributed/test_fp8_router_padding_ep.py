@@ -12,34 +12,17 @@ import functools
 import torch
 
 from megatron.core.parallel_state import initialize_model_parallel
-from megatron.core.tensor_parallel.layers import initialize_param
-from megatron.core.transformer.config import ExecutionConfig, TransformerConfig, derive
-from megatron.core.transformer.fp8 import DelayedScaling, FP8Linear, FP8Options
+from megatron.core.transformer.config import ExecutionConfig
 from megatron.core.transformer.moe import experts as experts_module
-from megatron.core.transformer.moe.experts import initialize_expert_param
-from megatron.core.transformer.moe.moe_layer import MoELayer
 from tests.distributed.harness import run_distributed
+from tests.distributed.test_fp8_expert_parallel import fp8_moe_layer
 
 EXPERTS, HIDDEN, SEQ, BATCH, RTOL = 4, 32, 32, 2, 1e-5
 
 
 def _layer(groups):
-    cfg = derive(TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, padded_vocab_size=64,
-                                   ffn_hidden_size=48, num_experts=EXPERTS, moe_ffn_hidden_size=32, moe_router_topk=2,
-                                   swiglu=True, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-                                   moe_router_load_balancing_type="none", moe_token_dispatcher_type="alltoall"))
-    execution = ExecutionConfig(fp8="hybrid", fp8_recipe="delayed", moe_router_padding_for_fp8=True)
-    layer = MoELayer(cfg, execution=execution, layer_number=0, groups=groups, device=torch.device("cpu"))
-    for name, param in layer.named_parameters():
-        init = initialize_expert_param if hasattr(param, "expert_offset") else initialize_param
-        init(param, f"decoder.layers.0.mlp.{name}", 5, 0.2, cfg.num_layers)
-    options = FP8Options("hybrid", "delayed", amax_history_len=2, amax_compute_algo="max")
-    scaling = DelayedScaling(options)
-    linears = layer.experts.attach_fp8(lambda: FP8Linear(options, scaling))
-    scaling.allocate("cpu")
-    for linear in linears:
-        linear.bind()
-    return layer, scaling
+    return fp8_moe_layer(groups, "alltoall", ExecutionConfig(fp8="hybrid", fp8_recipe="delayed",
+                                                             moe_router_padding_for_fp8=True))
 
 
 def _ep2(rank, world_size, on_device: bool):
