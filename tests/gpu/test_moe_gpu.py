@@ -52,8 +52,15 @@ def test_grouped_mm_experts_equal_the_loop():
            _run(lambda a, w: _looped_linear(a, w, COUNTS), x, weight, grad), "bf16 grouped")
 
 
-def test_grouped_mm_experts_accumulate_weight_gradients_into_main_grad():
-    from megatron.core.transformer.moe.experts import _ExpertsFunction, _grouped_mm_supported, _looped_linear
+@pytest.mark.parametrize("compile_accumulate", [False, True], ids=["eager", "compiled"])
+def test_grouped_mm_experts_accumulate_weight_gradients_into_main_grad(compile_accumulate):
+    from megatron.core.transformer.moe.experts import (
+        _ExpertsFunction,
+        _grouped_mm_supported,
+        _looped_linear,
+        accumulate_expert_grads_,
+    )
+    from megatron.core.utils import pick
 
     x, weight, grad = _data(2)
     if not _grouped_mm_supported(x):
@@ -62,7 +69,7 @@ def test_grouped_mm_experts_accumulate_weight_gradients_into_main_grad():
     fused = weight.clone().requires_grad_()
     fused.main_grad = torch.full(weight.shape, 0.5, device="cuda")  # accumulated onto, not overwritten
     inputs = x.clone().requires_grad_()
-    y = _ExpertsFunction.apply(inputs, fused, COUNTS, True, True)
+    y = _ExpertsFunction.apply(inputs, fused, COUNTS, True, pick(accumulate_expert_grads_, compile_accumulate))
     y.backward(grad)
     assert fused.grad is None
     _close((y.detach().float(), inputs.grad.float(), fused.main_grad - 0.5), want, "bf16 grouped, fused")

@@ -192,3 +192,25 @@ def test_fp8_experts_weight_gradients_accumulate_into_main_grad(recipe):
     for name in ("fc1_weight", "fc2_weight"):
         torch.testing.assert_close(getattr(fused, name).main_grad, getattr(unfused, name).main_grad,
                                    **TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_grouped_accumulation_equals_the_reference(dtype):
+    """With the elementwise fusions compiled (parallelize.compile_declared, as --fuse-elementwise
+    runs it) the grouped product reaches main_grad through the compiled one-pass function
+    (test_moe_op_count.py counts its kernel): the same main_grad, `param.grad` still None."""
+    from megatron.core.transformer.parallelize import compile_declared
+    from megatron.core.utils import compiled
+
+    if not _cpu_grouped_mm():
+        pytest.skip("this PyTorch has no CPU torch._grouped_mm (2.13 has; the GPU lane tests the kernel)")
+    fused, fused_ddp = _experts(dtype, fusion=True, grouped=True)
+    compile_declared(fused, ExecutionConfig(fuse_elementwise=True))
+    assert fused.accumulate_grads is compiled(experts_module.accumulate_expert_grads_)
+    want = _reference(fused, dtype)
+    for counts, x, probs, grad in _micro_batches(dtype):  # (a dispatch mode would keep compile out)
+        fused_ddp(x.clone().requires_grad_(), counts, probs).backward(grad)
+        assert fused.fc1_weight.grad is None and fused.fc2_weight.grad is None
+    fused_ddp.finish_grad_sync()
+    torch.testing.assert_close(fused.fc1_weight.main_grad, want[0], **TOLERANCE[dtype])
+    torch.testing.assert_close(fused.fc2_weight.main_grad, want[1], **TOLERANCE[dtype])

@@ -5,7 +5,9 @@ Operators (aten ops under a dispatch mode) of one forward + backward of a layer 
 experts (the same tokens, top-2): at most 25% more with 128 (the per-expert loop made 9.9x as many).
 The grouped GEMMs' weight gradient (one `torch._grouped_mm` per weight, groups along the rows) equals
 the loop of per-expert GEMMs at rtol 1e-6 in fp32, plain and accumulated into `main_grad`, and an
-expert that receives no row gets a zero gradient.
+expert that receives no row gets a zero gradient. Its way into `main_grad` skips the slots of the
+experts without rows whatever they hold (a kernel need not write them), and compiled it is one pass:
+one kernel, in place, no buffer allocated.
 """
 import collections
 
@@ -14,8 +16,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.core.transformer.moe import experts as experts_module
-from megatron.core.transformer.moe.experts import _ExpertsFunction
+from megatron.core.transformer.moe.experts import _ExpertsFunction, accumulate_expert_grads_
+from megatron.core.utils import pick
 from tests.unit.test_moe_host_sync import HIDDEN, moe_layer
+from tests.unit.work_counting import generated_code
 
 COUNTS = [5, 0, 7, 4, 0, 9]  # rows per expert; experts 1 and 4 receive none
 
@@ -68,7 +72,7 @@ def _gradients(grouped: bool, fuse_wgrad: bool, counts):
     weight = weight.requires_grad_()
     if fuse_wgrad:
         weight.main_grad = torch.full(weight.shape, 0.25)  # accumulated onto, not overwritten
-    y = _ExpertsFunction.apply(x, weight, counts, grouped, fuse_wgrad)
+    y = _ExpertsFunction.apply(x, weight, counts, grouped, accumulate_expert_grads_ if fuse_wgrad else None)
     y.backward(grad)
     return y.detach(), x.grad, weight.main_grad - 0.25 if fuse_wgrad else weight.grad
 
@@ -82,3 +86,35 @@ def test_grouped_weight_gradient_equals_the_loop(fuse_wgrad):
     weight_grad = grouped[2]
     for expert, count in enumerate(COUNTS):
         assert bool(weight_grad[expert].eq(0).all()) == (count == 0), expert
+
+
+def _product_and_counts(seed, num_experts=len(COUNTS)):
+    """A grouped weight gradient [E, 8, 16] in bf16 whose empty experts' slots hold NaN (what a kernel
+    may leave there), with its row counts."""
+    counts = torch.tensor((COUNTS * num_experts)[:num_experts])
+    product = torch.randn(num_experts, 8, 16, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    product[counts.eq(0)] = float("nan")
+    return product, counts
+
+
+@pytest.mark.parametrize("compile_it", [False, True], ids=["eager", "compiled"])
+def test_accumulating_the_product_skips_experts_without_rows(compile_it):
+    product, counts = _product_and_counts(3)
+    main_grad = torch.full(product.shape, 0.25)
+    pick(accumulate_expert_grads_, compile_it)(main_grad, product, counts)
+    for expert, count in enumerate(counts.tolist()):
+        want = 0.25 + (product[expert].float() if count else torch.zeros(8, 16))
+        torch.testing.assert_close(main_grad[expert], want, rtol=0, atol=0, msg=f"expert {expert}")
+
+
+def test_compiled_accumulation_is_one_pass_in_place():
+    """Compiled (--gradient-accumulation-fusion with the elementwise fusions): one kernel that reads
+    the product and main_grad once and writes main_grad itself; the eager select + add allocated a
+    selected copy of the product and passed over the weights twice."""
+    product, counts = _product_and_counts(4, num_experts=10)  # shapes no other test compiles
+    main_grad = torch.zeros(product.shape)
+    code = generated_code(torch.compile(accumulate_expert_grads_, fullgraph=True, dynamic=False),
+                          main_grad, product, counts)
+    assert code.count('extern "C"') == 1, code
+    assert "empty_strided_cpu((" not in code, code  # no intermediate buffer
+    assert torch.equal(main_grad, torch.where(counts.eq(0).view(-1, 1, 1), 0, product).float())

@@ -12,13 +12,13 @@ from megatron.core.tensor_parallel.random import build_tracker
 from megatron.core.transformer import fusions
 from megatron.core.transformer.block import RecomputedCoreAttention
 from megatron.core.transformer.config import ExecutionConfig
-from megatron.core.transformer.moe import moe_utils, token_dispatcher
+from megatron.core.transformer.moe import experts, moe_utils, token_dispatcher
 from megatron.core.utils import compiled
 from tests.distributed.parity import llama_config
 
 EAGER = {fusions.rms_norm, fusions.rms_norm_1p, fusions.add_rms_norm, fusions.add_rms_norm_1p, fusions.swiglu,
          fusions.rotary, fusions.rotary_interleaved, moe_utils.route, token_dispatcher.permute_rows,
-         token_dispatcher.unpermute}
+         token_dispatcher.unpermute, experts.accumulate_expert_grads_}
 FUSED = dict(fuse_elementwise=True, moe_router_fusion=True, moe_permute_fusion=True)
 MODELS = {
     "llama": {},

@@ -54,6 +54,8 @@ from megatron.core.utils import divide
 
 
 class GroupedMLP(torch.nn.Module):
+    compilable = {"accumulate_grads": "fuse_elementwise"}  # parallelize.py
+
     def __init__(self, config, *, execution=DEFAULT_EXECUTION, num_local_experts: int, expert_offset: int,
                  etp: TensorParallel = TensorParallel(), tp: TensorParallel = TensorParallel(), device):
         super().__init__()
@@ -76,6 +78,9 @@ class GroupedMLP(torch.nn.Module):
             self.fc1_bias = torch.nn.Parameter(torch.empty(num_local_experts, rows, dtype=dtype, device=device))
             self.fc2_bias = torch.nn.Parameter(torch.empty(num_local_experts, hidden, dtype=dtype, device=device))
         self.add_fc2_bias = etp.rank == 0  # fc2's outputs are partial sums over etp: add its bias once
+        # The grouped weight gradient's way into main_grad (compiled with the elementwise fusions:
+        # one pass over the experts' weights instead of two).
+        self.accumulate_grads = accumulate_expert_grads_
         # Layouts of the stacked tensors (dim 0 is the expert) over the expert-tensor-parallel ranks:
         # the hidden size split like the dense MLP's. With etp = 1 an expert is whole on every rank
         # that holds it, and the gradients of its copies are summed over the expert-data-parallel
@@ -165,10 +170,12 @@ class GroupedMLP(torch.nn.Module):
 
     def _linear(self, x: torch.Tensor, name: str, tokens_per_expert, grouped: bool) -> torch.Tensor:
         weight = self.fc1_weight if name == "fc1" else self.fc2_weight
-        fuse_wgrad = fuses_grad_accumulation(weight, self.gradient_accumulation_fusion)
+        # Fused: the weight gradient goes into main_grad here (`accumulate`: the grouped paths' way).
+        fused = fuses_grad_accumulation(weight, self.gradient_accumulation_fusion)
+        accumulate = self.accumulate_grads if fused else None
         if self.fp8 is not None:
-            return self.fp8[name](x, weight, tokens_per_expert, fuse_wgrad)
-        return _ExpertsFunction.apply(x, weight, tokens_per_expert, grouped, fuse_wgrad)
+            return self.fp8[name](x, weight, tokens_per_expert, accumulate)
+        return _ExpertsFunction.apply(x, weight, tokens_per_expert, grouped, accumulate)
 
     def _activate(self, h):
         if not self.gated:
@@ -183,18 +190,19 @@ class _ExpertsFunction(torch.autograd.Function):
 
     Backward, grouped: the input gradient is one grouped GEMM grad_e @ weight[e], and the weight
     gradient one grouped GEMM grad^T x with the groups along the contracted (row) dimension, giving
-    all experts' [n, k] products at once ([E, n, k]; an expert without rows gets zeros). With
-    `fuse_wgrad` that product reaches the fp32 `weight.main_grad` in one add per weight and
-    micro-batch: `torch._grouped_mm` has no accumulating form, so its output is fp32 where the
+    all experts' [n, k] products at once ([E, n, k]; an expert without rows gets zeros). Given
+    `accumulate` (--gradient-accumulation-fusion: `accumulate_expert_grads_`, compiled with the
+    elementwise fusions) that product reaches the fp32 `weight.main_grad` in one pass per weight
+    and micro-batch: `torch._grouped_mm` has no accumulating form, so its output is fp32 where the
     device's kernel writes fp32 from the weights' dtype (no rounding of the product), else the
-    weights' dtype; one add of E x n x k elements costs far less than a GEMM per expert. Looped:
-    a GEMM per expert for each gradient, the weight's accumulated into `main_grad[e]` (`fuse_wgrad`)
-    or returned stacked. Either way data parallelism's hook is told once.
+    weights' dtype; one pass over E x n x k elements costs far less than a GEMM per expert.
+    Looped: a GEMM per expert for each gradient, the weight's accumulated into `main_grad[e]`
+    (given `accumulate`) or returned stacked. Either way data parallelism's hook is told once.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, counts, grouped, fuse_wgrad):
-        ctx.grouped, ctx.fuse_wgrad = grouped, fuse_wgrad
+    def forward(ctx, x, weight, counts, grouped, accumulate):
+        ctx.grouped, ctx.accumulate = grouped, accumulate
         if grouped:
             counts = torch.as_tensor(counts, device=x.device)
             offsets = _offsets(counts)
@@ -217,17 +225,30 @@ def _grouped_backward(ctx, grad):
     grad_input = torch._grouped_mm(grad, weight, offs=offsets) if ctx.needs_input_grad[0] else None
     if not ctx.needs_input_grad[1]:
         return grad_input, None, None, None, None
-    fused = ctx.fuse_wgrad
-    out_dtype = weight.main_grad.dtype if fused and _grouped_mm_writes(grad, weight.main_grad.dtype) else None
+    accumulate = ctx.accumulate
+    fused_dtype = accumulate is not None and _grouped_mm_writes(grad, weight.main_grad.dtype)
+    out_dtype = weight.main_grad.dtype if fused_dtype else None
     product = torch._grouped_mm(grad.t(), x, offs=offsets, out_dtype=out_dtype)    # [E, n, k]
-    # An expert without rows: zeros whatever the kernel leaves in its slot.
-    product.masked_fill_(counts.eq(0).view(-1, 1, 1), 0)
-    if not fused:
-        return grad_input, product, None, None, None
-    weight.main_grad.add_(product)
+    if accumulate is None:
+        # An expert without rows: zeros whatever the kernel leaves in its slot.
+        return grad_input, product.masked_fill_(counts.eq(0).view(-1, 1, 1), 0), None, None, None
+    accumulate(weight.main_grad, product, counts)
     weight.main_grad_empty = False
     main_grad_ready(weight)
     return grad_input, None, None, None, None
+
+
+def accumulate_expert_grads_(main_grad: torch.Tensor, product: torch.Tensor, counts: torch.Tensor) -> None:
+    """main_grad [E, n, k] += the grouped weight gradient `product` [E, n, k], except for the experts
+    without rows (`counts` [E] zero), whatever the kernel left in their slots (a group with nothing
+    along the contracted dimension is not necessarily written). Compiled (`GroupedMLP.compilable`):
+    one kernel reading the product and main_grad once and writing main_grad once; eager: the slots
+    zeroed in place, then an add (two passes, nothing allocated)."""
+    empty = counts.eq(0).view(-1, 1, 1)
+    if torch.compiler.is_compiling():
+        main_grad.add_(torch.where(empty, 0, product))  # (writing the product back would be a pass)
+    else:
+        main_grad.add_(product.masked_fill_(empty, 0))
 
 
 def _looped_backward(ctx, grad):
@@ -238,7 +259,7 @@ def _looped_backward(ctx, grad):
     if not ctx.needs_input_grad[1]:
         return grad_input, None, None, None, None
     pairs = list(zip(grad.split(ctx.counts), x.split(ctx.counts)))
-    if ctx.fuse_wgrad:
+    if ctx.accumulate is not None:
         for index, (rows_grad, rows) in enumerate(pairs):
             if rows.shape[0]:
                 accumulate_matmul_(weight.main_grad[index], rows_grad.t(), rows)
@@ -268,7 +289,7 @@ def _offsets(tokens_per_expert: torch.Tensor) -> torch.Tensor:
 
 
 def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert) -> torch.Tensor:
-    return _ExpertsFunction.apply(x, weight, tokens_per_expert, True, False)
+    return _ExpertsFunction.apply(x, weight, tokens_per_expert, True, None)
 
 
 def _grouped_mm_supported(x: torch.Tensor) -> bool:

@@ -190,19 +190,19 @@ class ExpertsFP8:
         self._weight_key = self._weight = None
         self._slots = {}  # role -> the experts' slots in the delayed-scaling state, as a device tensor
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, counts,
-                 fuse_wgrad: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, counts, accumulate=None) -> torch.Tensor:
         """x [N, k] (rows sorted by expert, `counts` each, every count a multiple of FP8_ALIGNMENT)
         times weight [E, n, k] per expert -> [N, n] in x's dtype. `counts`: a list, or a device
         tensor [E] (routing padded; rows past their sum are sentinel rows, left out of the GEMMs):
         then the grouped path, whose GEMMs run as the FP8 grouped kernel or, where none exists, on
-        the dequantized casts. `fuse_wgrad`: the loop path puts the weight gradient into
-        `weight.main_grad` itself (the grouped path's product goes through the data-parallel hook)."""
+        the dequantized casts. `accumulate` (--gradient-accumulation-fusion): the weight gradient goes
+        into `weight.main_grad` here, the grouped product through `accumulate(main_grad, product,
+        counts)` (experts.accumulate_expert_grads_), the loop's per expert."""
         if torch.is_tensor(counts):
-            return _GroupedExpertsFP8Function.apply(x, weight, counts, self)
+            return _GroupedExpertsFP8Function.apply(x, weight, counts, self, accumulate)
         if grouped_fp8_supported(x, self.rowwise):
-            return _GroupedExpertsFP8Function.apply(x, weight, list(counts), self)
-        return _ExpertsFP8Function.apply(x, weight, list(counts), self.linears, fuse_wgrad)
+            return _GroupedExpertsFP8Function.apply(x, weight, list(counts), self, accumulate)
+        return _ExpertsFP8Function.apply(x, weight, list(counts), self.linears, accumulate is not None)
 
     def scales(self, amaxes: torch.Tensor, role: int, dtype: torch.dtype) -> torch.Tensor:
         """Each expert's scale [E] for `role` (recording the amaxes under delayed scaling)."""
@@ -237,7 +237,7 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
     kernel, each row scaled by its expert's scale)."""
 
     @staticmethod
-    def forward(ctx, x, weight, counts, fp8):
+    def forward(ctx, x, weight, counts, fp8, accumulate):
         num_experts = weight.shape[0]
         counts_t = torch.as_tensor(counts, device=x.device)                          # [E]
         offs = counts_t.cumsum(0).to(torch.int32)
@@ -253,7 +253,7 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
                           w_scale.reciprocal().unsqueeze(1).expand(-1, out_features).contiguous(), offs, x.dtype)
         # The input's FP8 transpose [k, N] is what the weight gradient needs of it.
         ctx.save_for_backward(x_q.t().contiguous(), x_scale, weight, row_expert, offs)
-        ctx.counts, ctx.fp8, ctx.kernel = counts, fp8, kernel
+        ctx.counts, ctx.fp8, ctx.kernel, ctx.accumulate = counts, fp8, kernel, accumulate
         return y
 
     @staticmethod
@@ -279,5 +279,10 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
         # Weight gradient: groups along the contracted (row) dimension, scales group-major.
         grad_weight = _grouped_gemm(kernel, g_t, x_t.t(), g_scale.reciprocal().repeat_interleave(out_features),
                                     x_scale.reciprocal().repeat_interleave(in_features), offs, grad.dtype)
-        empty = torch.as_tensor(counts, device=grad.device).eq(0).view(-1, 1, 1)
-        return grad_input, grad_weight.masked_fill(empty, 0), None, None
+        counts_t = torch.as_tensor(counts, device=grad.device)
+        if ctx.accumulate is None:
+            return grad_input, grad_weight.masked_fill_(counts_t.eq(0).view(-1, 1, 1), 0), None, None, None
+        ctx.accumulate(weight.main_grad, grad_weight, counts_t)
+        weight.main_grad_empty = False
+        main_grad_ready(weight)
+        return grad_input, None, None, None, None
