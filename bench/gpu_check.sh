@@ -2,9 +2,10 @@
 # One command for whoever has a GPU: install, the benchmark presets in bf16 and FP8, each
 # optimization's off-switch as an A/B, the GPU test lane, and one Markdown report.
 #
-#   bash bench/gpu_check.sh [--dry-run] [--tunableop] [REPORT.md]   # or GPU_CHECK_REPORT=REPORT.md
+#   bash bench/gpu_check.sh [--dry-run] [--tunableop] [--dense-ab] [REPORT.md]   # or GPU_CHECK_REPORT=REPORT.md
 #     --dry-run    print the plan (each run with its predicted duration on one H100) and exit
 #     --tunableop  also measure bf16 llama3-8b-8layers with PyTorch TunableOp (GEMMs tuned at start)
+#     --dense-ab   also llama3.2-1b in bf16 and the two off-switch A/Bs on llama3-8b-8layers
 #   GPU_CHECK_DRY_RUN=1 bash bench/gpu_check.sh  # CPU smoke run of every step (tiny presets, no install)
 #   GPU_CHECK_BUDGET (seconds, default 570), GPU_CHECK_MAX_RUNS (default all), PYTHON (default python3)
 #   GPU_CHECK_ONLY (a bash regular expression): only the runs whose "name preset" matches, e.g.
@@ -14,12 +15,13 @@
 # --no-deps --no-build-isolation, or runs from the source tree if that fails). Steps, in order, each
 # with a time limit so the whole run fits one 10-minute command (GPU_CHECK_BUDGET, default 570 s):
 #   1. pip install --no-build-isolation --no-deps -e .
-#   2. bench_pretrain.py, in the order of bench/gpu_plan.py: llama3-8b-8layers and llama3.2-1b in
-#      bf16, llama3-8b-8layers in FP8 (hybrid, delayed), the MoE presets mixtral-8x7b-2layers,
-#      qwen3-30b-a3b-4layers and deepseek-v3-4layers in bf16 and mixtral-8x7b-2layers in FP8 (hybrid,
+#   2. bench_pretrain.py, in the order of bench/gpu_plan.py: llama3-8b-8layers in bf16 [and, with
+#      --dense-ab, llama3.2-1b], llama3-8b-8layers in FP8 (hybrid, delayed), the MoE presets
+#      mixtral-8x7b-2layers, qwen3-30b-a3b-4layers and deepseek-v3-4layers in bf16, Mixtral's and
+#      Qwen3-MoE's again with --moe-grouped-wgrad triton, mixtral-8x7b-2layers in FP8 (hybrid,
 #      tensorwise), each MoE run with one more step under torch.profiler (--profile: its top kernels
 #      and CPU/GPU time ratio go to the run's log and the report), [--tunableop: bf16 with TunableOp,]
-#      then the --no-torch-compile and --no-gradient-accumulation-fusion A/Bs on llama3-8b-8layers.
+#      [--dense-ab: the --no-torch-compile and --no-gradient-accumulation-fusion A/Bs on the 8B preset].
 #      Each run is limited to 1.5x its predicted duration (at least +30 s); a run that no longer fits
 #      is skipped and logged.
 #   3. pytest -m gpu (tests/gpu; a small built-in runner if pytest is not installed) with the time left
@@ -36,6 +38,7 @@ for arg in "$@"; do
   case "$arg" in
     --dry-run) PLAN_ONLY=1 ;;
     --tunableop) PLAN_ARGS+=(--tunableop) ;;
+    --dense-ab) PLAN_ARGS+=(--dense-ab) ;;
     -*) echo "bench/gpu_check.sh: unknown option $arg (options: --dry-run, --tunableop, then REPORT.md)" >&2; exit 2 ;;
     *) REPORT_ARG=$arg ;;
   esac

@@ -4,16 +4,19 @@
     python bench/gpu_plan.py --lines [--tunableop] [--smoke]        # what gpu_check.sh reads (--smoke: tiny)
 
 Order: the benchmarks first (bf16 on both presets, FP8 delayed on llama3-8b-8layers, the MoE
-presets, a few Mixtral 8x7B, Qwen3-30B-A3B and DeepSeek-V3-routed layers, in bf16 and Mixtral's in FP8
-tensorwise, then with --tunableop the bf16 run with PyTorch TunableOp, then the compile and
-gradient-accumulation-fusion off-switches as A/Bs on llama3-8b-8layers), the GPU test lane last
-with what is left. A run's estimate = start-up (model,
+presets, a few Mixtral 8x7B, Qwen3-30B-A3B and DeepSeek-V3-routed layers, in bf16, Mixtral's and
+Qwen3-MoE's again with --moe-grouped-wgrad triton (the A/B of the experts' weight-gradient path),
+and Mixtral's in FP8 tensorwise, then with --tunableop the bf16 run with PyTorch TunableOp, with
+--dense-ab llama3.2-1b in bf16 and the compile and gradient-accumulation-fusion off-switches as
+A/Bs on llama3-8b-8layers),
+the GPU test lane last with what is left. A run's estimate = start-up (model,
 data, NCCL) + compilation (cold for the first run, warm from inductor's cache after it) + its steps
 at the step time bench/cost_model.py predicts; the MoE runs and the A/Bs take fewer steps (2
 warm-up, 4 timed) so that all of it fits one 10-minute command. Each run costs about 45 s before its
 first step, so the plan holds 9 runs: FP8 on llama3.2-1b, FP8 tensorwise on llama3-8b-8layers and
 the --no-cross-entropy-loss-fusion A/B gave way to the MoE runs (run them by hand:
-docs/performance.md). The estimates are predictions:
+docs/performance.md), and llama3.2-1b in bf16 and the dense off-switch A/Bs (measured 2026-11-28;
+--dense-ab runs them) to the Triton A/Bs, leaving the GPU test lane its 2 to 3 minutes. The estimates are predictions:
 gpu_check.sh gives each run 1.5x its estimate (at least +30 s), and skips what no longer fits.
 `--smoke` (gpu_check.sh's CPU dry run) runs each entry on the tiny preset, the MoE ones on tiny-moe.
 """
@@ -27,19 +30,22 @@ BIG, SMALL = "llama3-8b-8layers", "llama3.2-1b"
 MIXTRAL, QWEN3_MOE = "mixtral-8x7b-2layers", "qwen3-30b-a3b-4layers"  # a few MoE layers each, EP1
 DEEPSEEK = "deepseek-v3-4layers"  # DeepSeek-V3's routing (256 experts, group-limited, sigmoid) at h 2048
 MOE_PRESETS = (MIXTRAL, QWEN3_MOE, DEEPSEEK)
+TRITON_WGRAD = "--moe-grouped-wgrad triton"
 TUNABLEOP_ENV = "PYTORCH_TUNABLEOP_ENABLED=1 PYTORCH_TUNABLEOP_TUNING=1 PYTORCH_TUNABLEOP_MAX_TUNING_DURATION_MS=30"
 
 
-def runs(tunableop: bool) -> list:
+def runs(tunableop: bool, dense_ab: bool = False) -> list:
     """(name, preset, flags, warm-up steps, timed steps, environment) in the order they run."""
     protocol, ab = (3, 8), (2, 4)
-    plan = [("bf16", BIG, "", *protocol, ""), ("bf16", SMALL, "", *protocol, ""),
+    plan = [("bf16", BIG, "", *protocol, "")] + ([("bf16", SMALL, "", *protocol, "")] if dense_ab else []) + [
             ("fp8-delayed", BIG, FP8_DELAYED, *protocol, ""),
             ("bf16", MIXTRAL, "", *ab, ""), ("bf16", QWEN3_MOE, "", *ab, ""), ("bf16", DEEPSEEK, "", *ab, ""),
+            # A/B: the experts' weight gradients by the Triton grouped GEMM that adds into main_grad
+            ("bf16-triton-wgrad", MIXTRAL, TRITON_WGRAD, *ab, ""), ("bf16-triton-wgrad", QWEN3_MOE, TRITON_WGRAD, *ab, ""),
             ("fp8-tensorwise", MIXTRAL, f"{FP8_TENSORWISE} --moe-router-padding-for-fp8", *ab, "")]
     if tunableop:
         plan.append(("bf16-tunableop", BIG, "", *protocol, TUNABLEOP_ENV))
-    for switch in ("--no-torch-compile", "--no-gradient-accumulation-fusion"):
+    for switch in ("--no-torch-compile", "--no-gradient-accumulation-fusion") if dense_ab else ():
         plan.append((f"bf16{switch.removeprefix('-')}", BIG, switch, *ab, ""))
     return plan
 
@@ -66,14 +72,19 @@ def estimates(plan: list) -> list:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tunableop", action="store_true", help="also measure bf16 with PyTorch TunableOp")
+    parser.add_argument("--dense-ab", action="store_true",
+                        help="also llama3.2-1b in bf16 and the --no-torch-compile and "
+                             "--no-gradient-accumulation-fusion A/Bs on the 8B preset")
     parser.add_argument("--budget", type=int, default=570, help="seconds for the whole check")
     parser.add_argument("--lines", action="store_true", help="machine-readable: one run per line")
     parser.add_argument("--smoke", action="store_true", help="with --lines: the CPU smoke run (tiny preset)")
     args = parser.parse_args()
-    plan = runs(args.tunableop)
+    plan = runs(args.tunableop, args.dense_ab)
     if args.lines and args.smoke:
         for name, preset, flags, _, _, env in plan:
-            print(f"{name}|{'tiny-moe' if preset in MOE_PRESETS else 'tiny'}|{flags}|1|2|600|{env}")
+            # On the CPU the Triton kernel runs in Triton's interpreter.
+            smoke_env = " ".join(filter(None, (env, "TRITON_INTERPRET=1" if flags == TRITON_WGRAD else "")))
+            print(f"{name}|{'tiny-moe' if preset in MOE_PRESETS else 'tiny'}|{flags}|1|2|600|{smoke_env}")
         return
     seconds = estimates(plan)
     if args.lines:

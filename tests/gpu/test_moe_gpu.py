@@ -2,14 +2,15 @@
 CPU cannot run, each against the loop of GEMMs it replaces.
 
 - bf16: `torch._grouped_mm` (--moe-grouped-gemm) against the loop of F.linear, forward and backward;
-  and with the weight gradients accumulated into an fp32 `main_grad` (one fp32-output GEMM per
-  expert onto what the buffer holds).
+  and with the weight gradients accumulated into an fp32 `main_grad` onto what the buffer holds: the
+  product added eagerly, compiled, and by the Triton grouped GEMM (--moe-grouped-wgrad triton).
 - FP8: `torch._scaled_grouped_mm` (one cast per tensor for all experts, each expert's scale per
   row) against the loop of `torch._scaled_mm` with each expert's `FP8Linear`: the same FP8 values,
   so only the bf16 rounding of the results differs; and both within the FP8 bound of bf16.
 Rows per expert are multiples of 16 (as the experts pad them under FP8), one expert gets none.
 Skipped without a GPU.
 """
+import importlib.util
 import math
 
 import pytest
@@ -52,8 +53,9 @@ def test_grouped_mm_experts_equal_the_loop():
            _run(lambda a, w: _looped_linear(a, w, COUNTS), x, weight, grad), "bf16 grouped")
 
 
-@pytest.mark.parametrize("compile_accumulate", [False, True], ids=["eager", "compiled"])
-def test_grouped_mm_experts_accumulate_weight_gradients_into_main_grad(compile_accumulate):
+@pytest.mark.parametrize("compile_accumulate, triton", [(False, False), (True, False), (False, True)],
+                         ids=["eager", "compiled", "triton"])
+def test_grouped_mm_experts_accumulate_weight_gradients_into_main_grad(compile_accumulate, triton):
     from megatron.core.transformer.moe.experts import (
         _ExpertsFunction,
         _grouped_mm_supported,
@@ -69,8 +71,27 @@ def test_grouped_mm_experts_accumulate_weight_gradients_into_main_grad(compile_a
     fused = weight.clone().requires_grad_()
     fused.main_grad = torch.full(weight.shape, 0.5, device="cuda")  # accumulated onto, not overwritten
     inputs = x.clone().requires_grad_()
-    y = _ExpertsFunction.apply(inputs, fused, COUNTS, True, pick(accumulate_expert_grads_, compile_accumulate))
-    y.backward(grad)
+    if triton and importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    accumulate = pick(accumulate_expert_grads_, compile_accumulate)
+    y = _ExpertsFunction.apply(inputs, fused, COUNTS, True, accumulate, triton)
+    if triton:  # the Triton kernel takes these operands, and no product is formed
+        from megatron.core.transformer.moe import triton_wgrad
+        assert triton_wgrad.supported(grad, inputs, fused.main_grad)
+        original, calls = torch._grouped_mm, []
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return original(*args, **kwargs)
+
+        torch._grouped_mm = counted
+        try:
+            y.backward(grad)
+        finally:
+            torch._grouped_mm = original
+        assert len(calls) == 1  # the input gradient's grouped GEMM only: no weight-gradient product
+    else:
+        y.backward(grad)
     assert fused.grad is None
     _close((y.detach().float(), inputs.grad.float(), fused.main_grad - 0.5), want, "bf16 grouped, fused")
 

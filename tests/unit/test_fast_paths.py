@@ -66,3 +66,25 @@ def test_the_fp8_part_names_the_experts_path():
                            optimizer=optimizer, num_experts=8)
     assert "experts: per-expert scales, routing padded to 16, one grouped GEMM of the dequantized casts " \
            "(no FP8 grouped GEMM on cpu)" in line
+
+
+def test_the_weight_gradient_part_names_the_experts_path():
+    from megatron.core.transformer.config import ExecutionConfig
+
+    execution = ExecutionConfig(params_dtype=torch.bfloat16)
+    model = GPTModel(llama_config(), single_process(), execution=execution)
+    optimizer = get_megatron_optimizer(OptimizerConfig(bf16=True), [DistributedDataParallel(model, single_process())],
+                                       single_process())
+
+    def part(execution, num_experts=8):
+        line = fast_paths_line(execution, no_torch_compile=False, device=CPU, attention_report="attention: SDPA",
+                               optimizer=optimizer, num_experts=num_experts)
+        return dict(p.split(": ", 1) for p in line.removeprefix("fast paths: ").split(" | "))["weight-gradient GEMM"]
+
+    assert part(execution).endswith("; experts: a grouped GEMM product added into main_grad (eager, two passes)")
+    compiled = dataclasses.replace(execution, fuse_elementwise=True)
+    assert part(compiled).endswith("; experts: a grouped GEMM product added into main_grad (compiled)")
+    triton = dataclasses.replace(execution, moe_grouped_wgrad="triton")
+    assert part(triton).endswith("; experts: a Triton grouped GEMM adding into main_grad")
+    assert "experts" not in part(execution, num_experts=None)
+    assert "experts" not in part(dataclasses.replace(execution, gradient_accumulation_fusion=False))

@@ -2,6 +2,7 @@
 runs (same architecture, its FLOPs counted per expert GEMM equal to Megatron's formula with the
 active parameters), each fits one 80 GB GPU, and bench/gpu_check.sh's plan runs them."""
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -88,4 +89,20 @@ def test_the_moe_benchmark_runs_with_fp8_experts_on_cpu():
     assert "tokens per GPU (tokens/s/GPU)" in result.stdout
     smoke = subprocess.run([sys.executable, "gpu_plan.py", "--lines", "--smoke"], capture_output=True, text=True,
                            cwd=ROOT / "bench", timeout=120).stdout
-    assert sum("|tiny-moe|" in line for line in smoke.splitlines()) == 4
+    assert sum("|tiny-moe|" in line for line in smoke.splitlines()) == 6
+    triton = [line for line in smoke.splitlines() if "--moe-grouped-wgrad triton" in line]
+    assert len(triton) == 2 and all(line.endswith("|TRITON_INTERPRET=1") for line in triton)
+
+
+def test_the_moe_benchmark_runs_the_triton_weight_gradients_on_cpu():
+    """The plan's Triton A/B on the tiny MoE preset, the kernel in Triton's interpreter (as
+    gpu_check.sh's dry run runs it): it trains and its start-up line names the experts' path."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "bench/bench_pretrain.py", "--preset", "tiny-moe", "--device", "cpu",
+                             "--micro-batches", "2", "--warmup", "1", "--steps", "2", "--", "--bf16",
+                             "--moe-grouped-wgrad", "triton"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                            env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "experts: a Triton grouped GEMM adding into main_grad" in result.stdout
+    assert "tokens per GPU (tokens/s/GPU)" in result.stdout

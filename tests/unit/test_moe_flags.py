@@ -1,6 +1,7 @@
 """Mixture-of-experts flags: each bad combination is one error naming the flags and values, before
 the model is built; the flags reach the model description; a tiny MoE model trains with the
 auxiliary losses in the log line and no Python warning."""
+import importlib.util
 import os
 import shlex
 import subprocess
@@ -57,6 +58,25 @@ def test_bad_moe_flags_are_one_clear_error(flags, world, message):
     with pytest.raises(ConfigError) as error:
         _validate(MOE + flags, world)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_triton_weight_gradients_need_a_gpu_and_triton(monkeypatch):
+    from megatron.training import validation
+
+    flags = MOE + ["--moe-grouped-wgrad", "triton"]
+    monkeypatch.setattr(validation, "_cuda_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="--moe-grouped-wgrad triton runs its kernel on a CUDA GPU and none is "
+                                          "visible"):
+        _validate(flags)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _validate(flags)  # (the interpreter: the CPU tests and gpu_check.sh's dry run)
+    monkeypatch.setattr(validation, "_cuda_available", lambda: True)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(validation.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"--moe-grouped-wgrad triton needs Triton \(pip install triton\)"):
+        _validate(flags)
 
 
 def test_expert_parallel_needs_experts():

@@ -44,10 +44,10 @@ def _micro_batches(dtype):
     return out
 
 
-def _experts(dtype, fusion, fp8_recipe=None, grouped=False):
+def _experts(dtype, fusion, fp8_recipe=None, grouped=False, **execution_fields):
     """Four local experts (SwiGLU, ffn 16: grouped GEMMs take strides of 16 bytes) under a one-process
     DDP, so they have `main_grad`."""
-    execution = ExecutionConfig(params_dtype=dtype, gradient_accumulation_fusion=fusion)
+    execution = ExecutionConfig(params_dtype=dtype, gradient_accumulation_fusion=fusion, **execution_fields)
     experts = GroupedMLP(config(moe_grouped_gemm=grouped, moe_ffn_hidden_size=16), execution=execution,
                          num_local_experts=4, expert_offset=0, etp=TensorParallel(), tp=TensorParallel(),
                          device=torch.device("cpu"))

@@ -48,5 +48,7 @@ class ModelConfig(TransformerConfig):
     """Mixture of experts: the router's score function, top-k, normalization and auxiliary-loss scores as one torch.compile'd function (Megatron-Core uses Transformer Engine's fused kernels); eager PyTorch ops otherwise, with the same result."""
     moe_router_padding_for_fp8: bool = False
     """Mixture of experts in FP8 (alltoall dispatcher): pad the routing map so that each expert's token count is a multiple of 16, routing to it with probability 0 the first tokens not routed to it (as Megatron-Core does), instead of padding the experts' rows; the FP8 experts then run with their row counts on the device (no host synchronization at expert-parallel size 1, tensorwise and delayed recipes). Needs the tokens per rank and micro-batch to be a multiple of 16."""
+    moe_grouped_wgrad: Literal["grouped-mm", "triton"] = "grouped-mm"
+    """Mixture of experts with --gradient-accumulation-fusion: how the grouped experts' weight gradients reach main_grad. grouped-mm: one torch._grouped_mm product per weight and micro-batch, added into main_grad in one pass (compiled on GPU). triton: a Triton grouped GEMM that adds each expert's gradient into main_grad as it stores it (no product tensor, half the memory traffic; CUDA with Triton installed, bf16; not yet measured on a GPU, bench/gpu_check.sh compares the two) (this framework's own flag)."""
     moe_layer_recompute: bool = False
     """Recompute each mixture-of-experts block in backward instead of keeping its activations (how the model runs, not its architecture)."""

@@ -44,6 +44,15 @@ def _weight_gradient(execution: ExecutionConfig, device) -> str:
            f"(no fp32-output GEMM on {device.type})"
 
 
+def _experts_weight_gradient(execution: ExecutionConfig, num_experts) -> str:
+    if not num_experts or not execution.gradient_accumulation_fusion or execution.fp8:
+        return ""
+    if execution.moe_grouped_wgrad == "triton":
+        return "; experts: a Triton grouped GEMM adding into main_grad"
+    compiled = "compiled" if execution.fuse_elementwise else "eager, two passes"
+    return f"; experts: a grouped GEMM product added into main_grad ({compiled})"
+
+
 def _cross_entropy(execution: ExecutionConfig) -> str:
     if not execution.cross_entropy_loss_fusion:
         return "plain, fp32 copy of the logits (--no-cross-entropy-loss-fusion)"
@@ -93,7 +102,7 @@ def fast_paths_line(execution: ExecutionConfig, *, no_torch_compile: bool, devic
     """`fp8_choice`: the linears the start-up probe left in bf16 (`fp8.choose_fp8_linears`)."""
     parts = {
         "compile": _compile(execution, no_torch_compile, device),
-        "weight-gradient GEMM": _weight_gradient(execution, device),
+        "weight-gradient GEMM": _weight_gradient(execution, device) + _experts_weight_gradient(execution, num_experts),
         "cross entropy": _cross_entropy(execution),
         "attention": attention_report.removeprefix("attention: "),
         "FP8": _fp8(execution, num_experts, device, fp8_choice),

@@ -43,6 +43,7 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.mlp import _ACTIVATIONS, MLP
+from megatron.core.transformer.moe import triton_wgrad
 from megatron.core.transformer.moe.fp8_experts import (
     ExpertsFP8,
     grouped_fp8_supported,
@@ -81,6 +82,7 @@ class GroupedMLP(torch.nn.Module):
         # The grouped weight gradient's way into main_grad (compiled with the elementwise fusions:
         # one pass over the experts' weights instead of two).
         self.accumulate_grads = accumulate_expert_grads_
+        self.triton_wgrad = execution.moe_grouped_wgrad == "triton"  # (where the kernel runs: triton_wgrad.py)
         # Layouts of the stacked tensors (dim 0 is the expert) over the expert-tensor-parallel ranks:
         # the hidden size split like the dense MLP's. With etp = 1 an expert is whole on every rank
         # that holds it, and the gradients of its copies are summed over the expert-data-parallel
@@ -175,7 +177,7 @@ class GroupedMLP(torch.nn.Module):
         accumulate = self.accumulate_grads if fused else None
         if self.fp8 is not None:
             return self.fp8[name](x, weight, tokens_per_expert, accumulate)
-        return _ExpertsFunction.apply(x, weight, tokens_per_expert, grouped, accumulate)
+        return _ExpertsFunction.apply(x, weight, tokens_per_expert, grouped, accumulate, self.triton_wgrad)
 
     def _activate(self, h):
         if not self.gated:
@@ -196,13 +198,15 @@ class _ExpertsFunction(torch.autograd.Function):
     and micro-batch: `torch._grouped_mm` has no accumulating form, so its output is fp32 where the
     device's kernel writes fp32 from the weights' dtype (no rounding of the product), else the
     weights' dtype; one pass over E x n x k elements costs far less than a GEMM per expert.
+    With `triton_wgrad` (--moe-grouped-wgrad triton, where its kernel runs) one Triton grouped GEMM
+    adds each expert's gradient into `main_grad` itself instead (moe/triton_wgrad.py: no product).
     Looped: a GEMM per expert for each gradient, the weight's accumulated into `main_grad[e]`
     (given `accumulate`) or returned stacked. Either way data parallelism's hook is told once.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, counts, grouped, accumulate):
-        ctx.grouped, ctx.accumulate = grouped, accumulate
+    def forward(ctx, x, weight, counts, grouped, accumulate, triton_wgrad=False):
+        ctx.grouped, ctx.accumulate, ctx.triton_wgrad = grouped, accumulate, triton_wgrad
         if grouped:
             counts = torch.as_tensor(counts, device=x.device)
             offsets = _offsets(counts)
@@ -224,18 +228,23 @@ def _grouped_backward(ctx, grad):
     x, weight, offsets, counts = ctx.saved_tensors
     grad_input = torch._grouped_mm(grad, weight, offs=offsets) if ctx.needs_input_grad[0] else None
     if not ctx.needs_input_grad[1]:
-        return grad_input, None, None, None, None
+        return grad_input, None, None, None, None, None
     accumulate = ctx.accumulate
+    if accumulate is not None and ctx.triton_wgrad and triton_wgrad.supported(grad, x, weight.main_grad):
+        triton_wgrad.accumulate_grouped_wgrad_(weight.main_grad, grad, x, offsets)
+        weight.main_grad_empty = False
+        main_grad_ready(weight)
+        return grad_input, None, None, None, None, None
     fused_dtype = accumulate is not None and _grouped_mm_writes(grad, weight.main_grad.dtype)
     out_dtype = weight.main_grad.dtype if fused_dtype else None
     product = torch._grouped_mm(grad.t(), x, offs=offsets, out_dtype=out_dtype)    # [E, n, k]
     if accumulate is None:
         # An expert without rows: zeros whatever the kernel leaves in its slot.
-        return grad_input, product.masked_fill_(counts.eq(0).view(-1, 1, 1), 0), None, None, None
+        return grad_input, product.masked_fill_(counts.eq(0).view(-1, 1, 1), 0), None, None, None, None
     accumulate(weight.main_grad, product, counts)
     weight.main_grad_empty = False
     main_grad_ready(weight)
-    return grad_input, None, None, None, None
+    return grad_input, None, None, None, None, None
 
 
 def accumulate_expert_grads_(main_grad: torch.Tensor, product: torch.Tensor, counts: torch.Tensor) -> None:
@@ -257,7 +266,7 @@ def _looped_backward(ctx, grad):
     if ctx.needs_input_grad[0]:
         grad_input = _looped_linear(grad, weight.transpose(1, 2), ctx.counts)
     if not ctx.needs_input_grad[1]:
-        return grad_input, None, None, None, None
+        return grad_input, None, None, None, None, None
     pairs = list(zip(grad.split(ctx.counts), x.split(ctx.counts)))
     if ctx.accumulate is not None:
         for index, (rows_grad, rows) in enumerate(pairs):
@@ -265,14 +274,14 @@ def _looped_backward(ctx, grad):
                 accumulate_matmul_(weight.main_grad[index], rows_grad.t(), rows)
         weight.main_grad_empty = False
         main_grad_ready(weight)
-        return grad_input, None, None, None, None
+        return grad_input, None, None, None, None, None
     grad_weight = torch.empty_like(weight)
     for index, (rows_grad, rows) in enumerate(pairs):
         if rows.shape[0]:
             torch.mm(rows_grad.t(), rows, out=grad_weight[index])
         else:
             grad_weight[index].zero_()
-    return grad_input, grad_weight, None, None, None
+    return grad_input, grad_weight, None, None, None, None
 
 
 def _looped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list) -> torch.Tensor:
@@ -289,7 +298,7 @@ def _offsets(tokens_per_expert: torch.Tensor) -> torch.Tensor:
 
 
 def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert) -> torch.Tensor:
-    return _ExpertsFunction.apply(x, weight, tokens_per_expert, True, None)
+    return _ExpertsFunction.apply(x, weight, tokens_per_expert, True, None, False)
 
 
 def _grouped_mm_supported(x: torch.Tensor) -> bool:

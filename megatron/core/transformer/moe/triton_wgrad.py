@@ -1,0 +1,103 @@
+"""The experts' weight gradient accumulated into `main_grad` by the GEMM itself: a Triton kernel.
+
+For each local expert e, whose rows of the permuted tokens end at `ends[e]` (a device tensor):
+
+    main_grad[e] += grad[rows of e]^T @ x[rows of e]          [n, k], fp32 accumulation
+
+`torch._grouped_mm` has no accumulating form: its path writes the product [E, n, k] and a second
+pass adds it into `main_grad` (16 bytes per expert weight element and micro-batch with an fp32
+product, `accumulate_expert_grads_`). Here each output tile sums its expert's rows in fp32
+registers and adds them to `main_grad` where it stores them: 8 bytes per element (`main_grad` read
+and written), no product tensor, and an expert without rows leaves its `main_grad` untouched (its
+tiles skip the load and store). The offsets are read on the device: no host synchronization.
+
+Selected by --moe-grouped-wgrad triton (CUDA, bf16 or fp16 inputs, fp32 `main_grad`, Triton
+installed); the CPU tests run the same kernel under Triton's interpreter (TRITON_INTERPRET=1).
+"""
+import functools
+import importlib.util
+
+import torch
+
+BLOCK_N, BLOCK_K, BLOCK_ROWS = 128, 128, 64  # output tile [BLOCK_N, BLOCK_K]; rows summed per step
+NUM_WARPS, NUM_STAGES = 8, 3
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def supported(grad: torch.Tensor, x: torch.Tensor, main_grad: torch.Tensor) -> bool:
+    """Whether the kernel takes these operands: a CUDA device (or Triton's CPU interpreter), 16-bit
+    or fp32 inputs of one dtype with unit column stride, a contiguous fp32 `main_grad`."""
+    import os
+
+    on_device = grad.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return (on_device and triton_available() and grad.dtype == x.dtype
+            and grad.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and main_grad.dtype == torch.float32 and main_grad.is_contiguous()
+            and grad.stride(-1) == 1 and x.stride(-1) == 1)
+
+
+def accumulate_grouped_wgrad_(main_grad: torch.Tensor, grad: torch.Tensor, x: torch.Tensor,
+                              ends: torch.Tensor) -> None:
+    """main_grad [E, n, k] (fp32) += per expert e, grad[rows_e]^T @ x[rows_e]; grad [N, n] and x [N, k]
+    sorted by expert, expert e's rows ending at ends[e] (int32 [E], on the device; rows past
+    ends[-1] are left out). One kernel launch."""
+    num_experts, n, k = main_grad.shape
+    if num_experts == 0 or n == 0 or k == 0:
+        return
+    if not grad.is_cuda and grad.dtype == torch.bfloat16:
+        # Triton's interpreter (the CPU) multiplies bf16 tiles wrongly: widen them there (the same
+        # products, exactly; the GPU kernel takes bf16 as it is).
+        grad, x = grad.float(), x.float()
+    kernel = _kernel()
+    grid = (triton_cdiv(n, BLOCK_N) * triton_cdiv(k, BLOCK_K), num_experts)
+    kernel[grid](grad, x, main_grad, ends, n, k, grad.stride(0), x.stride(0),
+                 BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_ROWS=BLOCK_ROWS,
+                 IEEE=grad.dtype == torch.float32, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    """The jitted kernel (Triton imported on first use: the CPU build of PyTorch runs without it)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def grouped_wgrad_accumulate(grad_ptr, x_ptr, out_ptr, ends_ptr, n, k, stride_grad, stride_x,
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                                 IEEE: tl.constexpr):
+        tile = tl.program_id(0)
+        expert = tl.program_id(1)
+        tiles_k = (k + BLOCK_K - 1) // BLOCK_K  # (not tl.cdiv: a jit function, which the interpreter
+        # runs only when Triton was imported with TRITON_INTERPRET set)
+        tile_n, tile_k = tile // tiles_k, tile % tiles_k
+        start = tl.load(ends_ptr + expert - 1, mask=expert > 0, other=0).to(tl.int64)
+        end = tl.load(ends_ptr + expert).to(tl.int64)
+        if end > start:
+            cols_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            cols_k = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
+            in_n, in_k = cols_n < n, cols_k < k
+            acc = tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32)  # (tl.zeros: a jit function, as tl.cdiv)
+            for first in range(start, end, BLOCK_ROWS):
+                rows = first + tl.arange(0, BLOCK_ROWS)
+                live = rows < end
+                g = tl.load(grad_ptr + rows[:, None] * stride_grad + cols_n[None, :],
+                            mask=live[:, None] & in_n[None, :], other=0.0)          # [rows, BLOCK_N]
+                a = tl.load(x_ptr + rows[:, None] * stride_x + cols_k[None, :],
+                            mask=live[:, None] & in_k[None, :], other=0.0)          # [rows, BLOCK_K]
+                if IEEE:
+                    acc += tl.dot(tl.trans(g), a, input_precision="ieee")
+                else:
+                    acc += tl.dot(tl.trans(g), a)
+            tile_base = out_ptr + expert.to(tl.int64) * n * k
+            out = tile_base + cols_n[:, None].to(tl.int64) * k + cols_k[None, :]
+            inside = in_n[:, None] & in_k[None, :]
+            tl.store(out, tl.load(out, mask=inside, other=0.0) + acc, mask=inside)
+
+    return grouped_wgrad_accumulate
