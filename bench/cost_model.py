@@ -330,9 +330,9 @@ def fp8_padding_rows(rows: int, experts: int, multiple: int = 16) -> int:
     return experts * (-(rows // experts) % multiple)
 
 
-def moe_step_parts(name: str, precision: str) -> dict:
+def moe_step_parts(name: str, precision: str, wgrad: str = "grouped-mm") -> dict:
     """{part: (seconds, work)} for one optimizer step of MoE preset `name` (tokens spread evenly over
-    the experts, as --moe-router-force-load-balancing makes them)."""
+    the experts, as --moe-router-force-load-balancing makes them); `wgrad`: --moe-grouped-wgrad."""
     p = MOE_PRESETS[name]
     tokens, layers, m = p["micro"] * SEQ, p["layers"], MICRO_BATCHES
     rows, q, kv = tokens * p["topk"], p["heads"] * p["kv"], p["kv"] * p["groups"]
@@ -347,8 +347,11 @@ def moe_step_parts(name: str, precision: str) -> dict:
     glue_layer = (2 * a + 2 * r + 3 * a + 3 * f + 3 * a) + (3 * a + 2 * r + 5 * f + 2 * 3 * a)  # as glue_bytes
     # The dispatch's passes over the routed rows. The experts' weight gradients (bf16): one grouped
     # GEMM per weight writes an fp32 product [E, n, k] (4 bytes per element), added into main_grad
-    # (read 4, read and write main_grad 8); FP8's products are counted with its casts below.
-    glue_layer += DISPATCH_PASSES * 2 * rows * p["h"] + (16 * expert_weights if precision == "bf16" else 0)
+    # in one pass (read 4, read and write main_grad 8); with --moe-grouped-wgrad triton the GEMM
+    # adds into main_grad itself (read and write 8; its GEMM rate assumed cuBLAS's, unmeasured).
+    # FP8's products are counted with its casts below.
+    wgrad_bytes = (8 if wgrad == "triton" else 16) if precision == "bf16" else 0
+    glue_layer += DISPATCH_PASSES * 2 * rows * p["h"] + wgrad_bytes * expert_weights
     glue = m * layers * glue_layer
     loss = m * tokens * p["vocab"] * 6
     optimizer = moe_parameters(name) * 46
@@ -384,16 +387,16 @@ def moe_step_parts(name: str, precision: str) -> dict:
     return parts
 
 
-def moe_prediction(name: str, precision: str) -> dict:
+def moe_prediction(name: str, precision: str, wgrad: str = "grouped-mm") -> dict:
     """Predicted step time, tokens/s and MFU against the BF16 peak, Megatron's FLOPs with the
     active parameters (megatron/training/reporting/logging.py: top-k experts per token)."""
     from megatron.training.reporting.logging import flops_per_iteration
 
-    parts = moe_step_parts(name, precision)
+    parts = moe_step_parts(name, precision, wgrad)
     seconds = sum(t for t, _ in parts.values())
     batch = MICRO_BATCHES * MOE_PRESETS[name]["micro"]
     flops = flops_per_iteration(moe_config(name), batch, SEQ)
-    return {"preset": name, "precision": precision, "step_seconds": seconds,
+    return {"preset": name, "precision": precision, "wgrad": wgrad, "step_seconds": seconds,
             "tokens_per_second": batch * SEQ / seconds, "mfu_bf16_peak": 100 * flops / seconds / PEAK["bf16"],
             "parameters": moe_parameters(name), "state_gb": moe_parameters(name) * STATE_BYTES[precision] / 1e9,
             "parts": {part: {"seconds": t, "work": work} for part, (t, work) in parts.items()}}
@@ -402,14 +405,14 @@ def moe_prediction(name: str, precision: str) -> dict:
 def moe_markdown() -> str:
     lines = []
     for name in MOE_PRESETS:
-        rows = [moe_prediction(name, precision) for precision in ("bf16", "fp8")]
+        rows = [moe_prediction(name, "bf16"), moe_prediction(name, "bf16", "triton"), moe_prediction(name, "fp8")]
         lines += [f"**{name}** ({rows[0]['parameters'] / 1e9:.2f} B parameters, {rows[0]['state_gb']:.0f} / "
-                  f"{rows[1]['state_gb']:.0f} GB of weights, gradients and optimizer state in bf16 / FP8, "
+                  f"{rows[2]['state_gb']:.0f} GB of weights, gradients and optimizer state in bf16 / FP8, "
                   f"before activations; predicted, ms per step of {MICRO_BATCHES} micro-batches)", "",
-                  "| part | bf16 | fp8 | work (fp8) |", "|---|---|---|---|"]
-        for part in rows[1]["parts"]:
+                  "| part | bf16 | bf16, --moe-grouped-wgrad triton | fp8 | work (fp8) |", "|---|---|---|---|---|"]
+        for part in rows[2]["parts"]:
             cells = [f"{r['parts'][part]['seconds'] * 1e3:.0f}" if part in r["parts"] else "" for r in rows]
-            lines.append(f"| {part} | " + " | ".join(cells) + f" | {rows[1]['parts'][part]['work']} |")
+            lines.append(f"| {part} | " + " | ".join(cells) + f" | {rows[2]['parts'][part]['work']} |")
         lines.append("| **step** | " + " | ".join(f"**{r['step_seconds'] * 1e3:.0f}**" for r in rows) + " | |")
         lines.append("| MFU (BF16 peak, active parameters) | " + " | ".join(f"{r['mfu_bf16_peak']:.1f}%" for r in rows)
                      + " | |")
@@ -423,7 +426,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the predictions as JSON")
     args = parser.parse_args()
     rows = predictions()
-    moe = [moe_prediction(name, precision) for name in MOE_PRESETS for precision in ("bf16", "fp8")]
+    moe = [moe_prediction(name, precision, wgrad) for name in MOE_PRESETS
+           for precision, wgrad in (("bf16", "grouped-mm"), ("bf16", "triton"), ("fp8", "grouped-mm"))]
     print(json.dumps(rows + moe, indent=1) if args.json else markdown(rows) + "\n" + moe_markdown())
 
 

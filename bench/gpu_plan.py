@@ -57,9 +57,10 @@ def estimates(plan: list) -> list:
             for name in (BIG, SMALL) for precision in ("bf16", "fp8")}
     step.update({(name, precision): moe_prediction(name, precision)["step_seconds"]
                  for name in MOE_PRESETS for precision in ("bf16", "fp8")})
+    step.update({(name, "bf16-triton"): moe_prediction(name, "bf16", "triton")["step_seconds"] for name in MOE_PRESETS})
     seconds, compiled = [], set()
     for name, preset, flags, warmup, timed, env in plan:
-        precision = "fp8" if "--fp8-format" in flags else "bf16"
+        precision = "fp8" if "--fp8-format" in flags else ("bf16-triton" if flags == TRITON_WGRAD else "bf16")
         compile_seconds = 0 if "--no-torch-compile" in flags else (
             WARM_COMPILE if compiled else COLD_COMPILE)
         compiled.add(preset)
