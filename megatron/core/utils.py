@@ -155,10 +155,17 @@ class IntervalTimer:
         return total
 
 
+def compiled(function, dynamic=False):
+    """The torch.compile'd `function` (compiled lazily on first call, once per process). `dynamic`:
+    False, one graph per set of shapes (fixed shapes); None, PyTorch's automatic dynamic shapes (a
+    size seen to change is traced symbolically after its first recompilation: shapes that vary from
+    step to step, such as the routed rows at expert-parallel size > 1)."""
+    return _compiled(function, dynamic)
+
+
 @functools.lru_cache(maxsize=None)
-def compiled(function):
-    """The torch.compile'd `function` (compiled lazily on first call, once per process)."""
-    return torch.compile(function, fullgraph=True, dynamic=False)
+def _compiled(function, dynamic):
+    return torch.compile(function, fullgraph=True, dynamic=dynamic)
 
 
 def pick(function, fuse: bool):

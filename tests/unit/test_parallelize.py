@@ -38,7 +38,7 @@ def _held_functions(model) -> list:
             owners.append((f"{name}.dispatcher.local", vars(module.dispatcher.local)))
         for where, attributes in owners:
             held += [(f"{where}.{key}", value) for key, value in attributes.items()
-                     if any(value is f or value is compiled(f) for f in EAGER)]
+                     if any(value is f or value is compiled(f) or value is compiled(f, None) for f in EAGER)]
     return held
 
 

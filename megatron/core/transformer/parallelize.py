@@ -36,8 +36,10 @@ def parallelize(model, execution, *, device) -> Optional[DelayedScaling]:
 
 
 def compile_declared(model, execution) -> None:
-    """Compiles each attribute a module declares in `compilable`, when its switch is on."""
+    """Compiles each attribute a module declares in `compilable`, when its switch is on; those it
+    also names in `compiled_dynamic` (shapes that change between steps) with automatic dynamic shapes."""
     for module in model.modules():
+        varying = getattr(module, "compiled_dynamic", ())
         for path, switch in getattr(module, "compilable", {}).items():
             if not getattr(execution, switch):
                 continue
@@ -47,7 +49,8 @@ def compile_declared(model, execution) -> None:
                 owner = getattr(owner, step)
             value = getattr(owner, name)
             if value is not None:
-                setattr(owner, name, True if isinstance(value, bool) else compiled(value))
+                dynamic = None if path in varying else False
+                setattr(owner, name, True if isinstance(value, bool) else compiled(value, dynamic))
 
 
 def apply_recompute(block, execution) -> None:

@@ -42,6 +42,7 @@ from megatron.core.tensor_parallel.layers import (
     set_layout,
 )
 from megatron.core.transformer.config import DEFAULT_EXECUTION
+from megatron.core.transformer.fusions import swiglu
 from megatron.core.transformer.mlp import _ACTIVATIONS, MLP
 from megatron.core.transformer.moe import triton_wgrad
 from megatron.core.transformer.moe.fp8_experts import (
@@ -55,13 +56,15 @@ from megatron.core.utils import divide
 
 
 class GroupedMLP(torch.nn.Module):
-    compilable = {"accumulate_grads": "fuse_elementwise"}  # parallelize.py
+    compilable = {"accumulate_grads": "fuse_elementwise", "_swiglu": "fuse_elementwise"}  # parallelize.py
+    compiled_dynamic = {"_swiglu"}  # the routed rows vary between micro-batches at EP > 1 (all-to-all)
 
     def __init__(self, config, *, execution=DEFAULT_EXECUTION, num_local_experts: int, expert_offset: int,
                  etp: TensorParallel = TensorParallel(), tp: TensorParallel = TensorParallel(), device):
         super().__init__()
         self.gated = config.swiglu
         self.activation = _ACTIVATIONS[config.activation]
+        self._swiglu = swiglu if self.gated and config.activation == "silu" else None  # as the dense MLP's
         self.num_local_experts = num_local_experts
         self.expert_offset = expert_offset  # global index of local expert 0
         self.gradient_accumulation_fusion = execution.gradient_accumulation_fusion
@@ -180,6 +183,8 @@ class GroupedMLP(torch.nn.Module):
         return _ExpertsFunction.apply(x, weight, tokens_per_expert, grouped, accumulate, self.triton_wgrad)
 
     def _activate(self, h):
+        if self._swiglu is not None:
+            return self._swiglu(h)
         if not self.gated:
             return self.activation(h)
         gate, up = h.chunk(2, dim=-1)
