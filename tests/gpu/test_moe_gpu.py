@@ -118,3 +118,49 @@ def test_scaled_grouped_mm_fp8_experts_equal_the_loop(fp8_format):
         error = ((g - w).norm() / w.norm()).item()
         assert error <= bound, (name, error, bound)
     assert torch.all(got[2][1] == 0)  # the expert without rows gets a zero weight gradient
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_moe_layer_with_every_fusion_compiled_matches_eager_on_cuda(dispatcher):
+    """The MoE layer in bf16 on the GPU with --moe-permute-fusion, --moe-router-fusion and the
+    elementwise fusions compiled (the experts' SwiGLU, the weight gradients' one pass into
+    main_grad) against the same layer eager: outputs, input gradient and main_grad within bf16's
+    rounding. Also with --moe-grouped-wgrad triton (its kernel compiled by Triton here)."""
+    from megatron.core.parallel_state import single_process
+    from megatron.core.distributed.ddp import DistributedDataParallel
+    from megatron.core.transformer.config import ExecutionConfig
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.parallelize import compile_declared
+    from tests.unit.test_moe_layer import config
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs a CUDA GPU of compute capability 9.0+ (torch._grouped_mm in bf16)")
+    fused = dict(fuse_elementwise=True, moe_permute_fusion=True, moe_router_fusion=True)
+    variants = {"eager": {}, "fused": fused}
+    if importlib.util.find_spec("triton") is not None:
+        variants["fused, triton wgrad"] = dict(fused, moe_grouped_wgrad="triton")
+    x = torch.randn(256, 2, HIDDEN, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0)).bfloat16()
+    results = {}
+    for name, fields in variants.items():
+        execution = ExecutionConfig(params_dtype=torch.bfloat16, **fields)
+        layer = MoELayer(config(hidden_size=HIDDEN, moe_ffn_hidden_size=FFN // 4, num_experts=8,
+                                moe_token_dispatcher_type=dispatcher), execution=execution, layer_number=0,
+                         groups=single_process(torch.device("cuda")), device=torch.device("cuda"))
+        generator = torch.Generator(device="cuda").manual_seed(1)
+        with torch.no_grad():
+            for param in layer.parameters():
+                param.copy_(torch.randn(param.shape, device="cuda", generator=generator) * 0.05)
+        compile_declared(layer, execution)
+        ddp = DistributedDataParallel(layer, single_process(torch.device("cuda")))
+        ddp.zero_grad_buffer()
+        inputs = x.clone().requires_grad_()
+        for _ in range(2):  # two micro-batches: main_grad accumulates
+            out = ddp(inputs)
+            out.float().square().sum().backward()
+        ddp.finish_grad_sync()
+        results[name] = [out.detach().float(), inputs.grad.float()] + [
+            param.main_grad.float().clone() for param in layer.experts.parameters()]
+    for name in variants:
+        for index, (got, want) in enumerate(zip(results[name], results["eager"])):
+            scale = want.abs().max().item()
+            torch.testing.assert_close(got, want, rtol=2 ** -6, atol=2 ** -6 * scale, msg=f"{name}: tensor {index}")
