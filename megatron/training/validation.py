@@ -278,9 +278,11 @@ def _validate_kernels(config: Config, notes: list) -> None:
         _require(_cuda_available() or os.environ.get("TRITON_INTERPRET") == "1",
                  "--moe-grouped-wgrad triton runs its kernel on a CUDA GPU and none is visible (or in Triton's "
                  "interpreter, TRITON_INTERPRET=1); use --moe-grouped-wgrad grouped-mm")
-        if not m.num_experts or not m.gradient_accumulation_fusion or m.fp8:
-            notes.append("--moe-grouped-wgrad triton has no effect here: it takes the bf16 experts' weight gradients "
-                         "into main_grad (needs --num-experts and --gradient-accumulation-fusion, not FP8)")
+        fp8_grouped = m.moe_router_padding_for_fp8 and m.fp8_recipe in ("tensorwise", "delayed")
+        if not m.num_experts or not m.gradient_accumulation_fusion or (m.fp8 and not fp8_grouped):
+            notes.append("--moe-grouped-wgrad triton has no effect here: it takes the grouped experts' weight "
+                         "gradients into main_grad (needs --num-experts and --gradient-accumulation-fusion; under FP8 "
+                         "--moe-router-padding-for-fp8 with the tensorwise or delayed recipe)")
     if m.use_flash_attn:
         _require(m.attention_backend in ("auto", "flash", "flash_attn"),
                  f"--use-flash-attn conflicts with --attention-backend {m.attention_backend}; drop one of them")

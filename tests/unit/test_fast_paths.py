@@ -88,3 +88,20 @@ def test_the_weight_gradient_part_names_the_experts_path():
     assert part(triton).endswith("; experts: a Triton grouped GEMM adding into main_grad")
     assert "experts" not in part(execution, num_experts=None)
     assert "experts" not in part(dataclasses.replace(execution, gradient_accumulation_fusion=False))
+
+
+def test_the_fp8_part_names_the_triton_weight_gradients():
+    from megatron.core.transformer.config import ExecutionConfig
+
+    execution = ExecutionConfig(params_dtype=torch.bfloat16, fp8="hybrid", fp8_recipe="tensorwise",
+                                moe_router_padding_for_fp8=True, moe_grouped_wgrad="triton")
+    model = GPTModel(llama_config(), single_process(), execution=execution)
+    optimizer = get_megatron_optimizer(OptimizerConfig(bf16=True), [DistributedDataParallel(model, single_process())],
+                                       single_process())
+    line = fast_paths_line(execution, no_torch_compile=False, device=CPU, attention_report="attention: SDPA",
+                           optimizer=optimizer, num_experts=8)
+    assert line.endswith("weight gradients added into main_grad by a Triton grouped GEMM from the casts | "
+                         "optimizer: fused AdamW, clipping in its kernel")
+    rowwise = dataclasses.replace(execution, fp8_recipe="rowwise")
+    assert "Triton" not in fast_paths_line(rowwise, no_torch_compile=False, device=CPU, attention_report="SDPA",
+                                           optimizer=optimizer, num_experts=8)

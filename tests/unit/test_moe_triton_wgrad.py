@@ -56,11 +56,36 @@ def test_kernel_adds_each_experts_gradient_into_main_grad(dtype):
             torch.testing.assert_close(main_grad[expert], want[expert], **tolerance, msg=f"expert {expert}")
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "hybrid"])
+def test_kernel_takes_fp8_casts_with_each_experts_scale(grad_dtype):
+    """FP8 experts' casts as they are (gradient E4M3, or E5M2 under hybrid, times the E4M3 input),
+    each expert's sum scaled by its dequantizing factor: the exact products of the same FP8 values."""
+    generator = torch.Generator().manual_seed(1)
+    rows, n, k = sum(COUNTS) + SENTINEL_ROWS, 32, 144
+    grad = torch.randn(rows, n, generator=generator).mul(4).to(grad_dtype)
+    x = torch.randn(rows, k, generator=generator).mul(4).to(torch.float8_e4m3fn)
+    scales = torch.rand(len(COUNTS), generator=generator) + 0.5
+    main_grad = torch.randn(len(COUNTS), n, k, generator=generator)
+    before = main_grad.clone()
+    assert triton_wgrad.supported(grad, x, main_grad)
+    triton_wgrad.accumulate_grouped_wgrad_(main_grad, grad, x, torch.tensor(COUNTS).cumsum(0).to(torch.int32), scales)
+    unscaled = _reference(torch.zeros_like(before), grad.float(), x.float(), COUNTS)
+    for expert, count in enumerate(COUNTS):
+        if count == 0:
+            assert torch.equal(main_grad[expert], before[expert]), expert
+        else:
+            torch.testing.assert_close(main_grad[expert], before[expert] + scales[expert] * unscaled[expert],
+                                       rtol=1e-5, atol=1e-4, msg=f"expert {expert}")
+
+
 def test_kernel_takes_no_operands_it_cannot():
     x = torch.randn(8, 16)
     assert not triton_wgrad.supported(x, x.bfloat16(), torch.zeros(2, 16, 16))         # mixed dtypes
     assert not triton_wgrad.supported(x, x, torch.zeros(2, 16, 16, dtype=torch.bfloat16))  # bf16 main_grad
     assert not triton_wgrad.supported(x.t(), x.t(), torch.zeros(2, 8, 8))               # column strides
+    fp8 = x.to(torch.float8_e4m3fn)
+    assert triton_wgrad.supported(fp8, x.to(torch.float8_e5m2), torch.zeros(2, 16, 16))  # FP8: any two formats
+    assert not triton_wgrad.supported(fp8, x.bfloat16(), torch.zeros(2, 16, 16))        # FP8 with bf16
 
 
 def test_layer_main_grad_equals_the_grouped_mm_path():
@@ -81,3 +106,44 @@ def test_layer_main_grad_equals_the_grouped_mm_path():
     assert results["triton"][0] == 0                          # none
     for got, want in zip(results["triton"][1:], results["grouped-mm"][1:]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fp8_format", ["e4m3", "hybrid"])
+def test_fp8_layer_main_grad_equals_the_grouped_path(fp8_format, monkeypatch):
+    """FP8 experts on padded routing (counts on the device, tensorwise): the Triton kernel adds each
+    expert's dequantized sum of the casts into main_grad; the grouped path (here the dequantized
+    grouped GEMM, as on the CPU) forms a product in bf16 and adds it. Same FP8 values and scales; the
+    grouped path rounds each micro-batch's product to bf16 (the kernel's sums stay fp32, exact
+    against the casts in the kernel test above), so within that rounding. With the kernel the
+    backward runs one grouped FP8 GEMM per weight (the input gradient's), not two."""
+    from megatron.core.transformer.fp8 import FP8Linear, FP8Options
+    from megatron.core.transformer.moe import fp8_experts
+    from tests.unit.test_moe_grad_fusion import _experts
+
+    grouped_gemm, calls = fp8_experts._grouped_gemm, []
+    monkeypatch.setattr(fp8_experts, "_grouped_gemm", lambda *a: calls.append(1) or grouped_gemm(*a))
+    generator = torch.Generator().manual_seed(5)
+    batches = []
+    for counts in ([16, 0, 32, 16], [32, 16, 16, 0]):  # multiples of 16, as the padded routing makes them
+        rows = sum(counts) + 16  # and sentinel rows after them
+        batches.append((torch.tensor(counts), torch.randn(rows, 16, generator=generator).bfloat16(),
+                        torch.rand(rows, generator=generator).bfloat16(),
+                        torch.randn(rows, 16, generator=generator).bfloat16()))
+    results = {}
+    for wgrad in ("grouped-mm", "triton"):
+        experts, ddp = _experts(torch.bfloat16, fusion=True, grouped=True, moe_router_padding_for_fp8=True,
+                                moe_grouped_wgrad=wgrad)
+        for linear in experts.attach_fp8(lambda: FP8Linear(FP8Options(fp8_format, "tensorwise"), None)):
+            linear.bind()
+        backward_gemms = 0
+        for counts, x, probs, grad in batches:
+            out = ddp(x.clone().requires_grad_(), counts, probs)
+            calls.clear()
+            out.backward(grad)
+            backward_gemms += len(calls)
+        ddp.finish_grad_sync()
+        results[wgrad] = (backward_gemms, experts.fc1_weight.main_grad.clone(), experts.fc2_weight.main_grad.clone())
+    assert results["grouped-mm"][0] == 2 * 2 * len(batches) and results["triton"][0] == 2 * len(batches)
+    for got, want in zip(results["triton"][1:], results["grouped-mm"][1:]):
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+        assert got.abs().sum() > 0

@@ -75,8 +75,17 @@ def _fp8(execution: ExecutionConfig, num_experts, device, fp8_choice: str = "") 
     padding = "routing padded to 16" if execution.moe_router_padding_for_fp8 else "rows padded to 16"
     experts = f"; experts: per-expert scales, {padding}, {_fp8_experts_gemms(execution, device)}" \
         if num_experts else ""
+    if num_experts and _fp8_triton_wgrad(execution):
+        experts += ", weight gradients added into main_grad by a Triton grouped GEMM from the casts"
     chosen = f"; {fp8_choice}" if fp8_choice else ""
     return f"{execution.fp8} {execution.fp8_recipe}, {once}, {wgrad}{experts}{chosen}"
+
+
+def _fp8_triton_wgrad(execution: ExecutionConfig) -> bool:
+    """--moe-grouped-wgrad triton where FP8 experts take it: the grouped path (padded routing,
+    tensorwise or delayed) with the weight gradients fused into main_grad."""
+    return (execution.moe_grouped_wgrad == "triton" and execution.gradient_accumulation_fusion
+            and execution.moe_router_padding_for_fp8 and execution.fp8_recipe in ("tensorwise", "delayed"))
 
 
 def _fp8_experts_gemms(execution: ExecutionConfig, device) -> str:

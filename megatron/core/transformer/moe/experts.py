@@ -179,7 +179,7 @@ class GroupedMLP(torch.nn.Module):
         fused = fuses_grad_accumulation(weight, self.gradient_accumulation_fusion)
         accumulate = self.accumulate_grads if fused else None
         if self.fp8 is not None:
-            return self.fp8[name](x, weight, tokens_per_expert, accumulate)
+            return self.fp8[name](x, weight, tokens_per_expert, accumulate, self.triton_wgrad)
         return _ExpertsFunction.apply(x, weight, tokens_per_expert, grouped, accumulate, self.triton_wgrad)
 
     def _activate(self, h):

@@ -36,6 +36,7 @@ only the order of the fp32 additions and the output's rounding differ from the G
 import torch
 
 from megatron.core.tensor_parallel.layers import main_grad_empty, main_grad_ready
+from megatron.core.transformer.moe import triton_wgrad as triton_wgrad_kernel
 from megatron.core.transformer.fp8 import GRAD, INPUT, WEIGHT, quantize, scale_from_amax
 
 FP8_ALIGNMENT = 16  # rows per expert are padded to a multiple of this (Megatron-Core's FP8 alignment)
@@ -190,18 +191,21 @@ class ExpertsFP8:
         self._weight_key = self._weight = None
         self._slots = {}  # role -> the experts' slots in the delayed-scaling state, as a device tensor
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, counts, accumulate=None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, counts, accumulate=None,
+                 triton_wgrad: bool = False) -> torch.Tensor:
         """x [N, k] (rows sorted by expert, `counts` each, every count a multiple of FP8_ALIGNMENT)
         times weight [E, n, k] per expert -> [N, n] in x's dtype. `counts`: a list, or a device
         tensor [E] (routing padded; rows past their sum are sentinel rows, left out of the GEMMs):
         then the grouped path, whose GEMMs run as the FP8 grouped kernel or, where none exists, on
         the dequantized casts. `accumulate` (--gradient-accumulation-fusion): the weight gradient goes
         into `weight.main_grad` here, the grouped product through `accumulate(main_grad, product,
-        counts)` (experts.accumulate_expert_grads_), the loop's per expert."""
+        counts)` (experts.accumulate_expert_grads_), the loop's per expert; with `triton_wgrad`
+        (--moe-grouped-wgrad triton, where it runs) the grouped path's by the Triton kernel, which
+        adds into `main_grad` from the casts themselves (moe/triton_wgrad.py)."""
         if torch.is_tensor(counts):
-            return _GroupedExpertsFP8Function.apply(x, weight, counts, self, accumulate)
+            return _GroupedExpertsFP8Function.apply(x, weight, counts, self, accumulate, triton_wgrad)
         if grouped_fp8_supported(x, self.rowwise):
-            return _GroupedExpertsFP8Function.apply(x, weight, list(counts), self, accumulate)
+            return _GroupedExpertsFP8Function.apply(x, weight, list(counts), self, accumulate, triton_wgrad)
         return _ExpertsFP8Function.apply(x, weight, list(counts), self.linears, accumulate is not None)
 
     def scales(self, amaxes: torch.Tensor, role: int, dtype: torch.dtype) -> torch.Tensor:
@@ -237,7 +241,7 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
     kernel, each row scaled by its expert's scale)."""
 
     @staticmethod
-    def forward(ctx, x, weight, counts, fp8, accumulate):
+    def forward(ctx, x, weight, counts, fp8, accumulate, triton_wgrad=False):
         num_experts = weight.shape[0]
         counts_t = torch.as_tensor(counts, device=x.device)                          # [E]
         offs = counts_t.cumsum(0).to(torch.int32)
@@ -251,20 +255,22 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
         x_row_scale = _with_sentinel(x_scale.reciprocal()).index_select(0, row_expert)   # [N]
         y = _grouped_gemm(kernel, x_q, w_forward, x_row_scale,
                           w_scale.reciprocal().unsqueeze(1).expand(-1, out_features).contiguous(), offs, x.dtype)
-        # The input's FP8 transpose [k, N] is what the weight gradient needs of it.
-        ctx.save_for_backward(x_q.t().contiguous(), x_scale, weight, row_expert, offs)
+        # The input's FP8 transpose [k, N] is what the grouped weight-gradient GEMM needs of it; the
+        # Triton kernel, which adds into main_grad, takes the cast [N, k] itself.
+        ctx.triton = (accumulate is not None and triton_wgrad
+                      and triton_wgrad_kernel.supported(x_q, x_q, weight.main_grad))
+        ctx.save_for_backward(x_q if ctx.triton else x_q.t().contiguous(), x_scale, weight, row_expert, offs)
         ctx.counts, ctx.fp8, ctx.kernel, ctx.accumulate = counts, fp8, kernel, accumulate
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        x_t, x_scale, weight, row_expert, offs = ctx.saved_tensors
+        x_kept, x_scale, weight, row_expert, offs = ctx.saved_tensors
         fp8, counts = ctx.fp8, ctx.counts
         num_experts, out_features, in_features = weight.shape
         grad = grad.contiguous()
         g_scale = fp8.scales(_expert_amaxes(grad, row_expert, num_experts), GRAD, fp8.grad_dtype)
         g_q = quantize_rows(grad, g_scale, row_expert, fp8.grad_dtype)                # [N, n], cast once
-        g_t = g_q.t().contiguous()                                                    # [n, N]
         _, w_dgrad, w_scale = fp8.weights(weight)
         # The grouped kernel multiplies E4M3 operands only: under `hybrid` (E5M2 gradients) both
         # gradient GEMMs run as `_dequantized_grouped_mm`, as on the CPU (the same FP8 values and
@@ -276,13 +282,20 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
         grad_input = _grouped_gemm(kernel, g_q, w_dgrad, g_row_scale,
                                    w_scale.reciprocal().unsqueeze(1).expand(-1, in_features).contiguous(),
                                    offs, grad.dtype)
+        if ctx.triton:  # into main_grad from the casts [N, n] and [N, k], each expert's sum dequantized
+            triton_wgrad_kernel.accumulate_grouped_wgrad_(weight.main_grad, g_q, x_kept, offs,
+                                                          (g_scale * x_scale).reciprocal())
+            weight.main_grad_empty = False
+            main_grad_ready(weight)
+            return grad_input, None, None, None, None, None
         # Weight gradient: groups along the contracted (row) dimension, scales group-major.
-        grad_weight = _grouped_gemm(kernel, g_t, x_t.t(), g_scale.reciprocal().repeat_interleave(out_features),
+        g_t = g_q.t().contiguous()                                                    # [n, N]
+        grad_weight = _grouped_gemm(kernel, g_t, x_kept.t(), g_scale.reciprocal().repeat_interleave(out_features),
                                     x_scale.reciprocal().repeat_interleave(in_features), offs, grad.dtype)
         counts_t = torch.as_tensor(counts, device=grad.device)
         if ctx.accumulate is None:
-            return grad_input, grad_weight.masked_fill_(counts_t.eq(0).view(-1, 1, 1), 0), None, None, None
+            return grad_input, grad_weight.masked_fill_(counts_t.eq(0).view(-1, 1, 1), 0), None, None, None, None
         ctx.accumulate(weight.main_grad, grad_weight, counts_t)
         weight.main_grad_empty = False
         main_grad_ready(weight)
-        return grad_input, None, None, None, None
+        return grad_input, None, None, None, None, None

@@ -11,8 +11,14 @@ registers and adds them to `main_grad` where it stores them: 8 bytes per element
 and written), no product tensor, and an expert without rows leaves its `main_grad` untouched (its
 tiles skip the load and store). The offsets are read on the device: no host synchronization.
 
-Selected by --moe-grouped-wgrad triton (CUDA, bf16 or fp16 inputs, fp32 `main_grad`, Triton
-installed); the CPU tests run the same kernel under Triton's interpreter (TRITON_INTERPRET=1).
+FP8 experts (--moe-router-padding-for-fp8, tensorwise or delayed) pass their casts as they are, the
+gradient's [N, n] and the input's [N, k] (E4M3, or E5M2 gradients under `hybrid`: the kernel
+multiplies the two formats together), with each expert's dequantizing factor 1 / (grad scale x
+input scale): its products are summed in fp32 and scaled once per tile. Neither the transposes the
+FP8 grouped GEMM needs nor the bf16 product is made.
+
+Selected by --moe-grouped-wgrad triton (CUDA, Triton installed); the CPU tests run the same kernel
+under Triton's interpreter (TRITON_INTERPRET=1).
 """
 import functools
 import importlib.util
@@ -27,23 +33,30 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def supported(grad: torch.Tensor, x: torch.Tensor, main_grad: torch.Tensor) -> bool:
-    """Whether the kernel takes these operands: a CUDA device (or Triton's CPU interpreter), 16-bit
-    or fp32 inputs of one dtype with unit column stride, a contiguous fp32 `main_grad`."""
+    """Whether the kernel takes these operands: a CUDA device (or Triton's CPU interpreter), inputs
+    of one 16-bit or fp32 dtype, or both FP8 (E4M3/E5M2, on compute capability 8.9+), with unit
+    column stride, and a contiguous fp32 `main_grad`."""
     import os
 
-    on_device = grad.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return (on_device and triton_available() and grad.dtype == x.dtype
-            and grad.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and main_grad.dtype == torch.float32 and main_grad.is_contiguous()
+    if not ((grad.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and triton_available()):
+        return False
+    wide = grad.dtype == x.dtype and grad.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    fp8 = grad.dtype in FP8_DTYPES and x.dtype in FP8_DTYPES and (
+        not grad.is_cuda or torch.cuda.get_device_capability(grad.device) >= (8, 9))
+    return ((wide or fp8) and main_grad.dtype == torch.float32 and main_grad.is_contiguous()
             and grad.stride(-1) == 1 and x.stride(-1) == 1)
 
 
 def accumulate_grouped_wgrad_(main_grad: torch.Tensor, grad: torch.Tensor, x: torch.Tensor,
-                              ends: torch.Tensor) -> None:
-    """main_grad [E, n, k] (fp32) += per expert e, grad[rows_e]^T @ x[rows_e]; grad [N, n] and x [N, k]
-    sorted by expert, expert e's rows ending at ends[e] (int32 [E], on the device; rows past
-    ends[-1] are left out). One kernel launch."""
+                              ends: torch.Tensor, scales=None) -> None:
+    """main_grad [E, n, k] (fp32) += per expert e, scales[e] x grad[rows_e]^T @ x[rows_e]; grad [N, n]
+    and x [N, k] sorted by expert, expert e's rows ending at ends[e] (int32 [E], on the device; rows
+    past ends[-1] are left out); `scales` [E] fp32 (FP8's dequantizing factors) or None. One kernel
+    launch."""
     num_experts, n, k = main_grad.shape
     if num_experts == 0 or n == 0 or k == 0:
         return
@@ -53,9 +66,10 @@ def accumulate_grouped_wgrad_(main_grad: torch.Tensor, grad: torch.Tensor, x: to
         grad, x = grad.float(), x.float()
     kernel = _kernel()
     grid = (triton_cdiv(n, BLOCK_N) * triton_cdiv(k, BLOCK_K), num_experts)
-    kernel[grid](grad, x, main_grad, ends, n, k, grad.stride(0), x.stride(0),
-                 BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_ROWS=BLOCK_ROWS,
-                 IEEE=grad.dtype == torch.float32, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    scaled = scales is not None
+    kernel[grid](grad, x, main_grad, ends, scales if scaled else ends, n, k, grad.stride(0), x.stride(0),
+                 BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_ROWS=BLOCK_ROWS, IEEE=grad.dtype == torch.float32,
+                 SCALED=scaled, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -69,9 +83,9 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def grouped_wgrad_accumulate(grad_ptr, x_ptr, out_ptr, ends_ptr, n, k, stride_grad, stride_x,
+    def grouped_wgrad_accumulate(grad_ptr, x_ptr, out_ptr, ends_ptr, scales_ptr, n, k, stride_grad, stride_x,
                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                                 IEEE: tl.constexpr):
+                                 IEEE: tl.constexpr, SCALED: tl.constexpr):
         tile = tl.program_id(0)
         expert = tl.program_id(1)
         tiles_k = (k + BLOCK_K - 1) // BLOCK_K  # (not tl.cdiv: a jit function, which the interpreter
@@ -95,6 +109,8 @@ def _kernel():
                     acc += tl.dot(tl.trans(g), a, input_precision="ieee")
                 else:
                     acc += tl.dot(tl.trans(g), a)
+            if SCALED:
+                acc = acc * tl.load(scales_ptr + expert)
             tile_base = out_ptr + expert.to(tl.int64) * n * k
             out = tile_base + cols_n[:, None].to(tl.int64) * k + cols_k[None, :]
             inside = in_n[:, None] & in_k[None, :]
