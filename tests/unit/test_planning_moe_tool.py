@@ -116,16 +116,22 @@ def test_token_exchange_time_is_its_definition():
 
 
 def test_expert_weight_gradients_cost_time_only_where_their_gemm_does_not_accumulate():
-    """With --gradient-accumulation-fusion each expert's weight-gradient GEMM accumulates into the
-    fp32 main_grad (nothing beyond the GEMM, as for the dense linears); without it, under FP8 (the
-    GEMM's product in bf16) or FSDP2 (no main_grad buffer), each local expert weight costs 12 bytes
-    per micro-batch: bf16 written and read, fp32 main_grad read and written."""
+    """With --gradient-accumulation-fusion on a GPU that runs the grouped GEMMs, the grouped weight
+    gradient's fp32 product is added into main_grad (16 bytes per local expert weight and
+    micro-batch: the product written and read, main_grad read and written); with --moe-grouped-wgrad
+    triton the GEMM accumulates into main_grad itself, and on a GPU without grouped GEMMs (A100)
+    each expert's GEMM does: nothing beyond the GEMM, as for the dense linears. Without the fusion,
+    under FP8 (the GEMM's product in bf16) or FSDP2 (no main_grad buffer), 12 bytes: bf16 written
+    and read, fp32 main_grad read and written."""
     arch = architecture_of(MIXTRAL_8X7B)
     target = cluster("h100-80gb")
     lay = Layout(tp=1, pp=1, cp=1, dp=8, micro_batch_size=1, global_batch_size=8, seq_length=4096, ep=8)
     local_weights = 3 * 4096 * 14336  # one expert per rank at EP 8
     unfused = target.memory_seconds(12 * local_weights, 2)
-    assert layer_time(arch, lay, target, moe=True).expert_grad_accumulation == 0.0
+    grouped = target.memory_seconds(16 * local_weights, 2)
+    assert layer_time(arch, lay, target, moe=True).expert_grad_accumulation == pytest.approx(grouped, rel=1e-9)
+    assert layer_time(arch, lay.replace(moe_grouped_wgrad="triton"), target, moe=True).expert_grad_accumulation == 0.0
+    assert layer_time(arch, lay, cluster("a100-80gb"), moe=True).expert_grad_accumulation == 0.0
     for other in (lay.replace(gradient_accumulation_fusion=False), lay.replace(fp8=True), lay.replace(fsdp2=True)):
         assert layer_time(arch, other, target, moe=True).expert_grad_accumulation == pytest.approx(unfused, rel=1e-9)
     from megatron.training.planning.plan import plan_for_flags
@@ -135,6 +141,8 @@ def test_expert_weight_gradients_cost_time_only_where_their_gemm_does_not_accumu
     for extra, fused in (([], True), (["--no-gradient-accumulation-fusion"], False)):
         plan = plan_for_flags(parse_args(flags + extra), 32000, 8, target)
         assert plan.layout.gradient_accumulation_fusion is fused
+    assert plan_for_flags(parse_args(flags + ["--moe-grouped-wgrad", "triton"]), 32000, 8,
+                          target).layout.moe_grouped_wgrad == "triton"
 
 
 def test_search_sizes_come_from_the_validation_rules():

@@ -27,13 +27,15 @@ class GPU:
     intra_node_bandwidth: float  # bytes/s per GPU per direction (NVLink / Infinity Fabric)
     inter_node_bandwidth: float  # bytes/s per GPU per direction (InfiniBand / RoCE NIC)
     gpus_per_node: int = 8
+    grouped_gemm: bool = True    # torch._grouped_mm in bf16 (compute capability 9.0+): the experts' grouped path
 
 
 # name -> GPU. Memory: the device's total as PyTorch reports it (MiB from nvidia-smi / rocm-smi).
 PRESETS = {
     "h100-80gb": GPU("H100 SXM 80GB", 81559 * 2 ** 20, 989 * TERA, 1979 * TERA, 3.35e12, 450 * GB, 50 * GB),
     "h200": GPU("H200 SXM 141GB", 143771 * 2 ** 20, 989 * TERA, 1979 * TERA, 4.8e12, 450 * GB, 50 * GB),
-    "a100-80gb": GPU("A100 SXM 80GB", 81920 * 2 ** 20, 312 * TERA, 0.0, 2.039e12, 300 * GB, 25 * GB),
+    "a100-80gb": GPU("A100 SXM 80GB", 81920 * 2 ** 20, 312 * TERA, 0.0, 2.039e12, 300 * GB, 25 * GB,
+                     grouped_gemm=False),
     "mi300x": GPU("MI300X 192GB", 196592 * 2 ** 20, 1307 * TERA, 2615 * TERA, 5.3e12, 448 * GB, 50 * GB),
 }
 

@@ -45,6 +45,7 @@ class Layout:
     ep: int = 1                             # expert parallelism (folded from the TP x CP x DP ranks)
     etp: int = 1                            # expert tensor parallelism (1 or TP)
     moe_layer_recompute: bool = False       # each mixture-of-experts block re-run in backward
+    moe_grouped_wgrad: str = "grouped-mm"   # the grouped experts' weight gradients into main_grad
 
     @property
     def edp(self) -> int:
@@ -121,6 +122,7 @@ def layout_from_config(config, model_config, world_size: int) -> Layout:
         attention_kernel="math" if run.attention_backend in ("unfused", "local", "math") else "flash",
         overlap_grad_reduce=p.overlap_grad_reduce, overlap_p2p_comm=p.overlap_p2p_comm,
         overlap_param_gather=p.overlap_param_gather, split=parallel.pipeline_split,
+        moe_grouped_wgrad=run.moe_grouped_wgrad,
         **_expert_layout(parallel, model_config, config.model.moe_layer_recompute))
 
 

@@ -137,9 +137,10 @@ def dispatch_seconds(arch, lay, cluster) -> float:
 
 
 def gemm_forward_seconds(arch, lay, cluster, fp8: bool = False) -> float:
-    """Forward GEMMs of the router, the routed experts and the shared experts. With
-    --moe-grouped-gemm the local experts' rows run as one grouped GEMM per linear, at the
-    throughput of one GEMM of their total work; without, one GEMM per local expert and linear.
+    """Forward GEMMs of the router, the routed experts and the shared experts. Where the GPU runs
+    `torch._grouped_mm` (whatever --moe-grouped-gemm says, as the experts do) the local experts'
+    rows run as one grouped GEMM per linear, at the throughput of one GEMM of their total work;
+    elsewhere, one GEMM per local expert and linear.
     `fp8`: the experts' and shared experts' GEMMs at the FP8 rate (the router stays in bf16)."""
     h, T = arch.hidden_size, tokens_in(lay)
     local_experts = arch.num_experts // lay.ep
@@ -147,7 +148,7 @@ def gemm_forward_seconds(arch, lay, cluster, fp8: bool = False) -> float:
     f = arch.moe_ffn_hidden_size / lay.etp
     fc1 = (2 if arch.gated_linear_unit else 1) * f
     seconds = cluster.gemm_seconds(2 * T * h * arch.num_experts)
-    if arch.moe_grouped_gemm:
+    if cluster.gpu.grouped_gemm:
         seconds += cluster.gemm_seconds(2 * local_experts * rows * h * fc1, fp8) + cluster.gemm_seconds(
             2 * local_experts * rows * f * h, fp8)
     else:
@@ -164,14 +165,19 @@ def gemm_forward_seconds(arch, lay, cluster, fp8: bool = False) -> float:
 
 def grad_accumulation_seconds(arch, lay, cluster) -> float:
     """The routed experts' weight gradients per micro-batch, beyond their GEMMs. With
-    --gradient-accumulation-fusion (and a main_grad buffer: not FSDP2) each expert's GEMM accumulates
-    into the fp32 main_grad itself, as the dense linears' do: nothing more. Under FP8, or without
-    the fusion, the GEMM writes its product in the compute dtype and it is added to main_grad: written
-    and read in the compute dtype, main_grad read and written (the FP8 loop's direct write on a
-    step's first micro-batch is not counted)."""
-    if lay.gradient_accumulation_fusion and not lay.fsdp2 and not lay.fp8:
-        return 0.0
+    --gradient-accumulation-fusion (and a main_grad buffer: not FSDP2): where the GPU runs the
+    grouped GEMMs, one grouped GEMM per weight writes its fp32 product [E, n, k] and one pass adds it
+    into main_grad (written and read 8 bytes, main_grad read and written 8), unless
+    --moe-grouped-wgrad triton, whose GEMM adds into main_grad itself (nothing more, as the dense
+    linears'); elsewhere each expert's GEMM accumulates in place (nothing more). Under FP8, or
+    without the fusion, the GEMM writes its product in the compute dtype and it is added to
+    main_grad: written and read in the compute dtype, main_grad read and written (the FP8 loop's
+    direct write on a step's first micro-batch is not counted)."""
     weights = expert_layer_parameters(arch, lay.ep, lay.etp, weights_only=True)
+    if lay.gradient_accumulation_fusion and not lay.fsdp2 and not lay.fp8:
+        if not cluster.gpu.grouped_gemm or lay.moe_grouped_wgrad == "triton":
+            return 0.0
+        return cluster.memory_seconds(4 * FP32 * weights, 2)
     return cluster.memory_seconds((2 * lay.compute_bytes + 2 * FP32) * weights, 2)
 
 
