@@ -339,8 +339,14 @@ def moe_step_parts(name: str, precision: str, wgrad: str = "grouped-mm") -> dict
     flops = moe_layer_flops(p)
     layer_gemm = flops["linears"] + flops["router"] + flops["experts"]
     output = gemm_flops(tokens, p["h"], p["vocab"])
-    rate = GEMM_FP8 if precision == "fp8" else GEMM_BF16
-    gemm_seconds = m * (layers * layer_gemm / rate + output / GEMM_BF16)
+    if precision == "fp8":
+        # FP8 is `hybrid` (as gpu_check.sh runs it): no FP8 grouped kernel multiplies the experts'
+        # E5M2 gradients, so their two gradient GEMMs run in bf16 on the widened casts, except the
+        # weight gradient with --moe-grouped-wgrad triton (its kernel multiplies E5M2 by E4M3).
+        widened = flops["experts"] * (1 if wgrad == "triton" else 2) / 3
+        gemm_seconds = m * (layers * ((layer_gemm - widened) / GEMM_FP8 + widened / GEMM_BF16) + output / GEMM_BF16)
+    else:
+        gemm_seconds = m * (layers * layer_gemm / GEMM_BF16 + output / GEMM_BF16)
     attention = m * layers * flops["attention"]
     a, r, f = 2 * tokens * p["h"], 2 * tokens * (q + 2 * kv), 2 * rows * p["expert_f"]
     expert_weights = p["experts"] * 3 * p["h"] * p["expert_f"]
@@ -376,8 +382,14 @@ def moe_step_parts(name: str, precision: str, wgrad: str = "grouped-mm") -> dict
         attention_weights = p["h"] * (2 * q + 2 * kv)
         x = tokens * (p["h"] + q) + rows * (p["h"] + p["expert_f"])
         g = tokens * (q + 2 * kv + p["h"]) + rows * (2 * p["expert_f"] + p["h"])
-        casts = m * layers * (6 * (x + g) + 12 * (attention_weights + expert_weights))
+        expert_wgrad_bytes = 8 if wgrad == "triton" else 12  # the Triton kernel adds into main_grad itself
+        casts = m * layers * (6 * (x + g) + 12 * attention_weights + expert_wgrad_bytes * expert_weights)
         casts += layers * 6 * (expert_weights + attention_weights)
+        # hybrid's widened gradient GEMMs: the input gradient's operands (the experts' weight casts and
+        # the gradient's rows, 1 byte read and 2 written each), and the weight gradient's (the
+        # gradient's and input's rows) unless the Triton kernel takes the casts as they are.
+        expert_g, expert_x = rows * (2 * p["expert_f"] + p["h"]), rows * (p["h"] + p["expert_f"])
+        casts += m * layers * 3 * (expert_weights + expert_g + (0 if wgrad == "triton" else expert_g + expert_x))
         parts["FP8 casts"] = (casts / HBM, f"{casts / 1e9:.0f} GB")
     # The host runs ahead of the GPU (no read-back in the MoE layer at EP 1): only host time beyond
     # the GPU's adds to the step.

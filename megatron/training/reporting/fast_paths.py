@@ -95,7 +95,7 @@ def _fp8_experts_gemms(execution: ExecutionConfig, device) -> str:
             return f"one grouped GEMM of the dequantized casts (no FP8 grouped GEMM on {device.type})"
         return "a loop of GEMMs"
     if execution.fp8 == "hybrid":
-        return "grouped GEMMs (E4M3) and grouped GEMMs of the dequantized casts for the E5M2 gradients"
+        return "grouped GEMMs (E4M3) and bf16 grouped GEMMs of the widened casts for the E5M2 gradients"
     return "grouped GEMMs"
 
 

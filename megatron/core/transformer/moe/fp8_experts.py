@@ -21,9 +21,11 @@ dense layers).
 The GEMMs run as one `torch._scaled_grouped_mm` per GEMM where it exists (an NVIDIA GPU of compute
 capability 9.0, H100/H200; bf16 activations; one scale per expert and tensor, i.e. tensorwise or
 delayed), with each expert's scale given per row (and per output column of its weight): E4M3
-operands only, so under `hybrid` (E5M2 gradients) the two gradient GEMMs run as
-`_dequantized_grouped_mm` below, as on the CPU. Elsewhere, and for rowwise, all three GEMMs loop
-over the experts that received rows, each with its `FP8Linear`.
+operands only, so under `hybrid` (E5M2 gradients) the two gradient GEMMs run as one bf16 grouped
+GEMM of the casts widened to bf16, the dequantizing factors folded into one operand
+(`_bf16_grouped_mm_of_casts`; an fp32 grouped GEMM on the GPU is PyTorch's slow fallback, which
+reads the offsets back). Elsewhere, and for rowwise, all three GEMMs loop over the experts that
+received rows, each with its `FP8Linear`.
 
 Under --moe-router-padding-for-fp8 the dispatcher pads the routing instead of these rows: every
 expert's count is a multiple of 16 already, so the counts stay on the device and the tensorwise and
@@ -134,16 +136,46 @@ def _scaled_grouped_mm(a, b, scale_a, scale_b, offs):
 
 
 def _grouped_gemm(kernel: bool, a, b, scale_a, scale_b, offs, out_dtype):
-    """The FP8 grouped GEMM: the kernel (`kernel`, bf16 output) or `_dequantized_grouped_mm`."""
+    """The FP8 grouped GEMM: the kernel (`kernel`, bf16 output); where it has none, on a GPU that runs
+    bf16 grouped GEMMs `_bf16_grouped_mm_of_casts`, elsewhere (the CPU) `_dequantized_grouped_mm`."""
     if kernel:
         return _scaled_grouped_mm(a, b, scale_a, scale_b, offs)
+    if _bf16_grouped_mm_runs(a, b):
+        return _bf16_grouped_mm_of_casts(a, b, scale_a, scale_b, offs, out_dtype)
     return _dequantized_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype)
 
 
+def _bf16_grouped_mm_runs(a, b) -> bool:
+    """Whether the GPU's bf16 grouped GEMM takes the casts widened to bf16 (compute capability 9.0+,
+    rows of 16-byte multiples). An fp32 `torch._grouped_mm` on the GPU is PyTorch's fallback: a loop
+    of fp32 GEMMs after reading the offsets back, which `_dequantized_grouped_mm` would hit there."""
+    if not (a.is_cuda and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(a.device)[0] >= 9):
+        return False
+    return all(size * 2 % 16 == 0 for size in (*a.shape[-1:], *b.shape[-2:], a.stride(0), a.stride(-1)))
+
+
+def _bf16_grouped_mm_of_casts(a, b, scale_a, scale_b, offs, out_dtype):
+    """The FP8 grouped GEMM (same arguments as `_dequantized_grouped_mm`, one scale per expert and
+    tensor: tensorwise and delayed) as one bf16 `torch._grouped_mm`: b widened to bf16 (exactly:
+    every E4M3 and E5M2 value is a bf16 value), a widened with each row's (b 3-D) or each contracted
+    index's (b 2-D) whole dequantizing factor folded in, in fp32 then rounded to bf16 once; fp32
+    sums, one rounding of the output. Nothing is read back."""
+    if b.dim() == 3:                               # a [N, k], b [E, k, n], scale_a [N], scale_b [E, n]
+        group = _row_groups(offs, a.shape[0])      # sentinel rows: group E, factor 0 (scale_a is 0 there too)
+        factor = scale_a * _with_sentinel(scale_b[:, 0]).index_select(0, group)
+        a16 = (a.float() * factor.unsqueeze(1)).to(torch.bfloat16)
+    else:                                          # a [m, N], b [N, n], scale_a [E*m], scale_b [E*n]
+        num_groups = offs.numel()
+        per_group = scale_a.view(num_groups, -1)[:, 0] * scale_b.view(num_groups, -1)[:, 0]
+        factor = _with_sentinel(per_group).index_select(0, _row_groups(offs, a.shape[1]))   # [N]
+        a16 = (a.float() * factor.unsqueeze(0)).to(torch.bfloat16)
+    return torch._grouped_mm(a16, b.to(torch.bfloat16), offs=offs).to(out_dtype)
+
+
 def _dequantized_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype):
-    """The FP8 grouped GEMM's arithmetic where it has no kernel: the FP8 operands times their scales
-    in fp32 (exact products of the same FP8 values), one fp32 `torch._grouped_mm`, one rounding to
-    `out_dtype`. Groups come from `offs` on the device: nothing is read back."""
+    """The FP8 grouped GEMM's arithmetic where it has no kernel (the CPU): the FP8 operands times their
+    scales in fp32 (exact products of the same FP8 values), one fp32 `torch._grouped_mm`, one rounding
+    to `out_dtype`. Groups come from `offs` on the device: nothing is read back."""
     if b.dim() == 3:                               # a [N, k], b [E, k, n], scale_a [N], scale_b [E, n]
         a32 = a.float() * scale_a.view(-1, 1)
         b32 = b.float() * scale_b.unsqueeze(1)
@@ -273,8 +305,8 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
         g_q = quantize_rows(grad, g_scale, row_expert, fp8.grad_dtype)                # [N, n], cast once
         _, w_dgrad, w_scale = fp8.weights(weight)
         # The grouped kernel multiplies E4M3 operands only: under `hybrid` (E5M2 gradients) both
-        # gradient GEMMs run as `_dequantized_grouped_mm`, as on the CPU (the same FP8 values and
-        # scales; no host read). A loop of `_scaled_mm` over the experts' column slices was refused
+        # gradient GEMMs run as a bf16 grouped GEMM of the widened casts on the GPU, as the fp32 one
+        # on the CPU (`_grouped_gemm`: the same FP8 values and scales; no host read). A loop of `_scaled_mm` over the experts' column slices was refused
         # by cuBLAS on an H200 (an expert's slice of the [n, N] transpose is not 16-byte aligned when
         # N, which counts the dispatcher's sentinel rows, is no multiple of 16).
         kernel = ctx.kernel and fp8.grad_dtype == fp8.forward_dtype
