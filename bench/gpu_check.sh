@@ -5,7 +5,7 @@
 #   bash bench/gpu_check.sh [--dry-run] [--tunableop] [--dense-ab] [REPORT.md]   # or GPU_CHECK_REPORT=REPORT.md
 #     --dry-run    print the plan (each run with its predicted duration on one H100) and exit
 #     --tunableop  also measure bf16 llama3-8b-8layers with PyTorch TunableOp (GEMMs tuned at start)
-#     --dense-ab   also llama3.2-1b in bf16 and the two off-switch A/Bs on llama3-8b-8layers
+#     --dense-ab   also llama3.2-1b in bf16, llama3-8b-8layers in FP8 and two off-switch A/Bs on it
 #   GPU_CHECK_DRY_RUN=1 bash bench/gpu_check.sh  # CPU smoke run of every step (tiny presets, no install)
 #   GPU_CHECK_BUDGET (seconds, default 570), GPU_CHECK_MAX_RUNS (default all), PYTHON (default python3)
 #   GPU_CHECK_ONLY (a bash regular expression): only the runs whose "name preset" matches, e.g.
@@ -16,7 +16,7 @@
 # with a time limit so the whole run fits one 10-minute command (GPU_CHECK_BUDGET, default 570 s):
 #   1. pip install --no-build-isolation --no-deps -e .
 #   2. bench_pretrain.py, in the order of bench/gpu_plan.py: llama3-8b-8layers in bf16 [and, with
-#      --dense-ab, llama3.2-1b], llama3-8b-8layers in FP8 (hybrid, delayed), the MoE presets
+#      --dense-ab, llama3.2-1b, and llama3-8b-8layers in FP8 (hybrid, delayed)], the MoE presets
 #      mixtral-8x7b-2layers, qwen3-30b-a3b-4layers and deepseek-v3-4layers in bf16, Mixtral's and
 #      Qwen3-MoE's again with --moe-grouped-wgrad triton, mixtral-8x7b-2layers in FP8 (hybrid,
 #      tensorwise), each MoE run with one more step under torch.profiler (--profile: its top kernels
@@ -111,7 +111,8 @@ if [ "$DRY_RUN" != 1 ] && [ "$LANE_LIMIT" -lt "$LANE_MIN" ]; then
 else
   LANE_LIMIT=$(( LANE_LIMIT < LANE_MIN ? LANE_MIN : LANE_LIMIT ))
   if "$PYTHON" -c "import pytest" 2>/dev/null; then
-    timeout "$LANE_LIMIT" "$PYTHON" -m pytest -q -m gpu -rA tests/gpu > "$WORK/lane.log" 2>&1
+    # -v: each test's outcome as it ends, so a lane cut short by its time limit still reports them
+    timeout "$LANE_LIMIT" "$PYTHON" -m pytest -v -m gpu -rA tests/gpu > "$WORK/lane.log" 2>&1
   else
     timeout "$LANE_LIMIT" "$PYTHON" bench/run_gpu_lane.py > "$WORK/lane.log" 2>&1
   fi

@@ -3,20 +3,20 @@
     python bench/gpu_plan.py [--tunableop] [--budget 570]           # the plan, for people (--dry-run)
     python bench/gpu_plan.py --lines [--tunableop] [--smoke]        # what gpu_check.sh reads (--smoke: tiny)
 
-Order: the benchmarks first (bf16 on both presets, FP8 delayed on llama3-8b-8layers, the MoE
-presets, a few Mixtral 8x7B, Qwen3-30B-A3B and DeepSeek-V3-routed layers, in bf16, Mixtral's and
-Qwen3-MoE's again with --moe-grouped-wgrad triton (the A/B of the experts' weight-gradient path),
-and Mixtral's in FP8 tensorwise, then with --tunableop the bf16 run with PyTorch TunableOp, with
---dense-ab llama3.2-1b in bf16 and the compile and gradient-accumulation-fusion off-switches as
-A/Bs on llama3-8b-8layers),
-the GPU test lane last with what is left. A run's estimate = start-up (model,
+Order: the benchmarks first (bf16 on llama3-8b-8layers, the MoE presets, a few Mixtral 8x7B,
+Qwen3-30B-A3B and DeepSeek-V3-routed layers, in bf16, Mixtral's and Qwen3-MoE's again with
+--moe-grouped-wgrad triton (the A/B of the experts' weight-gradient path), and Mixtral's in FP8
+tensorwise, then with --tunableop the bf16 run with PyTorch TunableOp, with --dense-ab llama3.2-1b
+in bf16, llama3-8b-8layers in FP8 delayed and the compile and gradient-accumulation-fusion
+off-switches as A/Bs on llama3-8b-8layers), the GPU test lane last with what is left. A run's estimate = start-up (model,
 data, NCCL) + compilation (cold for the first run, warm from inductor's cache after it) + its steps
 at the step time bench/cost_model.py predicts; the MoE runs and the A/Bs take fewer steps (2
 warm-up, 4 timed) so that all of it fits one 10-minute command. Each run costs about 45 s before its
 first step, so the plan holds 9 runs: FP8 on llama3.2-1b, FP8 tensorwise on llama3-8b-8layers and
 the --no-cross-entropy-loss-fusion A/B gave way to the MoE runs (run them by hand:
-docs/performance.md), and llama3.2-1b in bf16 and the dense off-switch A/Bs (measured 2026-11-28;
---dense-ab runs them) to the Triton A/Bs, leaving the GPU test lane its 2 to 3 minutes. The estimates are predictions:
+docs/performance.md), and llama3.2-1b in bf16, the 8B preset in FP8 and the dense off-switch A/Bs
+(measured 2026-11-28; --dense-ab runs them) to the Triton A/Bs, leaving the GPU test lane about 3
+minutes (it compiles the MoE fusions and the Triton kernels). The estimates are predictions:
 gpu_check.sh gives each run 1.5x its estimate (at least +30 s), and skips what no longer fits.
 `--smoke` (gpu_check.sh's CPU dry run) runs each entry on the tiny preset, the MoE ones on tiny-moe.
 """
@@ -37,8 +37,8 @@ TUNABLEOP_ENV = "PYTORCH_TUNABLEOP_ENABLED=1 PYTORCH_TUNABLEOP_TUNING=1 PYTORCH_
 def runs(tunableop: bool, dense_ab: bool = False) -> list:
     """(name, preset, flags, warm-up steps, timed steps, environment) in the order they run."""
     protocol, ab = (3, 8), (2, 4)
-    plan = [("bf16", BIG, "", *protocol, "")] + ([("bf16", SMALL, "", *protocol, "")] if dense_ab else []) + [
-            ("fp8-delayed", BIG, FP8_DELAYED, *protocol, ""),
+    dense = [("bf16", SMALL, "", *protocol, ""), ("fp8-delayed", BIG, FP8_DELAYED, *protocol, "")] if dense_ab else []
+    plan = [("bf16", BIG, "", *protocol, "")] + dense + [
             ("bf16", MIXTRAL, "", *ab, ""), ("bf16", QWEN3_MOE, "", *ab, ""), ("bf16", DEEPSEEK, "", *ab, ""),
             # A/B: the experts' weight gradients by the Triton grouped GEMM that adds into main_grad
             ("bf16-triton-wgrad", MIXTRAL, TRITON_WGRAD, *ab, ""), ("bf16-triton-wgrad", QWEN3_MOE, TRITON_WGRAD, *ab, ""),
@@ -74,8 +74,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tunableop", action="store_true", help="also measure bf16 with PyTorch TunableOp")
     parser.add_argument("--dense-ab", action="store_true",
-                        help="also llama3.2-1b in bf16 and the --no-torch-compile and "
-                             "--no-gradient-accumulation-fusion A/Bs on the 8B preset")
+                        help="also llama3.2-1b in bf16, the 8B preset in FP8 delayed, and the --no-torch-compile "
+                             "and --no-gradient-accumulation-fusion A/Bs on the 8B preset")
     parser.add_argument("--budget", type=int, default=570, help="seconds for the whole check")
     parser.add_argument("--lines", action="store_true", help="machine-readable: one run per line")
     parser.add_argument("--smoke", action="store_true", help="with --lines: the CPU smoke run (tiny preset)")

@@ -3,6 +3,7 @@ import argparse
 import datetime
 import json
 import platform
+import re
 import subprocess
 from pathlib import Path
 
@@ -34,7 +35,10 @@ def _versions() -> list:
 def _lane(work: Path) -> list:
     log = work / "lane.log"
     text = log.read_text() if log.exists() else "(no output)"
-    summary = [line for line in text.splitlines() if line.startswith(("PASSED", "FAILED", "ERROR", "SKIPPED"))]
+    lines = text.splitlines()
+    summary = [line for line in lines if line.startswith(("PASSED", "FAILED", "ERROR", "SKIPPED"))]
+    if not summary:  # cut short before pytest's summary: the outcomes -v printed as each test ended
+        summary = [line for line in lines if re.search(r"::\S+ (PASSED|FAILED|ERROR|SKIPPED)", line)]
     tail = text.strip().splitlines()[-1:] if text.strip() else ["(no output)"]
     return ["```", *(summary or []), *tail, "```"]
 
