@@ -340,10 +340,11 @@ def moe_step_parts(name: str, precision: str, wgrad: str = "grouped-mm") -> dict
     layer_gemm = flops["linears"] + flops["router"] + flops["experts"]
     output = gemm_flops(tokens, p["h"], p["vocab"])
     if precision == "fp8":
-        # FP8 is `hybrid` (as gpu_check.sh runs it): no FP8 grouped kernel multiplies the experts'
-        # E5M2 gradients, so their two gradient GEMMs run in bf16 on the widened casts, except the
-        # weight gradient with --moe-grouped-wgrad triton (its kernel multiplies E5M2 by E4M3).
-        widened = flops["experts"] * (1 if wgrad == "triton" else 2) / 3
+        # FP8 is `hybrid` (as gpu_check.sh runs it): no FP8 grouped kernel of PyTorch multiplies the
+        # experts' E5M2 gradients, so their two gradient GEMMs run in bf16 on the widened casts,
+        # unless --moe-grouped-wgrad triton, whose kernels multiply E5M2 by E4M3 (at the FP8 rate
+        # assumed here, unmeasured).
+        widened = 0 if wgrad == "triton" else flops["experts"] * 2 / 3
         gemm_seconds = m * (layers * ((layer_gemm - widened) / GEMM_FP8 + widened / GEMM_BF16) + output / GEMM_BF16)
     else:
         gemm_seconds = m * (layers * layer_gemm / GEMM_BF16 + output / GEMM_BF16)
@@ -386,10 +387,10 @@ def moe_step_parts(name: str, precision: str, wgrad: str = "grouped-mm") -> dict
         casts = m * layers * (6 * (x + g) + 12 * attention_weights + expert_wgrad_bytes * expert_weights)
         casts += layers * 6 * (expert_weights + attention_weights)
         # hybrid's widened gradient GEMMs: the input gradient's operands (the experts' weight casts and
-        # the gradient's rows, 1 byte read and 2 written each), and the weight gradient's (the
-        # gradient's and input's rows) unless the Triton kernel takes the casts as they are.
+        # the gradient's rows, 1 byte read and 2 written each) and the weight gradient's (the
+        # gradient's and input's rows); none with the Triton kernels, which take the casts as they are.
         expert_g, expert_x = rows * (2 * p["expert_f"] + p["h"]), rows * (p["h"] + p["expert_f"])
-        casts += m * layers * 3 * (expert_weights + expert_g + (0 if wgrad == "triton" else expert_g + expert_x))
+        casts += 0 if wgrad == "triton" else m * layers * 3 * (expert_weights + 2 * expert_g + expert_x)
         parts["FP8 casts"] = (casts / HBM, f"{casts / 1e9:.0f} GB")
     # The host runs ahead of the GPU (no read-back in the MoE layer at EP 1): only host time beyond
     # the GPU's adds to the step.

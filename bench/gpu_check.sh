@@ -19,7 +19,7 @@
 #      --dense-ab, llama3.2-1b, and llama3-8b-8layers in FP8 (hybrid, delayed)], the MoE presets
 #      mixtral-8x7b-2layers, qwen3-30b-a3b-4layers and deepseek-v3-4layers in bf16, Mixtral's and
 #      Qwen3-MoE's again with --moe-grouped-wgrad triton, mixtral-8x7b-2layers in FP8 (hybrid,
-#      tensorwise), each MoE run with one more step under torch.profiler (--profile: its top kernels
+#      tensorwise) without and with it, each MoE run with one more step under torch.profiler (--profile: its top kernels
 #      and CPU/GPU time ratio go to the run's log and the report), [--tunableop: bf16 with TunableOp,]
 #      [--dense-ab: the --no-torch-compile and --no-gradient-accumulation-fusion A/Bs on the 8B preset].
 #      Each run is limited to 1.5x its predicted duration (at least +30 s); a run that no longer fits
@@ -112,7 +112,9 @@ else
   LANE_LIMIT=$(( LANE_LIMIT < LANE_MIN ? LANE_MIN : LANE_LIMIT ))
   if "$PYTHON" -c "import pytest" 2>/dev/null; then
     # -v: each test's outcome as it ends, so a lane cut short by its time limit still reports them
-    timeout "$LANE_LIMIT" "$PYTHON" -m pytest -v -m gpu -rA tests/gpu > "$WORK/lane.log" 2>&1
+    # The MoE tests first (the kernels the benchmarks above just timed), the compile-heavy layer last.
+    timeout "$LANE_LIMIT" "$PYTHON" -m pytest -v -m gpu -rA tests/gpu/test_moe_gpu.py tests/gpu \
+        > "$WORK/lane.log" 2>&1
   else
     timeout "$LANE_LIMIT" "$PYTHON" bench/run_gpu_lane.py > "$WORK/lane.log" 2>&1
   fi

@@ -6,7 +6,7 @@
 Order: the benchmarks first (bf16 on llama3-8b-8layers, the MoE presets, a few Mixtral 8x7B,
 Qwen3-30B-A3B and DeepSeek-V3-routed layers, in bf16, Mixtral's and Qwen3-MoE's again with
 --moe-grouped-wgrad triton (the A/B of the experts' weight-gradient path), and Mixtral's in FP8
-tensorwise, then with --tunableop the bf16 run with PyTorch TunableOp, with --dense-ab llama3.2-1b
+tensorwise, with and without the Triton kernels, then with --tunableop the bf16 run with PyTorch TunableOp, with --dense-ab llama3.2-1b
 in bf16, llama3-8b-8layers in FP8 delayed and the compile and gradient-accumulation-fusion
 off-switches as A/Bs on llama3-8b-8layers), the GPU test lane last with what is left. A run's estimate = start-up (model,
 data, NCCL) + compilation (cold for the first run, warm from inductor's cache after it) + its steps
@@ -42,7 +42,8 @@ def runs(tunableop: bool, dense_ab: bool = False) -> list:
             ("bf16", MIXTRAL, "", *ab, ""), ("bf16", QWEN3_MOE, "", *ab, ""), ("bf16", DEEPSEEK, "", *ab, ""),
             # A/B: the experts' weight gradients by the Triton grouped GEMM that adds into main_grad
             ("bf16-triton-wgrad", MIXTRAL, TRITON_WGRAD, *ab, ""), ("bf16-triton-wgrad", QWEN3_MOE, TRITON_WGRAD, *ab, ""),
-            ("fp8-tensorwise", MIXTRAL, f"{FP8_TENSORWISE} --moe-router-padding-for-fp8", *ab, "")]
+            ("fp8-tensorwise", MIXTRAL, f"{FP8_TENSORWISE} --moe-router-padding-for-fp8", *ab, ""),
+            ("fp8-tensorwise-triton", MIXTRAL, f"{FP8_TENSORWISE} --moe-router-padding-for-fp8 {TRITON_WGRAD}", *ab, "")]
     if tunableop:
         plan.append(("bf16-tunableop", BIG, "", *protocol, TUNABLEOP_ENV))
     for switch in ("--no-torch-compile", "--no-gradient-accumulation-fusion") if dense_ab else ():
@@ -57,10 +58,12 @@ def estimates(plan: list) -> list:
             for name in (BIG, SMALL) for precision in ("bf16", "fp8")}
     step.update({(name, precision): moe_prediction(name, precision)["step_seconds"]
                  for name in MOE_PRESETS for precision in ("bf16", "fp8")})
-    step.update({(name, "bf16-triton"): moe_prediction(name, "bf16", "triton")["step_seconds"] for name in MOE_PRESETS})
+    step.update({(name, f"{precision}-triton"): moe_prediction(name, precision, "triton")["step_seconds"]
+                 for name in MOE_PRESETS for precision in ("bf16", "fp8")})
     seconds, compiled = [], set()
     for name, preset, flags, warmup, timed, env in plan:
-        precision = "fp8" if "--fp8-format" in flags else ("bf16-triton" if flags == TRITON_WGRAD else "bf16")
+        triton = TRITON_WGRAD in flags
+        precision = ("fp8" if "--fp8-format" in flags else "bf16") + ("-triton" if triton else "")
         compile_seconds = 0 if "--no-torch-compile" in flags else (
             WARM_COMPILE if compiled else COLD_COMPILE)
         compiled.add(preset)
@@ -84,7 +87,7 @@ def main() -> None:
     if args.lines and args.smoke:
         for name, preset, flags, _, _, env in plan:
             # On the CPU the Triton kernel runs in Triton's interpreter.
-            smoke_env = " ".join(filter(None, (env, "TRITON_INTERPRET=1" if flags == TRITON_WGRAD else "")))
+            smoke_env = " ".join(filter(None, (env, "TRITON_INTERPRET=1" if TRITON_WGRAD in flags else "")))
             print(f"{name}|{'tiny-moe' if preset in MOE_PRESETS else 'tiny'}|{flags}|1|2|600|{smoke_env}")
         return
     seconds = estimates(plan)

@@ -76,8 +76,8 @@ def test_grouped_mm_experts_accumulate_weight_gradients_into_main_grad(compile_a
     accumulate = pick(accumulate_expert_grads_, compile_accumulate)
     y = _ExpertsFunction.apply(inputs, fused, COUNTS, True, accumulate, triton)
     if triton:  # the Triton kernel takes these operands, and no product is formed
-        from megatron.core.transformer.moe import triton_wgrad
-        assert triton_wgrad.supported(grad, inputs, fused.main_grad)
+        from megatron.core.transformer.moe import triton_experts
+        assert triton_experts.supported(grad, inputs, fused.main_grad)
         original, calls = torch._grouped_mm, []
 
         def counted(*args, **kwargs):
@@ -118,6 +118,60 @@ def test_scaled_grouped_mm_fp8_experts_equal_the_loop(fp8_format):
         error = ((g - w).norm() / w.norm()).item()
         assert error <= bound, (name, error, bound)
     assert torch.all(got[2][1] == 0)  # the expert without rows gets a zero weight gradient
+
+
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.bfloat16), (torch.float8_e4m3fn, torch.float8_e4m3fn),
+                                    (torch.float8_e5m2, torch.float8_e4m3fn)], ids=["bf16", "fp8-e4m3", "fp8-hybrid"])
+def test_triton_weight_gradient_kernel_on_cuda(dtypes):
+    """--moe-grouped-wgrad triton's kernel compiled by Triton for this GPU (the CPU tests run it in the
+    interpreter): partial tiles, an expert without rows, experts of several row blocks, sentinel rows;
+    FP8 operands with each expert's dequantizing factor. Against fp64 sums of the same operands."""
+    from megatron.core.transformer.moe import triton_experts
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    counts, n, k = [200, 0, 70, 333], 320, 192
+    generator = torch.Generator(device="cuda").manual_seed(7)
+    rows = sum(counts) + 16
+    grad = torch.randn(rows, n, device="cuda", generator=generator).to(dtypes[0])
+    x = torch.randn(rows, k, device="cuda", generator=generator).to(dtypes[1])
+    scales = torch.rand(len(counts), device="cuda", generator=generator) + 0.5 if dtypes[0] != torch.bfloat16 else None
+    main_grad = torch.randn(len(counts), n, k, device="cuda", generator=generator)
+    want, start = main_grad.double(), 0
+    for expert, count in enumerate(counts):
+        product = grad[start:start + count].double().t() @ x[start:start + count].double()
+        want[expert] += product * (scales[expert].double() if scales is not None else 1)
+        start += count
+    assert triton_experts.supported(grad, x, main_grad)
+    before_empty = main_grad[1].clone()
+    triton_experts.accumulate_grouped_wgrad_(main_grad, grad, x, torch.tensor(counts, device="cuda").cumsum(0).int(),
+                                           scales)
+    assert torch.equal(main_grad[1], before_empty)
+    torch.testing.assert_close(main_grad.double(), want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("a_dtype", [torch.float8_e5m2, torch.float8_e4m3fn], ids=["hybrid", "e4m3"])
+def test_triton_row_grouped_fp8_gemm_on_cuda(a_dtype):
+    """FP8 hybrid's input gradient by Triton's row-grouped GEMM, compiled for this GPU: E5M2 rows
+    times their expert's E4M3 weight cast (a transposed view), each row scaled, against fp64."""
+    from megatron.core.transformer.moe import triton_experts
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    counts, k, n = [200, 0, 70, 333], 320, 192
+    generator = torch.Generator(device="cuda").manual_seed(8)
+    rows = sum(counts) + 16
+    a = torch.randn(rows, k, device="cuda", generator=generator).mul(8).to(a_dtype)
+    b = torch.randn(len(counts), n, k, device="cuda", generator=generator).mul(8).to(torch.float8_e4m3fn)
+    b = b.transpose(1, 2)
+    scale = torch.rand(rows, device="cuda", generator=generator) + 0.5
+    ends = torch.tensor(counts, device="cuda").cumsum(0).int()
+    out = triton_experts.fp8_grouped_rows_mm(a, b, scale, ends, torch.bfloat16)
+    start = 0
+    for expert, count in enumerate(counts):
+        want = (a[start:start + count].double() @ b[expert].double()) * scale[start:start + count, None].double()
+        torch.testing.assert_close(out[start:start + count].double(), want, rtol=2 ** -7, atol=1e-3)
+        start += count
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
@@ -164,33 +218,3 @@ def test_moe_layer_with_every_fusion_compiled_matches_eager_on_cuda(dispatcher):
         for index, (got, want) in enumerate(zip(results[name], results["eager"])):
             scale = want.abs().max().item()
             torch.testing.assert_close(got, want, rtol=2 ** -6, atol=2 ** -6 * scale, msg=f"{name}: tensor {index}")
-
-
-@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.bfloat16), (torch.float8_e4m3fn, torch.float8_e4m3fn),
-                                    (torch.float8_e5m2, torch.float8_e4m3fn)], ids=["bf16", "fp8-e4m3", "fp8-hybrid"])
-def test_triton_weight_gradient_kernel_on_cuda(dtypes):
-    """--moe-grouped-wgrad triton's kernel compiled by Triton for this GPU (the CPU tests run it in the
-    interpreter): partial tiles, an expert without rows, experts of several row blocks, sentinel rows;
-    FP8 operands with each expert's dequantizing factor. Against fp64 sums of the same operands."""
-    from megatron.core.transformer.moe import triton_wgrad
-
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("Triton is not installed")
-    counts, n, k = [200, 0, 70, 333], 320, 192
-    generator = torch.Generator(device="cuda").manual_seed(7)
-    rows = sum(counts) + 16
-    grad = torch.randn(rows, n, device="cuda", generator=generator).to(dtypes[0])
-    x = torch.randn(rows, k, device="cuda", generator=generator).to(dtypes[1])
-    scales = torch.rand(len(counts), device="cuda", generator=generator) + 0.5 if dtypes[0] != torch.bfloat16 else None
-    main_grad = torch.randn(len(counts), n, k, device="cuda", generator=generator)
-    want, start = main_grad.double(), 0
-    for expert, count in enumerate(counts):
-        product = grad[start:start + count].double().t() @ x[start:start + count].double()
-        want[expert] += product * (scales[expert].double() if scales is not None else 1)
-        start += count
-    assert triton_wgrad.supported(grad, x, main_grad)
-    before_empty = main_grad[1].clone()
-    triton_wgrad.accumulate_grouped_wgrad_(main_grad, grad, x, torch.tensor(counts, device="cuda").cumsum(0).int(),
-                                           scales)
-    assert torch.equal(main_grad[1], before_empty)
-    torch.testing.assert_close(main_grad.double(), want, rtol=1e-4, atol=1e-3)

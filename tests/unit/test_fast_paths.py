@@ -102,6 +102,18 @@ def test_the_fp8_part_names_the_triton_weight_gradients():
                            optimizer=optimizer, num_experts=8)
     assert line.endswith("weight gradients added into main_grad by a Triton grouped GEMM from the casts | "
                          "optimizer: fused AdamW, clipping in its kernel")
+    # On a GPU with the FP8 grouped kernel: hybrid's E5M2 gradients by the Triton kernels, else widened.
+    import megatron.training.reporting.fast_paths as fast_paths
+    original = fast_paths.grouped_fp8_supported
+    try:
+        fast_paths.grouped_fp8_supported = lambda probe, rowwise: True
+        assert "grouped GEMMs (E4M3) and Triton FP8 grouped GEMMs for the E5M2 gradients" in fast_paths_line(
+            execution, no_torch_compile=False, device=CPU, attention_report="SDPA", optimizer=optimizer, num_experts=8)
+        assert "bf16 grouped GEMMs of the widened casts" in fast_paths_line(
+            dataclasses.replace(execution, moe_grouped_wgrad="grouped-mm"), no_torch_compile=False, device=CPU,
+            attention_report="SDPA", optimizer=optimizer, num_experts=8)
+    finally:
+        fast_paths.grouped_fp8_supported = original
     rowwise = dataclasses.replace(execution, fp8_recipe="rowwise")
     assert "Triton" not in fast_paths_line(rowwise, no_torch_compile=False, device=CPU, attention_report="SDPA",
                                            optimizer=optimizer, num_experts=8)

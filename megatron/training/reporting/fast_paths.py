@@ -94,6 +94,8 @@ def _fp8_experts_gemms(execution: ExecutionConfig, device) -> str:
         if execution.moe_router_padding_for_fp8 and execution.fp8_recipe in ("tensorwise", "delayed"):
             return f"one grouped GEMM of the dequantized casts (no FP8 grouped GEMM on {device.type})"
         return "a loop of GEMMs"
+    if execution.fp8 == "hybrid" and _fp8_triton_wgrad(execution):
+        return "grouped GEMMs (E4M3) and Triton FP8 grouped GEMMs for the E5M2 gradients"
     if execution.fp8 == "hybrid":
         return "grouped GEMMs (E4M3) and bf16 grouped GEMMs of the widened casts for the E5M2 gradients"
     return "grouped GEMMs"

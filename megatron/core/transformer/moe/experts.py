@@ -44,7 +44,7 @@ from megatron.core.tensor_parallel.layers import (
 from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.fusions import swiglu
 from megatron.core.transformer.mlp import _ACTIVATIONS, MLP
-from megatron.core.transformer.moe import triton_wgrad
+from megatron.core.transformer.moe import triton_experts
 from megatron.core.transformer.moe.fp8_experts import (
     ExpertsFP8,
     grouped_fp8_supported,
@@ -85,7 +85,7 @@ class GroupedMLP(torch.nn.Module):
         # The grouped weight gradient's way into main_grad (compiled with the elementwise fusions:
         # one pass over the experts' weights instead of two).
         self.accumulate_grads = accumulate_expert_grads_
-        self.triton_wgrad = execution.moe_grouped_wgrad == "triton"  # (where the kernel runs: triton_wgrad.py)
+        self.triton_wgrad = execution.moe_grouped_wgrad == "triton"  # (where the kernel runs: triton_experts.py)
         # Layouts of the stacked tensors (dim 0 is the expert) over the expert-tensor-parallel ranks:
         # the hidden size split like the dense MLP's. With etp = 1 an expert is whole on every rank
         # that holds it, and the gradients of its copies are summed over the expert-data-parallel
@@ -204,7 +204,7 @@ class _ExpertsFunction(torch.autograd.Function):
     device's kernel writes fp32 from the weights' dtype (no rounding of the product), else the
     weights' dtype; one pass over E x n x k elements costs far less than a GEMM per expert.
     With `triton_wgrad` (--moe-grouped-wgrad triton, where its kernel runs) one Triton grouped GEMM
-    adds each expert's gradient into `main_grad` itself instead (moe/triton_wgrad.py: no product).
+    adds each expert's gradient into `main_grad` itself instead (moe/triton_experts.py: no product).
     Looped: a GEMM per expert for each gradient, the weight's accumulated into `main_grad[e]`
     (given `accumulate`) or returned stacked. Either way data parallelism's hook is told once.
     """
@@ -235,8 +235,8 @@ def _grouped_backward(ctx, grad):
     if not ctx.needs_input_grad[1]:
         return grad_input, None, None, None, None, None
     accumulate = ctx.accumulate
-    if accumulate is not None and ctx.triton_wgrad and triton_wgrad.supported(grad, x, weight.main_grad):
-        triton_wgrad.accumulate_grouped_wgrad_(weight.main_grad, grad, x, offsets)
+    if accumulate is not None and ctx.triton_wgrad and triton_experts.supported(grad, x, weight.main_grad):
+        triton_experts.accumulate_grouped_wgrad_(weight.main_grad, grad, x, offsets)
         weight.main_grad_empty = False
         main_grad_ready(weight)
         return grad_input, None, None, None, None, None

@@ -38,7 +38,7 @@ only the order of the fp32 additions and the output's rounding differ from the G
 import torch
 
 from megatron.core.tensor_parallel.layers import main_grad_empty, main_grad_ready
-from megatron.core.transformer.moe import triton_wgrad as triton_wgrad_kernel
+from megatron.core.transformer.moe import triton_experts
 from megatron.core.transformer.fp8 import GRAD, INPUT, WEIGHT, quantize, scale_from_amax
 
 FP8_ALIGNMENT = 16  # rows per expert are padded to a multiple of this (Megatron-Core's FP8 alignment)
@@ -233,7 +233,7 @@ class ExpertsFP8:
         into `weight.main_grad` here, the grouped product through `accumulate(main_grad, product,
         counts)` (experts.accumulate_expert_grads_), the loop's per expert; with `triton_wgrad`
         (--moe-grouped-wgrad triton, where it runs) the grouped path's by the Triton kernel, which
-        adds into `main_grad` from the casts themselves (moe/triton_wgrad.py)."""
+        adds into `main_grad` from the casts themselves (moe/triton_experts.py)."""
         if torch.is_tensor(counts):
             return _GroupedExpertsFP8Function.apply(x, weight, counts, self, accumulate, triton_wgrad)
         if grouped_fp8_supported(x, self.rowwise):
@@ -290,7 +290,7 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
         # The input's FP8 transpose [k, N] is what the grouped weight-gradient GEMM needs of it; the
         # Triton kernel, which adds into main_grad, takes the cast [N, k] itself.
         ctx.triton = (accumulate is not None and triton_wgrad
-                      and triton_wgrad_kernel.supported(x_q, x_q, weight.main_grad))
+                      and triton_experts.supported(x_q, x_q, weight.main_grad))
         ctx.save_for_backward(x_q if ctx.triton else x_q.t().contiguous(), x_scale, weight, row_expert, offs)
         ctx.counts, ctx.fp8, ctx.kernel, ctx.accumulate = counts, fp8, kernel, accumulate
         return y
@@ -309,13 +309,19 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
         # on the CPU (`_grouped_gemm`: the same FP8 values and scales; no host read). A loop of `_scaled_mm` over the experts' column slices was refused
         # by cuBLAS on an H200 (an expert's slice of the [n, N] transpose is not 16-byte aligned when
         # N, which counts the dispatcher's sentinel rows, is no multiple of 16).
+        # With the Triton kernels (--moe-grouped-wgrad triton) the input gradient the grouped kernel
+        # cannot take runs as Triton's row-grouped FP8 GEMM instead: E5M2 times E4M3 at the FP8 rate.
         kernel = ctx.kernel and fp8.grad_dtype == fp8.forward_dtype
         g_row_scale = _with_sentinel(g_scale.reciprocal()).index_select(0, row_expert)          # [N]
-        grad_input = _grouped_gemm(kernel, g_q, w_dgrad, g_row_scale,
-                                   w_scale.reciprocal().unsqueeze(1).expand(-1, in_features).contiguous(),
-                                   offs, grad.dtype)
+        if ctx.triton and not kernel:
+            row_factor = g_row_scale * _with_sentinel(w_scale.reciprocal()).index_select(0, row_expert)
+            grad_input = triton_experts.fp8_grouped_rows_mm(g_q, w_dgrad, row_factor, offs, grad.dtype)
+        else:
+            grad_input = _grouped_gemm(kernel, g_q, w_dgrad, g_row_scale,
+                                       w_scale.reciprocal().unsqueeze(1).expand(-1, in_features).contiguous(),
+                                       offs, grad.dtype)
         if ctx.triton:  # into main_grad from the casts [N, n] and [N, k], each expert's sum dequantized
-            triton_wgrad_kernel.accumulate_grouped_wgrad_(weight.main_grad, g_q, x_kept, offs,
+            triton_experts.accumulate_grouped_wgrad_(weight.main_grad, g_q, x_kept, offs,
                                                           (g_scale * x_scale).reciprocal())
             weight.main_grad_empty = False
             main_grad_ready(weight)

@@ -1,4 +1,6 @@
-"""The experts' weight gradient accumulated into `main_grad` by the GEMM itself: a Triton kernel.
+"""The experts' gradient GEMMs that PyTorch has no grouped kernel for, in Triton.
+
+1. The weight gradient accumulated into `main_grad` by the GEMM itself (`accumulate_grouped_wgrad_`).
 
 For each local expert e, whose rows of the permuted tokens end at `ends[e]` (a device tensor):
 
@@ -17,7 +19,15 @@ multiplies the two formats together), with each expert's dequantizing factor 1 /
 input scale): its products are summed in fp32 and scaled once per tile. Neither the transposes the
 FP8 grouped GEMM needs nor the bf16 product is made.
 
-Selected by --moe-grouped-wgrad triton (CUDA, Triton installed); the CPU tests run the same kernel
+2. FP8 `hybrid`'s input gradient (`fp8_grouped_rows_mm`): E5M2 gradient rows times each row's
+   expert's E4M3 weight cast, which `torch._scaled_grouped_mm` (E4M3 only) cannot multiply. Row
+   tiles never span two experts: each expert's rows are cut into tiles of BLOCK_M, the tiles of all
+   experts numbered on the device (`_row_tiles`, a few operators on [E] and on the tile count's
+   bound N / BLOCK_M + E), so a program finds its expert and first row with two loads; the
+   products are summed in fp32 and each row scaled by its dequantizing factor once. Rows past the
+   experts' (the dispatcher's sentinel rows) are not written, as `torch._grouped_mm` leaves them.
+
+Selected by --moe-grouped-wgrad triton (CUDA, Triton installed); the CPU tests run the same kernels
 under Triton's interpreter (TRITON_INTERPRET=1).
 """
 import functools
@@ -27,6 +37,7 @@ import torch
 
 BLOCK_N, BLOCK_K, BLOCK_ROWS = 128, 128, 64  # output tile [BLOCK_N, BLOCK_K]; rows summed per step
 NUM_WARPS, NUM_STAGES = 8, 3
+ROWS_BLOCK_M, ROWS_BLOCK_N, ROWS_BLOCK_K = 128, 128, 64  # the row-grouped GEMM's tile and its K step
 
 
 def triton_available() -> bool:
@@ -64,7 +75,7 @@ def accumulate_grouped_wgrad_(main_grad: torch.Tensor, grad: torch.Tensor, x: to
         # Triton's interpreter (the CPU) multiplies bf16 tiles wrongly: widen them there (the same
         # products, exactly; the GPU kernel takes bf16 as it is).
         grad, x = grad.float(), x.float()
-    kernel = _kernel()
+    kernel = _kernels()[0]
     grid = (triton_cdiv(n, BLOCK_N) * triton_cdiv(k, BLOCK_K), num_experts)
     scaled = scales is not None
     kernel[grid](grad, x, main_grad, ends, scales if scaled else ends, n, k, grad.stride(0), x.stride(0),
@@ -76,9 +87,47 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def fp8_grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, row_scale: torch.Tensor, ends: torch.Tensor,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+    """a [N, k] (FP8, rows sorted by expert, expert e's ending at ends[e]) times b [E, k, n] (FP8, any
+    strides) per row's expert, each row scaled by `row_scale` [N] (fp32) -> [N, n] in `out_dtype`;
+    rows past ends[-1] are not written. One kernel launch, nothing read back."""
+    num_rows, k = a.shape
+    num_experts, _, n = b.shape
+    out = torch.empty((num_rows, n), dtype=out_dtype, device=a.device)
+    if num_rows == 0 or n == 0 or num_experts == 0:
+        return out
+    tile_expert, tile_row = _row_tiles(ends, num_rows)
+    grid = (tile_expert.numel(), triton_cdiv(n, ROWS_BLOCK_N))
+    _kernels()[1][grid](a, b, out, row_scale, ends, tile_expert, tile_row, num_experts, n, k,
+                        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
+                        BLOCK_M=ROWS_BLOCK_M, BLOCK_N=ROWS_BLOCK_N, BLOCK_K=ROWS_BLOCK_K,
+                        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return out
+
+
+def _row_tiles(ends: torch.Tensor, num_rows: int) -> tuple:
+    """For the row tiles of all experts (each expert's rows cut into tiles of ROWS_BLOCK_M, numbered
+    expert after expert): each tile's expert and first row, [bound] int32 each, on the device; tiles
+    past the last get expert E (their programs return). bound = N / BLOCK_M + E rounded up, the most
+    tiles any split of N rows over E experts needs."""
+    ends = ends.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    tiles = (ends - starts + ROWS_BLOCK_M - 1) // ROWS_BLOCK_M                  # [E]
+    tile_ends = tiles.cumsum(0)
+    bound = triton_cdiv(num_rows, ROWS_BLOCK_M) + ends.numel()
+    index = torch.arange(bound, device=ends.device)
+    expert = torch.searchsorted(tile_ends, index, right=True)                  # [bound], E past the last
+    safe = expert.clamp(max=ends.numel() - 1)
+    first_tile = tile_ends[safe] - tiles[safe]
+    row = starts[safe] + (index - first_tile) * ROWS_BLOCK_M
+    return expert.to(torch.int32), row.to(torch.int32)
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel():
-    """The jitted kernel (Triton imported on first use: the CPU build of PyTorch runs without it)."""
+def _kernels():
+    """The jitted kernels (Triton imported on first use: the CPU build of PyTorch runs without it):
+    the weight gradient's, the row-grouped GEMM's."""
     import triton
     import triton.language as tl
 
@@ -116,4 +165,32 @@ def _kernel():
             inside = in_n[:, None] & in_k[None, :]
             tl.store(out, tl.load(out, mask=inside, other=0.0) + acc, mask=inside)
 
-    return grouped_wgrad_accumulate
+    @triton.jit
+    def grouped_rows_mm(a_ptr, b_ptr, out_ptr, scale_ptr, ends_ptr, tile_expert_ptr, tile_row_ptr, num_experts,
+                        n, k, stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        tile = tl.program_id(0)
+        expert = tl.load(tile_expert_ptr + tile)
+        if expert < num_experts:
+            first = tl.load(tile_row_ptr + tile).to(tl.int64)
+            end = tl.load(ends_ptr + expert).to(tl.int64)
+            rows = first + tl.arange(0, BLOCK_M)
+            live = rows < end
+            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            in_n = cols < n
+            b_base = b_ptr + expert.to(tl.int64) * stride_be
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+            for k0 in range(0, k, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                in_k = ks < k
+                a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak,
+                            mask=live[:, None] & in_k[None, :], other=0.0)             # [BLOCK_M, BLOCK_K]
+                b = tl.load(b_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+                            mask=in_k[:, None] & in_n[None, :], other=0.0)            # [BLOCK_K, BLOCK_N]
+                acc += tl.dot(a, b)
+            scale = tl.load(scale_ptr + rows, mask=live, other=0.0)
+            acc = acc * scale[:, None]
+            out = out_ptr + rows[:, None] * n + cols[None, :]
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & in_n[None, :])
+
+    return grouped_wgrad_accumulate, grouped_rows_mm

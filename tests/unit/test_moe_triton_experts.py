@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from megatron.core.transformer.moe import triton_wgrad  # noqa: E402
+from megatron.core.transformer.moe import triton_experts  # noqa: E402
 
 COUNTS = [70, 0, 130, 5, 0, 64]  # rows per expert: 2 empty, one spanning 3 row blocks of 64
 SENTINEL_ROWS = 3
@@ -23,9 +23,9 @@ SENTINEL_ROWS = 3
 def interpreted(monkeypatch):
     """Triton's interpreter for the kernels built in this test (and a fresh kernel after it)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    triton_wgrad._kernel.cache_clear()
+    triton_experts._kernels.cache_clear()
     yield
-    triton_wgrad._kernel.cache_clear()
+    triton_experts._kernels.cache_clear()
 
 
 def _reference(main_grad, grad, x, counts):
@@ -45,8 +45,8 @@ def test_kernel_adds_each_experts_gradient_into_main_grad(dtype):
     main_grad = torch.randn(len(COUNTS), n, k, generator=generator)
     before = main_grad.clone()
     ends = torch.tensor(COUNTS).cumsum(0).to(torch.int32)
-    assert triton_wgrad.supported(grad, x, main_grad)
-    triton_wgrad.accumulate_grouped_wgrad_(main_grad, grad, x, ends)
+    assert triton_experts.supported(grad, x, main_grad)
+    triton_experts.accumulate_grouped_wgrad_(main_grad, grad, x, ends)
     want = _reference(before, grad, x, COUNTS)
     tolerance = dict(rtol=1e-5, atol=1e-4)
     for expert, count in enumerate(COUNTS):
@@ -67,8 +67,8 @@ def test_kernel_takes_fp8_casts_with_each_experts_scale(grad_dtype):
     scales = torch.rand(len(COUNTS), generator=generator) + 0.5
     main_grad = torch.randn(len(COUNTS), n, k, generator=generator)
     before = main_grad.clone()
-    assert triton_wgrad.supported(grad, x, main_grad)
-    triton_wgrad.accumulate_grouped_wgrad_(main_grad, grad, x, torch.tensor(COUNTS).cumsum(0).to(torch.int32), scales)
+    assert triton_experts.supported(grad, x, main_grad)
+    triton_experts.accumulate_grouped_wgrad_(main_grad, grad, x, torch.tensor(COUNTS).cumsum(0).to(torch.int32), scales)
     unscaled = _reference(torch.zeros_like(before), grad.float(), x.float(), COUNTS)
     for expert, count in enumerate(COUNTS):
         if count == 0:
@@ -78,14 +78,50 @@ def test_kernel_takes_fp8_casts_with_each_experts_scale(grad_dtype):
                                        rtol=1e-5, atol=1e-4, msg=f"expert {expert}")
 
 
+@pytest.mark.parametrize("a_dtype", [torch.float8_e5m2, torch.float8_e4m3fn], ids=["hybrid", "e4m3"])
+def test_row_grouped_fp8_gemm_multiplies_each_row_by_its_experts_weight(a_dtype):
+    """FP8 hybrid's input gradient: E5M2 (or E4M3) gradient rows times their expert's E4M3 weight
+    cast (a transposed view, as the weight cast is kept), each row scaled; experts without rows and
+    of several row tiles, widths that are no multiple of the tiles. The exact products of the same
+    FP8 values, summed in fp32, one conversion to bf16."""
+    from megatron.core.transformer.moe.fp8_experts import _row_groups, _with_sentinel
+
+    generator = torch.Generator().manual_seed(2)
+    counts = [70, 0, 300, 5, 0, 64]            # the 300 rows span 3 row tiles of 128
+    rows, k, n = sum(counts) + SENTINEL_ROWS, 160, 48
+    a = torch.randn(rows, k, generator=generator).mul(8).to(a_dtype)
+    b = torch.randn(len(counts), n, k, generator=generator).mul(8).to(torch.float8_e4m3fn).transpose(1, 2)
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    row_scale = _with_sentinel(torch.rand(len(counts), generator=generator) + 0.5).index_select(
+        0, _row_groups(ends, rows)) * (torch.rand(rows, generator=generator) + 0.5)
+    out = triton_experts.fp8_grouped_rows_mm(a, b, row_scale, ends, torch.bfloat16)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    start = 0
+    for expert, count in enumerate(counts):
+        want = (a[start:start + count].double() @ b[expert].double()) * row_scale[start:start + count, None].double()
+        # one bf16 ulp (2^-7 of the value at worst): the interpreter's conversion to bf16 truncates
+        torch.testing.assert_close(out[start:start + count].double(), want, rtol=2 ** -7, atol=1e-6,
+                                   msg=f"expert {expert}")
+        start += count
+
+
+def test_row_tiles_never_span_two_experts():
+    counts = [70, 0, 300, 5, 0, 64]
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    expert, first = triton_experts._row_tiles(ends, sum(counts) + SENTINEL_ROWS)
+    tiles = [(e, r) for e, r in zip(expert.tolist(), first.tolist()) if e < len(counts)]
+    assert tiles == [(0, 0), (2, 70), (2, 198), (2, 326), (3, 370), (5, 375)]
+    assert expert.numel() == -(-(sum(counts) + SENTINEL_ROWS) // triton_experts.ROWS_BLOCK_M) + len(counts)
+
+
 def test_kernel_takes_no_operands_it_cannot():
     x = torch.randn(8, 16)
-    assert not triton_wgrad.supported(x, x.bfloat16(), torch.zeros(2, 16, 16))         # mixed dtypes
-    assert not triton_wgrad.supported(x, x, torch.zeros(2, 16, 16, dtype=torch.bfloat16))  # bf16 main_grad
-    assert not triton_wgrad.supported(x.t(), x.t(), torch.zeros(2, 8, 8))               # column strides
+    assert not triton_experts.supported(x, x.bfloat16(), torch.zeros(2, 16, 16))         # mixed dtypes
+    assert not triton_experts.supported(x, x, torch.zeros(2, 16, 16, dtype=torch.bfloat16))  # bf16 main_grad
+    assert not triton_experts.supported(x.t(), x.t(), torch.zeros(2, 8, 8))               # column strides
     fp8 = x.to(torch.float8_e4m3fn)
-    assert triton_wgrad.supported(fp8, x.to(torch.float8_e5m2), torch.zeros(2, 16, 16))  # FP8: any two formats
-    assert not triton_wgrad.supported(fp8, x.bfloat16(), torch.zeros(2, 16, 16))        # FP8 with bf16
+    assert triton_experts.supported(fp8, x.to(torch.float8_e5m2), torch.zeros(2, 16, 16))  # FP8: any two formats
+    assert not triton_experts.supported(fp8, x.bfloat16(), torch.zeros(2, 16, 16))        # FP8 with bf16
 
 
 def test_layer_main_grad_equals_the_grouped_mm_path():
@@ -114,8 +150,10 @@ def test_fp8_layer_main_grad_equals_the_grouped_path(fp8_format, monkeypatch):
     expert's dequantized sum of the casts into main_grad; the grouped path (here the dequantized
     grouped GEMM, as on the CPU) forms a product in bf16 and adds it. Same FP8 values and scales; the
     grouped path rounds each micro-batch's product to bf16 (the kernel's sums stay fp32, exact
-    against the casts in the kernel test above), so within that rounding. With the kernel the
-    backward runs one grouped FP8 GEMM per weight (the input gradient's), not two."""
+    against the casts in the kernel test above), so within that rounding. With the kernels the
+    backward runs no other grouped FP8 GEMM: where no FP8 grouped kernel takes the gradient (the
+    CPU; hybrid's E5M2 on the GPU) the input gradient is Triton's row-grouped GEMM too, the same
+    within one bf16 rounding."""
     from megatron.core.transformer.fp8 import FP8Linear, FP8Options
     from megatron.core.transformer.moe import fp8_experts
     from tests.unit.test_moe_grad_fusion import _experts
@@ -135,15 +173,24 @@ def test_fp8_layer_main_grad_equals_the_grouped_path(fp8_format, monkeypatch):
                                 moe_grouped_wgrad=wgrad)
         for linear in experts.attach_fp8(lambda: FP8Linear(FP8Options(fp8_format, "tensorwise"), None)):
             linear.bind()
-        backward_gemms = 0
+        backward_gemms, input_grads = 0, []
         for counts, x, probs, grad in batches:
-            out = ddp(x.clone().requires_grad_(), counts, probs)
+            inputs = x.clone().requires_grad_()
+            out = ddp(inputs, counts, probs)
             calls.clear()
             out.backward(grad)
             backward_gemms += len(calls)
+            input_grads.append(inputs.grad[:int(counts.sum())].float())
         ddp.finish_grad_sync()
-        results[wgrad] = (backward_gemms, experts.fc1_weight.main_grad.clone(), experts.fc2_weight.main_grad.clone())
-    assert results["grouped-mm"][0] == 2 * 2 * len(batches) and results["triton"][0] == 2 * len(batches)
-    for got, want in zip(results["triton"][1:], results["grouped-mm"][1:]):
-        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
-        assert got.abs().sum() > 0
+        results[wgrad] = (backward_gemms, torch.cat(input_grads), experts.fc1_weight.main_grad.clone(),
+                          experts.fc2_weight.main_grad.clone())
+    assert results["grouped-mm"][0] == 2 * 2 * len(batches) and results["triton"][0] == 0
+    input_grad, fc1, fc2 = results["triton"][1:]
+    want_input_grad, want_fc1, want_fc2 = results["grouped-mm"][1:]
+    # fc2's weight gradient: the same casts, within the grouped path's bf16 product rounding.
+    torch.testing.assert_close(fc2, want_fc2, rtol=2 ** -7, atol=2 ** -7 * want_fc2.abs().max().item())
+    # Downstream of fc2's input gradient (bf16-rounded differently by the two GEMMs), fc1's gradient
+    # casts round some elements to the neighbouring FP8 value: FP8's bound, not bf16's.
+    for got, want in ((input_grad, want_input_grad), (fc1, want_fc1)):
+        assert ((got - want).norm() / want.norm()).item() <= 2 ** -4
+    assert fc1.abs().sum() > 0 and fc2.abs().sum() > 0
