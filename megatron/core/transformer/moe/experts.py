@@ -11,8 +11,10 @@ has `torch._grouped_mm` for the device and dtype (CUDA compute capability 9.0+ i
 in fp32 and bf16) each weight's three GEMMs are one grouped GEMM each, forward, input gradient and
 weight gradient, with the offsets computed on the device: the work per layer does not grow with the
 expert count, and nothing is read back to the host. The weight gradient reaches the fp32 `main_grad`
-that data parallelism attaches in one add per weight (--gradient-accumulation-fusion), never a
-stacked gradient added by the data-parallel hook. Where `torch._grouped_mm` does not run (and under
+that data parallelism attaches (--gradient-accumulation-fusion) in one pass per weight
+(`accumulate_expert_grads_`, one kernel when compiled), or, with --moe-grouped-wgrad triton, by a
+Triton grouped GEMM that adds into it itself (moe/triton_experts.py); never a stacked gradient
+added by the data-parallel hook. Where `torch._grouped_mm` does not run (and under
 FP8) the experts loop over GEMMs with the row counts read back once, each expert's weight gradient
 accumulated into its `main_grad` slice. Under FP8 (`attach_fp8`) the experts' GEMMs run in FP8, each
 expert with its own scaling state, on rows padded per expert to a multiple of 16
