@@ -186,6 +186,14 @@ def main_grad_ready(param: torch.nn.Parameter) -> None:
         hook(param)
 
 
+def main_grad_accumulated(param: torch.nn.Parameter, notify: bool = True) -> None:
+    """Records that this backward added into `param.main_grad` (no longer empty this step:
+    `main_grad_empty`) and, with `notify`, tells its owner (`main_grad_ready`)."""
+    param.main_grad_empty = False
+    if notify:
+        main_grad_ready(param)
+
+
 def main_grad_empty(param: torch.nn.Parameter) -> bool:
     """Whether `param.main_grad` holds nothing yet this optimizer step: set when data parallelism
     zeroes its gradient buffer (`ParamAndGradBuffer.reset`), cleared by the first accumulation into it
@@ -328,9 +336,7 @@ def _weight_gradient(ctx, pairs, weight, grad_fp8=None, fp8_input=None):
     else:
         for grad_rows, input_rows in pairs:
             accumulate_matmul_(weight.main_grad, grad_rows.t(), input_rows)
-    weight.main_grad_empty = False
-    if ctx.notify:
-        main_grad_ready(weight)
+    main_grad_accumulated(weight, ctx.notify)
     return None
 
 
@@ -494,7 +500,5 @@ class _EmbeddingFunction(torch.autograd.Function):
             grad = grad.masked_fill(outside.unsqueeze(-1), 0.0)
         main_grad = ctx.weight.main_grad
         main_grad.index_add_(0, local_ids.reshape(-1), grad.reshape(-1, grad.shape[-1]).to(main_grad.dtype))
-        ctx.weight.main_grad_empty = False
-        if ctx.notify:
-            main_grad_ready(ctx.weight)
+        main_grad_accumulated(ctx.weight, ctx.notify)
         return None, None, None, None

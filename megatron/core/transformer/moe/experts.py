@@ -39,7 +39,7 @@ from megatron.core.tensor_parallel.layers import (
     accumulate_matmul_,
     fuses_grad_accumulation,
     initial_values,
-    main_grad_ready,
+    main_grad_accumulated,
     replicated_layout,
     set_layout,
 )
@@ -239,8 +239,7 @@ def _grouped_backward(ctx, grad):
     accumulate = ctx.accumulate
     if accumulate is not None and ctx.triton_wgrad and triton_experts.supported(grad, x, weight.main_grad):
         triton_experts.accumulate_grouped_wgrad_(weight.main_grad, grad, x, offsets)
-        weight.main_grad_empty = False
-        main_grad_ready(weight)
+        main_grad_accumulated(weight)
         return grad_input, None, None, None, None, None
     fused_dtype = accumulate is not None and _grouped_mm_writes(grad, weight.main_grad.dtype)
     out_dtype = weight.main_grad.dtype if fused_dtype else None
@@ -249,8 +248,7 @@ def _grouped_backward(ctx, grad):
         # An expert without rows: zeros whatever the kernel leaves in its slot.
         return grad_input, product.masked_fill_(counts.eq(0).view(-1, 1, 1), 0), None, None, None, None
     accumulate(weight.main_grad, product, counts)
-    weight.main_grad_empty = False
-    main_grad_ready(weight)
+    main_grad_accumulated(weight)
     return grad_input, None, None, None, None, None
 
 
@@ -279,8 +277,7 @@ def _looped_backward(ctx, grad):
         for index, (rows_grad, rows) in enumerate(pairs):
             if rows.shape[0]:
                 accumulate_matmul_(weight.main_grad[index], rows_grad.t(), rows)
-        weight.main_grad_empty = False
-        main_grad_ready(weight)
+        main_grad_accumulated(weight)
         return grad_input, None, None, None, None, None
     grad_weight = torch.empty_like(weight)
     for index, (rows_grad, rows) in enumerate(pairs):

@@ -37,7 +37,7 @@ only the order of the fp32 additions and the output's rounding differ from the G
 """
 import torch
 
-from megatron.core.tensor_parallel.layers import main_grad_empty, main_grad_ready
+from megatron.core.tensor_parallel.layers import main_grad_accumulated, main_grad_empty
 from megatron.core.transformer.moe import triton_experts
 from megatron.core.transformer.fp8 import GRAD, INPUT, WEIGHT, quantize, scale_from_amax
 
@@ -115,8 +115,7 @@ class _ExpertsFP8Function(torch.autograd.Function):
             elif wgrad:
                 grad_weight[index] = linear.wgrad(rows_grad, input_rows, grad_fp8, expert_kept)
         if fused:
-            weight.main_grad_empty = False
-            main_grad_ready(weight)
+            main_grad_accumulated(weight)
         grad_input = torch.cat(grad_inputs) if ctx.needs_input_grad[0] else None
         return grad_input, grad_weight, None, None, None
 
@@ -323,8 +322,7 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
         if ctx.triton:  # into main_grad from the casts [N, n] and [N, k], each expert's sum dequantized
             triton_experts.accumulate_grouped_wgrad_(weight.main_grad, g_q, x_kept, offs,
                                                           (g_scale * x_scale).reciprocal())
-            weight.main_grad_empty = False
-            main_grad_ready(weight)
+            main_grad_accumulated(weight)
             return grad_input, None, None, None, None, None
         # Weight gradient: groups along the contracted (row) dimension, scales group-major.
         g_t = g_q.t().contiguous()                                                    # [n, N]
@@ -334,6 +332,5 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
         if ctx.accumulate is None:
             return grad_input, grad_weight.masked_fill_(counts_t.eq(0).view(-1, 1, 1), 0), None, None, None, None
         ctx.accumulate(weight.main_grad, grad_weight, counts_t)
-        weight.main_grad_empty = False
-        main_grad_ready(weight)
+        main_grad_accumulated(weight)
         return grad_input, None, None, None, None, None
