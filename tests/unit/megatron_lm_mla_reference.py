@@ -42,13 +42,11 @@ import sys
 
 from megatron_lm_moe_reference import _MOE_DEFAULTS, randomize_moe
 from megatron_lm_reference import (
-    BATCH,
     COMMON_ARGS,
     ITERATION,
-    SEQ,
-    TOKENS_SEED,
     _cpu_megatron_core,
     _write_tracker,
+    reference_inputs,
     save_torch_dist,
     sharded_state_dict,
 )
@@ -189,10 +187,7 @@ def save_legacy(torch, model, args, root):
 def _single(torch, out_dir):
     model = build_model(torch, 1, 1)
     randomize_moe(torch, model)
-    generator = torch.Generator().manual_seed(TOKENS_SEED)
-    tokens = torch.randint(0, COMMON_ARGS["vocab_size"], (BATCH, SEQ), generator=generator)
-    positions = torch.arange(SEQ).expand(BATCH, SEQ)
-    mask = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
+    tokens, positions, mask = reference_inputs(torch)
     if torch.distributed.get_rank() == 0:
         # The output layer's logits [s, b, V]: the prediction depth's, then the main head's; copied, as
         # Megatron-Core's cross entropy then works on them in place.

@@ -45,13 +45,11 @@ import re
 import sys
 
 from megatron_lm_reference import (
-    BATCH,
     COMMON_ARGS,
     ITERATION,
-    SEQ,
-    TOKENS_SEED,
     _cpu_megatron_core,
     _write_tracker,
+    reference_inputs,
     randomize,
     save_torch_dist,
     sharded_state_dict,
@@ -238,10 +236,7 @@ def _legacy_format(form):
 def _single(torch, name, out_dir):
     model = build_model(torch, name, 1, 1, 1)
     randomize_moe(torch, model)
-    generator = torch.Generator().manual_seed(TOKENS_SEED)
-    tokens = torch.randint(0, COMMON_ARGS["vocab_size"], (BATCH, SEQ), generator=generator)
-    positions = torch.arange(SEQ).expand(BATCH, SEQ)
-    mask = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
+    tokens, positions, mask = reference_inputs(torch)
     if torch.distributed.get_rank() == 0:
         with torch.no_grad():
             logits = model(tokens, positions, mask)  # [b, s, V]

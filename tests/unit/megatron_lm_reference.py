@@ -271,13 +271,19 @@ def _write_tracker(torch, root):
             f.write(str(ITERATION))
 
 
-def _single(torch, name, out_dir):
-    (model,) = build_chunks(torch, name, 1, 1, None)
-    randomize(torch, model)
+def reference_inputs(torch) -> tuple:
+    """The reference scripts' batch: tokens [b, s] (seeded), positions and the causal mask."""
     generator = torch.Generator().manual_seed(TOKENS_SEED)
     tokens = torch.randint(0, COMMON_ARGS["vocab_size"], (BATCH, SEQ), generator=generator)
     positions = torch.arange(SEQ).expand(BATCH, SEQ)
     mask = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
+    return tokens, positions, mask
+
+
+def _single(torch, name, out_dir):
+    (model,) = build_chunks(torch, name, 1, 1, None)
+    randomize(torch, model)
+    tokens, positions, mask = reference_inputs(torch)
     if torch.distributed.get_rank() == 0:
         with torch.no_grad():
             logits = model(tokens, positions, mask)  # [b, s, V]
