@@ -31,6 +31,7 @@ MIXTRAL, QWEN3_MOE = "mixtral-8x7b-2layers", "qwen3-30b-a3b-4layers"  # a few Mo
 DEEPSEEK = "deepseek-v3-4layers"  # DeepSeek-V3's routing (256 experts, group-limited, sigmoid) at h 2048
 MOE_PRESETS = (MIXTRAL, QWEN3_MOE, DEEPSEEK)
 TRITON_WGRAD = "--moe-grouped-wgrad triton"
+FUSIONS = "--moe-permute-fusion --moe-router-fusion"
 TUNABLEOP_ENV = "PYTORCH_TUNABLEOP_ENABLED=1 PYTORCH_TUNABLEOP_TUNING=1 PYTORCH_TUNABLEOP_MAX_TUNING_DURATION_MS=30"
 
 
@@ -42,6 +43,8 @@ def runs(tunableop: bool, dense_ab: bool = False) -> list:
             ("bf16", MIXTRAL, "", *ab, ""), ("bf16", QWEN3_MOE, "", *ab, ""), ("bf16", DEEPSEEK, "", *ab, ""),
             # A/B: the experts' weight gradients by the Triton grouped GEMM that adds into main_grad
             ("bf16-triton-wgrad", MIXTRAL, TRITON_WGRAD, *ab, ""), ("bf16-triton-wgrad", QWEN3_MOE, TRITON_WGRAD, *ab, ""),
+            # the fused permutation and router (compiled) on top, where the host's share is largest
+            ("bf16-triton-fused", QWEN3_MOE, f"{TRITON_WGRAD} {FUSIONS}", *ab, ""),
             ("fp8-tensorwise", MIXTRAL, f"{FP8_TENSORWISE} --moe-router-padding-for-fp8", *ab, ""),
             ("fp8-tensorwise-triton", MIXTRAL, f"{FP8_TENSORWISE} --moe-router-padding-for-fp8 {TRITON_WGRAD}", *ab, "")]
     if tunableop:

@@ -224,10 +224,16 @@ def test_grouped_fp8_path_equals_the_loop(monkeypatch, fp8_format, recipe, widen
     differs. The kernel stands in as PyTorch defines it; tests/gpu runs the real one."""
     from megatron.core.transformer.moe import fp8_experts
 
+    dequantized = []
+    exact = fp8_experts._dequantized_grouped_mm
+
     def train_bf16(grouped):
         monkeypatch.setattr(fp8_experts, "grouped_fp8_supported", lambda x, rowwise: grouped)
-        monkeypatch.setattr(fp8_experts, "_bf16_grouped_mm_runs", lambda a, b: grouped and widened)
+        # As on a Hopper GPU: the layouts the layer passes decide (the weight gradient's operand is
+        # a transposed view), not a stand-in.
+        monkeypatch.setattr(fp8_experts, "_grouped_mm_on_gpu", lambda a: grouped and widened)
         monkeypatch.setattr(fp8_experts, "_scaled_grouped_mm", _emulated_scaled_grouped_mm)
+        monkeypatch.setattr(fp8_experts, "_dequantized_grouped_mm", lambda *a: dequantized.append(1) or exact(*a))
         layer, scaling = moe_layer(FP8Options(fp8_format, recipe))
         layer.to(torch.bfloat16)
         results = []
@@ -237,7 +243,10 @@ def test_grouped_fp8_path_equals_the_loop(monkeypatch, fp8_format, recipe, widen
             results.append(run(layer, X.bfloat16(), GRAD.bfloat16()))
         return results
 
-    for got, want in zip(train_bf16(True), train_bf16(False)):
+    got_all = train_bf16(True)
+    if widened:  # every E5M2 GEMM (fc1's and fc2's input and weight gradients) widened, none in fp32
+        assert not dequantized, f"{len(dequantized)} E5M2 GEMMs fell back to the fp32 path"
+    for got, want in zip(got_all, train_bf16(False)):
         for name, g, w in zip(("output", "input grad", "fc1 grad", "fc2 grad"), got, want):
             if widened and name in ("input grad", "fc1 grad"):
                 # Downstream of the widened fc2 input-gradient GEMM (one bf16 rounding more, of its
@@ -298,3 +307,5 @@ def test_bf16_grouped_gemm_of_the_casts_equals_the_dequantized_one(shape):
     got = fp8_experts._bf16_grouped_mm_of_casts(a, b, scale_a, scale_b, offs, torch.bfloat16)[valid].float()
     torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
     assert not fp8_experts._bf16_grouped_mm_runs(a, b)  # (the CPU keeps the exact fp32 path)
+    assert fp8_experts._bf16_grouped_layout(a) and fp8_experts._bf16_grouped_layout(b)  # (a GPU's widens)
+

@@ -89,9 +89,9 @@ def test_the_moe_benchmark_runs_with_fp8_experts_on_cpu():
     assert "tokens per GPU (tokens/s/GPU)" in result.stdout
     smoke = subprocess.run([sys.executable, "gpu_plan.py", "--lines", "--smoke"], capture_output=True, text=True,
                            cwd=ROOT / "bench", timeout=120).stdout
-    assert sum("|tiny-moe|" in line for line in smoke.splitlines()) == 7
+    assert sum("|tiny-moe|" in line for line in smoke.splitlines()) == 8
     triton = [line for line in smoke.splitlines() if "--moe-grouped-wgrad triton" in line]
-    assert len(triton) == 3 and all(line.endswith("|TRITON_INTERPRET=1") for line in triton)
+    assert len(triton) == 4 and all(line.endswith("|TRITON_INTERPRET=1") for line in triton)
 
 
 def test_the_moe_benchmark_runs_the_triton_weight_gradients_on_cpu():

@@ -118,3 +118,69 @@ def test_compiled_accumulation_is_one_pass_in_place():
     assert code.count('extern "C"') == 1, code
     assert "empty_strided_cpu((" not in code, code  # no intermediate buffer
     assert torch.equal(main_grad, torch.where(counts.eq(0).view(-1, 1, 1), 0, product).float())
+
+
+@pytest.mark.parametrize("dispatcher, overrides", [("alltoall", {}), ("allgather", {}),
+                                                   ("alltoall", dict(moe_expert_capacity_factor=1.0))],
+                         ids=["alltoall", "allgather", "capacity"])
+def test_combine_and_dispatch_backward_gather_rows_instead_of_scattering(dispatcher, overrides):
+    """Every token has top-k rows (dropped slots in the sentinel group): the combine and the dispatch's
+    backward gather each token's rows and sum them in order, no scatter-add (atomic adds on a GPU,
+    measured at 0.54 ms per call for Qwen3-30B-A3B's [32768, 2048] rows on an H200, where the gather
+    moves the same bytes)."""
+    layer = moe_layer(dict(num_experts=8, moe_token_dispatcher_type=dispatcher, **overrides))
+    x = torch.randn(32, 2, HIDDEN, requires_grad=True, generator=torch.Generator().manual_seed(0))
+    with RowScatters() as scatters:
+        layer(x).square().sum().backward()
+    assert scatters.ops == [], scatters.ops  # (the probabilities' [N] gradient may scatter: N values)
+
+
+class RowScatters(TorchDispatchMode):
+    """The scatter-adds (index_add, scatter_add, index_put with accumulate) into tensors of hidden
+    rows [*, HIDDEN]."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in ("index_add", "index_add_", "scatter_add", "scatter_add_", "index_put", "index_put_") and (
+                out.dim() >= 2 and out.shape[-1] == HIDDEN):
+            self.ops.append((name, tuple(out.shape)))
+        return out
+
+
+@pytest.mark.parametrize("may_drop", [False, True])
+def test_gathered_combine_and_its_backward_equal_the_scatter_add(may_drop):
+    """gather_rows + unpermute with `slot_row` (gathers, sums over each token's slots) against the
+    scatter-add path: outputs and both gradients at fp32 rounding, sentinel rows adding nothing."""
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import gather_rows, sort_by_expert, unpermute
+
+    generator = torch.Generator().manual_seed(5)
+    tokens, experts, topk, hidden = 12, 6, 3, 4
+    probs, routing_map = moe_utils.topk_routing(torch.randn(tokens, experts, generator=generator), topk)
+    if may_drop:  # experts 4 and 5 elsewhere, token 0's first choice dropped
+        routing_map = routing_map.clone()
+        routing_map[0, routing_map[0].nonzero()[0, 0]] = False
+    token_index, row_probs, _, row_valid, slot_row = sort_by_expert(
+        probs, routing_map, topk=topk, num_experts=4 if may_drop else experts, may_drop=may_drop)
+    assert sorted(slot_row.tolist()) == list(range(tokens * topk))
+    assert torch.equal(token_index.index_select(0, slot_row), torch.arange(tokens).repeat_interleave(topk))
+
+    x = torch.randn(tokens, hidden, generator=generator)
+    weight = torch.randn(tokens * topk, hidden, generator=generator)
+    probe = torch.randn(tokens, hidden, generator=generator)
+    results = []
+    for slots in (slot_row, None):
+        leaf = x.clone().requires_grad_()
+        rows = gather_rows(leaf, token_index, row_valid, slots)
+        expert_out = (rows * weight).requires_grad_()
+        expert_out.retain_grad()
+        out = unpermute(expert_out, token_index, tokens, row_probs, row_valid, slots)
+        (out * probe).sum().backward()
+        results.append((out, leaf.grad, expert_out.grad))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

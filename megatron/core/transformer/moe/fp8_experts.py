@@ -146,11 +146,23 @@ def _grouped_gemm(kernel: bool, a, b, scale_a, scale_b, offs, out_dtype):
 
 def _bf16_grouped_mm_runs(a, b) -> bool:
     """Whether the GPU's bf16 grouped GEMM takes the casts widened to bf16 (compute capability 9.0+,
-    rows of 16-byte multiples). An fp32 `torch._grouped_mm` on the GPU is PyTorch's fallback: a loop
-    of fp32 GEMMs after reading the offsets back, which `_dequantized_grouped_mm` would hit there."""
-    if not (a.is_cuda and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(a.device)[0] >= 9):
-        return False
-    return all(size * 2 % 16 == 0 for size in (*a.shape[-1:], *b.shape[-2:], a.stride(0), a.stride(-1)))
+    `_bf16_grouped_layout` for both; the widened copies keep the casts' layouts). An fp32
+    `torch._grouped_mm` on the GPU is PyTorch's fallback: a loop of fp32 GEMMs after reading the
+    offsets back, which `_dequantized_grouped_mm` would hit there."""
+    return _grouped_mm_on_gpu(a) and _bf16_grouped_layout(a) and _bf16_grouped_layout(b)
+
+
+def _grouped_mm_on_gpu(a) -> bool:
+    return a.is_cuda and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(a.device)[0] >= 9
+
+
+def _bf16_grouped_layout(t) -> bool:
+    """Whether a bf16 tensor of t's sizes and strides is an operand `torch._grouped_mm` takes: in its
+    last two dimensions row-major or column-major (a transposed view: the weight gradient's
+    gradient operand), the other stride a multiple of 16 bytes (8 elements) and not overlapping."""
+    (rows, cols), (row_stride, col_stride) = t.shape[-2:], t.stride()[-2:]
+    return ((col_stride == 1 and row_stride % 8 == 0 and row_stride >= max(1, cols))
+            or (row_stride == 1 and col_stride % 8 == 0 and col_stride >= max(1, rows)))
 
 
 def _bf16_grouped_mm_of_casts(a, b, scale_a, scale_b, offs, out_dtype):

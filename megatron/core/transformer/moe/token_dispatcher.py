@@ -3,7 +3,8 @@
     dispatch: hidden [T, h], probs [T, E], routing_map [T, E]
               -> rows [N, h] sorted by local expert, tokens_per_expert [E_local] (a device tensor)
     combine:  expert outputs [N, h] -> hidden [T, h]: each row weighted by its routing probability
-              and summed into its token (one scatter-add)
+              and summed into its token (each token's top-k rows gathered and summed; a scatter-add
+              where tokens have no fixed number of rows: padded or capacity-padded routing)
 
 The permutation has static shapes: each token has top-k slots, so N = T x topk rows (x the ranks
 whose tokens an all-gather brought); one stable sort of the slots' expert indices orders them by
@@ -59,11 +60,13 @@ def sort_by_expert(probs: torch.Tensor, routing_map: torch.Tensor, *, topk: int,
     """The permutation of a routing in static shapes: each token has `topk` slots, N = T x topk rows.
 
     Returns (token index of each row [N], its probability [N], tokens per expert [num_experts] on the
-    device, row_valid [N] or None). Rows are sorted by expert (experts first_expert ..
+    device, row_valid [N] or None, slot_row [N]). Rows are sorted by expert (experts first_expert ..
     first_expert + num_experts - 1), then by token, with one sort. With `may_drop` (capacity, or
     experts held by other ranks) a slot whose entry was dropped or whose expert is not among these
     goes to a sentinel group after the last expert: those rows are at the end, past the last GEMM
-    offset, and `row_valid` marks them False."""
+    offset, and `row_valid` marks them False. `slot_row` is the inverse permutation: the row of token
+    t's j-th slot at t x topk + j (what lets the combine and the dispatch's backward gather a token's
+    rows and sum them instead of scattering, `_SumSlots`)."""
     present, chosen = routing_map.to(torch.uint8).topk(topk, dim=1)   # [T, k] each token's slots
     slot_probs = probs.gather(1, chosen)                               # [T, k]
     local = chosen - first_expert
@@ -75,7 +78,8 @@ def sort_by_expert(probs: torch.Tensor, routing_map: torch.Tensor, *, topk: int,
     row_probs = slot_probs.reshape(-1).index_select(0, order)
     tokens_per_expert = routing_map[:, first_expert:first_expert + num_experts].sum(dim=0)
     row_valid = local.reshape(-1).index_select(0, order) < num_experts if may_drop else None
-    return token_index, row_probs, tokens_per_expert, row_valid
+    slot_row = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return token_index, row_probs, tokens_per_expert, row_valid, slot_row
 
 
 def pad_routing_map(routing_map: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -106,41 +110,91 @@ def sort_padded_by_expert(probs: torch.Tensor, routing_map: torch.Tensor, *, top
     return token_index, row_probs, local_map.sum(dim=0), row_valid
 
 
-def gather_rows(hidden: torch.Tensor, token_index: torch.Tensor, row_valid=None) -> torch.Tensor:
+def gather_rows(hidden: torch.Tensor, token_index: torch.Tensor, row_valid=None, slot_row=None) -> torch.Tensor:
     """hidden [T, h] -> the permuted rows [N, h] (one gather). Sentinel rows are zeros, so that what
-    the experts leave in them (their GEMMs stop at the last offset) never reaches hidden's gradient."""
-    rows = hidden.index_select(0, token_index)
+    the experts leave in them (their GEMMs stop at the last offset) never reaches hidden's gradient.
+    Given `slot_row` (every token has exactly N / T rows) the backward gathers each token's rows and
+    sums them (`_CopySlots`) instead of scattering them with atomic adds."""
+    if slot_row is not None:
+        rows = _CopySlots.apply(hidden, token_index, slot_row)
+    else:
+        rows = hidden.index_select(0, token_index)
     if row_valid is not None:
         rows = torch.where(row_valid.unsqueeze(-1), rows, 0)
     return rows
 
 
 def unpermute(rows: torch.Tensor, token_index: torch.Tensor, num_tokens: int, probs=None,
-              row_valid=None) -> torch.Tensor:
+              row_valid=None, slot_row=None) -> torch.Tensor:
     """The inverse of the permutation with the copies of a token summed: [N, h] -> [T, h], each row
-    weighted by its routing probability `probs` [N] on the way (one scatter-add). Sentinel rows
-    (`row_valid` False) add nothing."""
+    weighted by its routing probability `probs` [N] on the way. Sentinel rows (`row_valid` False)
+    add nothing. Given `slot_row` (every token has exactly N / T rows): one gather of each token's
+    rows and a sum over them, in a fixed order (`_SumSlots`); else one scatter-add."""
     if row_valid is not None:
         rows = torch.where(row_valid.unsqueeze(-1), rows, 0)
     if probs is not None:
         rows = rows * probs.unsqueeze(-1).to(rows.dtype)
+    if slot_row is not None:
+        return _SumSlots.apply(rows, token_index, slot_row, num_tokens)
     out = rows.new_zeros((num_tokens, rows.shape[-1]))
     return out.index_add(0, token_index, rows)
+
+
+def _sum_slots(rows: torch.Tensor, slot_row: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """rows [N, h] -> [T, h]: token t's sum of rows slot_row[t k .. t k + k - 1] (k = N / T), gathered
+    and summed over k in order (fp32 sums for 16-bit rows, one rounding): no atomic adds."""
+    return rows.index_select(0, slot_row).view(num_tokens, -1, rows.shape[-1]).sum(dim=1)
+
+
+class _CopySlots(torch.autograd.Function):
+    """hidden [T, h] -> rows [N, h], row i a copy of token token_index[i], each token in N / T rows
+    (`slot_row` [N], the inverse permutation, lists them token by token). Backward: each token's
+    gradient is the sum of its rows' (`_sum_slots`: a gather and a sum, where index_select's own
+    backward scatters with atomic adds)."""
+
+    @staticmethod
+    def forward(ctx, hidden, token_index, slot_row):
+        ctx.save_for_backward(slot_row)
+        ctx.num_tokens = hidden.shape[0]
+        return hidden.index_select(0, token_index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (slot_row,) = ctx.saved_tensors
+        return _sum_slots(grad, slot_row, ctx.num_tokens), None, None
+
+
+class _SumSlots(torch.autograd.Function):
+    """rows [N, h] -> [T, h], each token's N / T rows summed (`slot_row` lists them token by token).
+    Backward: each row's gradient is its token's (one gather by `token_index`)."""
+
+    @staticmethod
+    def forward(ctx, rows, token_index, slot_row, num_tokens):
+        ctx.save_for_backward(token_index)
+        return _sum_slots(rows, slot_row, num_tokens)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token_index,) = ctx.saved_tensors
+        return grad.index_select(0, token_index), None, None, None
 
 
 def permute_rows(hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, *, topk: int,
                  first_expert: int, num_experts: int, may_drop: bool, pad_multiple=None):
     """`sort_by_expert` then `gather_rows` in one function (the one --moe-permute-fusion compiles):
-    (rows [N, h], token index [N], row probabilities [N], tokens per expert, row_valid). With
-    `pad_multiple` the routing map is padded first (--moe-router-padding-for-fp8)."""
+    (rows [N, h], token index [N], row probabilities [N], tokens per expert, row_valid, slot_row or
+    None). With `pad_multiple` the routing map is padded first (--moe-router-padding-for-fp8; a token
+    then has no fixed number of rows: no slot_row, the combine scatters)."""
     if pad_multiple is None:
-        token_index, row_probs, tokens_per_expert, row_valid = sort_by_expert(
+        token_index, row_probs, tokens_per_expert, row_valid, slot_row = sort_by_expert(
             probs, routing_map, topk=topk, first_expert=first_expert, num_experts=num_experts, may_drop=may_drop)
     else:
         token_index, row_probs, tokens_per_expert, row_valid = sort_padded_by_expert(
             probs, pad_routing_map(routing_map, pad_multiple), topk=topk, first_expert=first_expert,
             num_experts=num_experts, multiple=pad_multiple)
-    return gather_rows(hidden, token_index, row_valid), token_index, row_probs, tokens_per_expert, row_valid
+        slot_row = None
+    rows = gather_rows(hidden, token_index, row_valid, slot_row)
+    return rows, token_index, row_probs, tokens_per_expert, row_valid, slot_row
 
 
 class _LocalPermutation:
@@ -161,20 +215,21 @@ class _LocalPermutation:
         if self.pad_to_capacity:
             rows, self.row_probs, self.token_index, per_expert = permute(hidden, probs[:, local],
                                                                          routing_map[:, local])
-            self.row_valid = None
+            self.row_valid = self.slot_row = None
             return rows, per_expert
         if self.pad_multiple is not None and self.num_tokens % self.pad_multiple:
             raise ValueError(f"--moe-router-padding-for-fp8 needs the tokens of a rank's micro-batch "
                              f"({self.num_tokens}: sequence length x micro-batch size, / tensor-parallel size "
                              f"with sequence parallelism) to be a multiple of {self.pad_multiple}, so that every "
                              f"expert's count can be padded")
-        rows, self.token_index, self.row_probs, per_expert, self.row_valid = self.permute_rows(
+        rows, self.token_index, self.row_probs, per_expert, self.row_valid, self.slot_row = self.permute_rows(
             hidden, probs, routing_map, topk=self.topk, first_expert=self.first_expert,
             num_experts=self.num_local_experts, may_drop=self.may_drop, pad_multiple=self.pad_multiple)
         return rows, per_expert
 
     def combine(self, expert_output):
-        return self.unpermute(expert_output, self.token_index, self.num_tokens, self.row_probs, self.row_valid)
+        return self.unpermute(expert_output, self.token_index, self.num_tokens, self.row_probs, self.row_valid,
+                              self.slot_row)
 
 
 class AllGatherDispatcher:
@@ -250,7 +305,10 @@ class AllToAllDispatcher:
         sent = slice(0, self.num_sent)
         # Eager even under --moe-permute-fusion: the row count changes every micro-batch here, and a
         # compiled version would be recompiled for each.
-        return unpermute(returned, local.token_index[sent], local.num_tokens, local.row_probs[sent])
+        # Every slot sent (dropless): each token's rows gathered and summed; else a scatter-add.
+        slot_row = local.slot_row if self.num_sent == local.token_index.numel() else None
+        return unpermute(returned, local.token_index[sent], local.num_tokens, local.row_probs[sent],
+                         slot_row=slot_row)
 
     def _gather_etp(self, rows):
         """All-gather of uneven row counts over etp, as an all-to-all of copies (backward: the

@@ -14,13 +14,14 @@ and written), no product tensor, and an expert without rows leaves its `main_gra
 tiles skip the load and store). The offsets are read on the device: no host synchronization.
 
 FP8 experts (--moe-router-padding-for-fp8, tensorwise or delayed) pass their casts as they are, the
-gradient's [N, n] and the input's [N, k] (E4M3, or E5M2 gradients under `hybrid`: the kernel
-multiplies the two formats together), with each expert's dequantizing factor 1 / (grad scale x
-input scale): its products are summed in fp32 and scaled once per tile. Neither the transposes the
-FP8 grouped GEMM needs nor the bf16 product is made.
+gradient's [N, n] and the input's [N, k] (E4M3, or E5M2 gradients under `hybrid`), with each
+expert's dequantizing factor 1 / (grad scale x input scale): the kernel reads one byte per element,
+widens each tile to fp16 in registers (exactly), sums the products in fp32 and scales once per tile.
+Neither the transposes the FP8 grouped GEMM needs, nor widened copies, nor the bf16 product is made.
 
 2. FP8 `hybrid`'s input gradient (`fp8_grouped_rows_mm`): E5M2 gradient rows times each row's
-   expert's E4M3 weight cast, which `torch._scaled_grouped_mm` (E4M3 only) cannot multiply. Row
+   expert's E4M3 weight cast, which `torch._scaled_grouped_mm` (E4M3 only) cannot multiply (tiles
+   widened to fp16 in registers, as above). Row
    tiles never span two experts: each expert's rows are cut into tiles of BLOCK_M, the tiles of all
    experts numbered on the device (`_row_tiles`, a few operators on [E] and on the tile count's
    bound N / BLOCK_M + E), so a program finds its expert and first row with two loads; the
@@ -35,9 +36,17 @@ import importlib.util
 
 import torch
 
-BLOCK_N, BLOCK_K, BLOCK_ROWS = 128, 128, 64  # output tile [BLOCK_N, BLOCK_K]; rows summed per step
-NUM_WARPS, NUM_STAGES = 8, 3
+# Tiles (bench/bench_moe_kernels.py on an H200, 2026-11-28: of six, this one was the fastest at
+# every MoE preset's shape, 7-27% ahead of 128 x 128 x 64 rows with 8 warps and 3 stages).
+BLOCK_N, BLOCK_K, BLOCK_ROWS = 128, 128, 32  # output tile [BLOCK_N, BLOCK_K]; rows summed per step
+WGRAD_WARPS, WGRAD_STAGES = 4, 5
 ROWS_BLOCK_M, ROWS_BLOCK_N, ROWS_BLOCK_K = 128, 128, 64  # the row-grouped GEMM's tile and its K step
+NUM_WARPS, NUM_STAGES = 8, 3                             # the row-grouped GEMM's
+# FP8 operands are widened in registers, tile by tile, before the tensor-core product: to fp16 on the
+# GPU (every E4M3 and E5M2 value is an fp16 value, so the products are exact and summed in fp32; an
+# FP8 product of E5M2 x E4M3 tiles ran 4x slower than bf16 there and Hopper's FP8 accumulator drops
+# low bits), to fp32 under the interpreter (which multiplies 16-bit tiles wrongly).
+AS_IS, TO_FP16, TO_FP32 = 0, 1, 2
 
 
 def triton_available() -> bool:
@@ -78,9 +87,18 @@ def accumulate_grouped_wgrad_(main_grad: torch.Tensor, grad: torch.Tensor, x: to
     kernel = _kernels()[0]
     grid = (triton_cdiv(n, BLOCK_N) * triton_cdiv(k, BLOCK_K), num_experts)
     scaled = scales is not None
+    widen = _widening(grad)
     kernel[grid](grad, x, main_grad, ends, scales if scaled else ends, n, k, grad.stride(0), x.stride(0),
-                 BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_ROWS=BLOCK_ROWS, IEEE=grad.dtype == torch.float32,
-                 SCALED=scaled, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                 BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_ROWS=BLOCK_ROWS,
+                 IEEE=grad.dtype == torch.float32 or widen == TO_FP32, SCALED=scaled, WIDEN=widen,
+                 num_warps=WGRAD_WARPS, num_stages=WGRAD_STAGES)
+
+
+def _widening(operand: torch.Tensor) -> int:
+    """How the kernels widen this operand's tiles before the product (FP8: see TO_FP16)."""
+    if operand.dtype not in FP8_DTYPES:
+        return AS_IS
+    return TO_FP16 if operand.is_cuda else TO_FP32
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -101,7 +119,7 @@ def fp8_grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, row_scale: torch.Tenso
     grid = (tile_expert.numel(), triton_cdiv(n, ROWS_BLOCK_N))
     _kernels()[1][grid](a, b, out, row_scale, ends, tile_expert, tile_row, num_experts, n, k,
                         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
-                        BLOCK_M=ROWS_BLOCK_M, BLOCK_N=ROWS_BLOCK_N, BLOCK_K=ROWS_BLOCK_K,
+                        BLOCK_M=ROWS_BLOCK_M, BLOCK_N=ROWS_BLOCK_N, BLOCK_K=ROWS_BLOCK_K, WIDEN=_widening(a),
                         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 
@@ -134,7 +152,7 @@ def _kernels():
     @triton.jit
     def grouped_wgrad_accumulate(grad_ptr, x_ptr, out_ptr, ends_ptr, scales_ptr, n, k, stride_grad, stride_x,
                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                                 IEEE: tl.constexpr, SCALED: tl.constexpr):
+                                 IEEE: tl.constexpr, SCALED: tl.constexpr, WIDEN: tl.constexpr):
         tile = tl.program_id(0)
         expert = tl.program_id(1)
         tiles_k = (k + BLOCK_K - 1) // BLOCK_K  # (not tl.cdiv: a jit function, which the interpreter
@@ -154,6 +172,10 @@ def _kernels():
                             mask=live[:, None] & in_n[None, :], other=0.0)          # [rows, BLOCK_N]
                 a = tl.load(x_ptr + rows[:, None] * stride_x + cols_k[None, :],
                             mask=live[:, None] & in_k[None, :], other=0.0)          # [rows, BLOCK_K]
+                if WIDEN == 1:
+                    g, a = g.to(tl.float16), a.to(tl.float16)
+                elif WIDEN == 2:
+                    g, a = g.to(tl.float32), a.to(tl.float32)
                 if IEEE:
                     acc += tl.dot(tl.trans(g), a, input_precision="ieee")
                 else:
@@ -168,7 +190,8 @@ def _kernels():
     @triton.jit
     def grouped_rows_mm(a_ptr, b_ptr, out_ptr, scale_ptr, ends_ptr, tile_expert_ptr, tile_row_ptr, num_experts,
                         n, k, stride_am, stride_ak, stride_be, stride_bk, stride_bn,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        WIDEN: tl.constexpr):
         tile = tl.program_id(0)
         expert = tl.load(tile_expert_ptr + tile)
         if expert < num_experts:
@@ -187,7 +210,12 @@ def _kernels():
                             mask=live[:, None] & in_k[None, :], other=0.0)             # [BLOCK_M, BLOCK_K]
                 b = tl.load(b_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
                             mask=in_k[:, None] & in_n[None, :], other=0.0)            # [BLOCK_K, BLOCK_N]
-                acc += tl.dot(a, b)
+                if WIDEN == 1:
+                    acc += tl.dot(a.to(tl.float16), b.to(tl.float16))
+                elif WIDEN == 2:
+                    acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+                else:
+                    acc += tl.dot(a, b)
             scale = tl.load(scale_ptr + rows, mask=live, other=0.0)
             acc = acc * scale[:, None]
             out = out_ptr + rows[:, None] * n + cols[None, :]
