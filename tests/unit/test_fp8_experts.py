@@ -309,3 +309,49 @@ def test_bf16_grouped_gemm_of_the_casts_equals_the_dequantized_one(shape):
     assert not fp8_experts._bf16_grouped_mm_runs(a, b)  # (the CPU keeps the exact fp32 path)
     assert fp8_experts._bf16_grouped_layout(a) and fp8_experts._bf16_grouped_layout(b)  # (a GPU's widens)
 
+
+def test_compiled_expert_casts_and_widening_are_one_kernel_each(monkeypatch):
+    """With the elementwise fusions (FP8Linear compiled) the experts' cast of all rows and hybrid's
+    widening of an E5M2 cast are one kernel each (the eager ones pass over the rows in fp32 three
+    times), and the layer on the GPU's widened path gives the eager layer's results bit for bit
+    where the values agree (the same FP8 values; fp32 products rounded once)."""
+    from megatron.core.transformer.moe import fp8_experts
+    from tests.unit.work_counting import generated_code
+
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(40, 24, generator=generator).bfloat16()
+    row_expert = torch.arange(40) // 12                                       # 4: sentinel rows 36..39
+    scales = torch.rand(3, generator=generator) * 8 + 1
+    code = generated_code(torch.compile(fp8_experts.quantize_rows, fullgraph=True, dynamic=False),
+                          x, scales, row_expert, torch.float8_e5m2)
+    assert code.count('extern "C"') == 1, code
+    q = x.float().mul(8).to(torch.float8_e5m2)
+    factor = torch.rand(40, 1, generator=generator) + 0.5
+    code = generated_code(torch.compile(fp8_experts.widen_scaled, fullgraph=True, dynamic=False), q.t(), factor.t())
+    assert code.count('extern "C"') == 1, code
+
+    monkeypatch.setattr(fp8_experts, "_grouped_mm_on_gpu", lambda a: True)
+    monkeypatch.setattr(fp8_experts, "grouped_fp8_supported", lambda x, rowwise: True)
+    monkeypatch.setattr(fp8_experts, "_scaled_grouped_mm", _emulated_with_sentinel_rows)
+    monkeypatch.setattr(fp8_experts, "_dequantized_grouped_mm", None)  # every E5M2 GEMM widened
+    from tests.unit.test_moe_router_padding_fp8 import fp8_layer, train
+
+    results = []
+    for fuse in (False, True):
+        layer, scaling = fp8_layer("tensorwise", "hybrid")
+        # as the model attaches them with --fp8-format and the elementwise fusions on (or off)
+        layer.experts.attach_fp8(lambda: FP8Linear(FP8Options("hybrid", "tensorwise"), None, compiled=fuse))
+        assert (layer.experts.fp8["fc1"].widen is fp8_experts.widen_scaled) is not fuse
+        results.append(train(layer, scaling, steps=1))
+    for got, want in zip(*results):
+        for name, g, w in zip(("output", "input grad", "fc1 grad", "fc2 grad"), got, want):
+            torch.testing.assert_close(g, w, rtol=2 ** -8, atol=2 ** -8 * w.abs().max().item(), msg=name)
+
+
+def _emulated_with_sentinel_rows(a, b, scale_a, scale_b, offs):
+    """`_emulated_scaled_grouped_mm` with the rows past the last group (the padded routing's
+    sentinel rows, which the kernel leaves unwritten) as zeros."""
+    out = _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs)
+    if b.dim() == 3 and out.shape[0] < a.shape[0]:
+        out = torch.cat([out, out.new_zeros(a.shape[0] - out.shape[0], out.shape[1])])
+    return out

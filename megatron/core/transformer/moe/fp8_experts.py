@@ -40,6 +40,7 @@ import torch
 from megatron.core.tensor_parallel.layers import main_grad_accumulated, main_grad_empty
 from megatron.core.transformer.moe import triton_experts
 from megatron.core.transformer.fp8 import GRAD, INPUT, WEIGHT, quantize, scale_from_amax
+from megatron.core.utils import compiled
 
 FP8_ALIGNMENT = 16  # rows per expert are padded to a multiple of this (Megatron-Core's FP8 alignment)
 
@@ -134,13 +135,14 @@ def _scaled_grouped_mm(a, b, scale_a, scale_b, offs):
     return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)
 
 
-def _grouped_gemm(kernel: bool, a, b, scale_a, scale_b, offs, out_dtype):
+def _grouped_gemm(kernel: bool, a, b, scale_a, scale_b, offs, out_dtype, widen=None):
     """The FP8 grouped GEMM: the kernel (`kernel`, bf16 output); where it has none, on a GPU that runs
-    bf16 grouped GEMMs `_bf16_grouped_mm_of_casts`, elsewhere (the CPU) `_dequantized_grouped_mm`."""
+    bf16 grouped GEMMs `_bf16_grouped_mm_of_casts` (`widen`: its widening of the scaled operand,
+    `widen_scaled` or that compiled), elsewhere (the CPU) `_dequantized_grouped_mm`."""
     if kernel:
         return _scaled_grouped_mm(a, b, scale_a, scale_b, offs)
     if _bf16_grouped_mm_runs(a, b):
-        return _bf16_grouped_mm_of_casts(a, b, scale_a, scale_b, offs, out_dtype)
+        return _bf16_grouped_mm_of_casts(a, b, scale_a, scale_b, offs, out_dtype, widen or widen_scaled)
     return _dequantized_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype)
 
 
@@ -165,7 +167,13 @@ def _bf16_grouped_layout(t) -> bool:
             or (row_stride == 1 and col_stride % 8 == 0 and col_stride >= max(1, rows)))
 
 
-def _bf16_grouped_mm_of_casts(a, b, scale_a, scale_b, offs, out_dtype):
+def widen_scaled(a: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """An FP8 cast times its dequantizing factors (broadcast), in fp32, rounded to bf16 once.
+    Compiled (`ExpertsFP8.widen`): one kernel reading one byte and writing two per element."""
+    return (a.float() * factor).to(torch.bfloat16)
+
+
+def _bf16_grouped_mm_of_casts(a, b, scale_a, scale_b, offs, out_dtype, widen=widen_scaled):
     """The FP8 grouped GEMM (same arguments as `_dequantized_grouped_mm`, one scale per expert and
     tensor: tensorwise and delayed) as one bf16 `torch._grouped_mm`: b widened to bf16 (exactly:
     every E4M3 and E5M2 value is a bf16 value), a widened with each row's (b 3-D) or each contracted
@@ -174,12 +182,12 @@ def _bf16_grouped_mm_of_casts(a, b, scale_a, scale_b, offs, out_dtype):
     if b.dim() == 3:                               # a [N, k], b [E, k, n], scale_a [N], scale_b [E, n]
         group = _row_groups(offs, a.shape[0])      # sentinel rows: group E, factor 0 (scale_a is 0 there too)
         factor = scale_a * _with_sentinel(scale_b[:, 0]).index_select(0, group)
-        a16 = (a.float() * factor.unsqueeze(1)).to(torch.bfloat16)
+        a16 = widen(a, factor.unsqueeze(1))
     else:                                          # a [m, N], b [N, n], scale_a [E*m], scale_b [E*n]
         num_groups = offs.numel()
         per_group = scale_a.view(num_groups, -1)[:, 0] * scale_b.view(num_groups, -1)[:, 0]
         factor = _with_sentinel(per_group).index_select(0, _row_groups(offs, a.shape[1]))   # [N]
-        a16 = (a.float() * factor.unsqueeze(0)).to(torch.bfloat16)
+        a16 = widen(a, factor.unsqueeze(0))
     return torch._grouped_mm(a16, b.to(torch.bfloat16), offs=offs).to(out_dtype)
 
 
@@ -231,6 +239,11 @@ class ExpertsFP8:
         first = linears[0]
         self.options, self.scaling, self.rowwise = first.options, first.scaling, first.rowwise
         self.forward_dtype, self.grad_dtype = first.forward_dtype, first.grad_dtype
+        # The casts of all experts' rows and the widening of hybrid's E5M2 casts, each one kernel when
+        # compiled (as the dense FP8 linears' casts: the elementwise fusions), else a few fp32 passes.
+        fuse = getattr(first, "compiled", False)
+        self.quantize_rows = compiled(quantize_rows, None) if fuse else quantize_rows
+        self.widen = compiled(widen_scaled, None) if fuse else widen_scaled
         self._weight_key = self._weight = None
         self._slots = {}  # role -> the experts' slots in the delayed-scaling state, as a device tensor
 
@@ -290,7 +303,7 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
         offs = counts_t.cumsum(0).to(torch.int32)
         row_expert = _row_groups(offs, x.shape[0])                                    # [N], E: sentinel
         x_scale = fp8.scales(_expert_amaxes(x, row_expert, num_experts), INPUT, fp8.forward_dtype)
-        x_q = quantize_rows(x, x_scale, row_expert, fp8.forward_dtype)                # [N, k]
+        x_q = fp8.quantize_rows(x, x_scale, row_expert, fp8.forward_dtype)            # [N, k]
         w_forward, _, w_scale = fp8.weights(weight)
         out_features = weight.shape[1]
         # Row counts given as a list: this path runs only where the kernel does (`__call__`).
@@ -313,7 +326,7 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
         num_experts, out_features, in_features = weight.shape
         grad = grad.contiguous()
         g_scale = fp8.scales(_expert_amaxes(grad, row_expert, num_experts), GRAD, fp8.grad_dtype)
-        g_q = quantize_rows(grad, g_scale, row_expert, fp8.grad_dtype)                # [N, n], cast once
+        g_q = fp8.quantize_rows(grad, g_scale, row_expert, fp8.grad_dtype)            # [N, n], cast once
         _, w_dgrad, w_scale = fp8.weights(weight)
         # The grouped kernel multiplies E4M3 operands only: under `hybrid` (E5M2 gradients) both
         # gradient GEMMs run as a bf16 grouped GEMM of the widened casts on the GPU, as the fp32 one
@@ -330,16 +343,18 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
         else:
             grad_input = _grouped_gemm(kernel, g_q, w_dgrad, g_row_scale,
                                        w_scale.reciprocal().unsqueeze(1).expand(-1, in_features).contiguous(),
-                                       offs, grad.dtype)
+                                       offs, grad.dtype, fp8.widen)
         if ctx.triton:  # into main_grad from the casts [N, n] and [N, k], each expert's sum dequantized
             triton_experts.accumulate_grouped_wgrad_(weight.main_grad, g_q, x_kept, offs,
                                                           (g_scale * x_scale).reciprocal())
             main_grad_accumulated(weight)
             return grad_input, None, None, None, None, None
         # Weight gradient: groups along the contracted (row) dimension, scales group-major.
-        g_t = g_q.t().contiguous()                                                    # [n, N]
+        # The kernel takes the gradient's transpose [n, N] row-major; the widening reads it as a view.
+        g_t = g_q.t().contiguous() if kernel else g_q.t()                             # [n, N]
         grad_weight = _grouped_gemm(kernel, g_t, x_kept.t(), g_scale.reciprocal().repeat_interleave(out_features),
-                                    x_scale.reciprocal().repeat_interleave(in_features), offs, grad.dtype)
+                                    x_scale.reciprocal().repeat_interleave(in_features), offs, grad.dtype,
+                                    fp8.widen)
         counts_t = torch.as_tensor(counts, device=grad.device)
         if ctx.accumulate is None:
             return grad_input, grad_weight.masked_fill_(counts_t.eq(0).view(-1, 1, 1), 0), None, None, None, None

@@ -19,7 +19,7 @@ per expert fixed, per token not) still counts its rows on the host.
 experts' rows, as Megatron-Core does: each expert is also given the first tokens (in token order) not
 routed to it, with probability 0, until its count is a multiple of the FP8 alignment (16). A token
 then fills more than top-k slots, so the rows are taken expert-major from the [E, T] map: at most
-T x topk + E x 15 of them, the rest in the sentinel group.
+T x topk + E x 15 of them (rounded up to a multiple of 16), the rest in the sentinel group.
 
 `allgather` (--moe-token-dispatcher-type allgather): the etp x ep ranks all-gather every token with
 its routing, each keeps the tokens routed to its own experts, and the outputs return by a
@@ -96,11 +96,14 @@ def sort_padded_by_expert(probs: torch.Tensor, routing_map: torch.Tensor, *, top
     """`sort_by_expert` for a routing map padded by `pad_routing_map` (some tokens then have more
     than `topk` entries): one stable sort of the [E, T] map's entries by expert, the entries not set
     last (the sentinel group), keeping N = min(T x topk + E x (multiple - 1), E x T) rows, a bound on
-    the set entries (routed ones at most T x topk, padding under `multiple` per expert). Same outputs;
-    row_valid is always given. Padding rows carry probability 0 (`probs` is 0 off the routing)."""
+    the set entries (routed ones at most T x topk, padding under `multiple` per expert), rounded up to
+    a multiple of `multiple` (the FP8 grouped GEMMs take the [n, N] transposes only with 16-byte
+    aligned rows). Same outputs; row_valid is always given. Padding rows carry probability 0 (`probs`
+    is 0 off the routing)."""
     local_map = routing_map[:, first_expert:first_expert + num_experts]          # [T, E]
     num_tokens = local_map.shape[0]
-    num_rows = min(num_tokens * topk + num_experts * (multiple - 1), num_tokens * num_experts)
+    bound = num_tokens * topk + num_experts * (multiple - 1)
+    num_rows = min(-(-bound // multiple) * multiple, num_tokens * num_experts)
     experts = torch.arange(num_experts, device=routing_map.device).view(-1, 1)
     key = torch.where(local_map.t(), experts, num_experts).reshape(-1)          # [E*T] expert-major
     order = torch.argsort(key, stable=True)[:num_rows]                          # by expert, then token
