@@ -5,18 +5,19 @@
 
 Order: the benchmarks first (bf16 on llama3-8b-8layers, the MoE presets, a few Mixtral 8x7B,
 Qwen3-30B-A3B and DeepSeek-V3-routed layers, in bf16, Mixtral's and Qwen3-MoE's again with
---moe-grouped-wgrad triton (the A/B of the experts' weight-gradient path), and Mixtral's in FP8
+--moe-grouped-wgrad triton (the A/B of the experts' weight-gradient path), Qwen3-MoE's with the
+compiled permutation and router on top, and Mixtral's in FP8
 tensorwise, with and without the Triton kernels, then with --tunableop the bf16 run with PyTorch TunableOp, with --dense-ab llama3.2-1b
 in bf16, llama3-8b-8layers in FP8 delayed and the compile and gradient-accumulation-fusion
 off-switches as A/Bs on llama3-8b-8layers), the GPU test lane last with what is left. A run's estimate = start-up (model,
 data, NCCL) + compilation (cold for the first run, warm from inductor's cache after it) + its steps
 at the step time bench/cost_model.py predicts; the MoE runs and the A/Bs take fewer steps (2
 warm-up, 4 timed) so that all of it fits one 10-minute command. Each run costs about 45 s before its
-first step, so the plan holds 9 runs: FP8 on llama3.2-1b, FP8 tensorwise on llama3-8b-8layers and
+first step, so the plan holds 10 runs: FP8 on llama3.2-1b, FP8 tensorwise on llama3-8b-8layers and
 the --no-cross-entropy-loss-fusion A/B gave way to the MoE runs (run them by hand:
 docs/performance.md), and llama3.2-1b in bf16, the 8B preset in FP8 and the dense off-switch A/Bs
-(measured 2026-11-28; --dense-ab runs them) to the Triton A/Bs, leaving the GPU test lane about 3
-minutes (it compiles the MoE fusions and the Triton kernels). The estimates are predictions:
+(measured 2026-11-28; --dense-ab runs them) to the Triton A/Bs, leaving the GPU test lane about 2
+minutes by the estimates (the MoE runs took 26-53 s each on an H200, which leaves it more). The estimates are predictions:
 gpu_check.sh gives each run 1.5x its estimate (at least +30 s), and skips what no longer fits.
 `--smoke` (gpu_check.sh's CPU dry run) runs each entry on the tiny preset, the MoE ones on tiny-moe.
 """
