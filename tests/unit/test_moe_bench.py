@@ -91,7 +91,7 @@ def test_the_moe_benchmark_runs_with_fp8_experts_on_cpu():
                            cwd=ROOT / "bench", timeout=120).stdout
     assert sum("|tiny-moe|" in line for line in smoke.splitlines()) == 8
     triton = [line for line in smoke.splitlines() if "--moe-grouped-wgrad triton" in line]
-    assert len(triton) == 4 and all(line.endswith("|TRITON_INTERPRET=1") for line in triton)
+    assert len(triton) == 2 and all(line.endswith("|TRITON_INTERPRET=1") for line in triton)
 
 
 def test_the_moe_benchmark_runs_the_triton_weight_gradients_on_cpu():

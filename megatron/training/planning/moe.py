@@ -22,11 +22,12 @@ saved-tensor hooks in tests/distributed/test_planning_moe.py):
 - dispatcher: the permutation's row indices and order (int64, two per row); without an exchange
   (the allgather dispatcher, or alltoall at EP x ETP 1) every slot is a row, N = permuted tokens x k
   (at EP > 1 the slots of other ranks' experts too: static shapes); alltoall with an exchange also
-  the experts' order (int64, N) and, at ETP 1, the returned rows [T k, h] (the combine weights them;
-  measured: with ETP > 1 the experts' terms below already cover what the combine keeps);
+  the experts' order (int64, N) and the returned rows [T k, h] (the combine weights them);
 - experts: their input [N, h], fc1's output, the activation's output and (gated) the product
-  [N, 4f or 2f], the probabilities [N], fc2's output and the weighted output [N, h] each (the
-  experts' activation is never compiled);
+  [N, 4f or 2f], the probabilities [N], fc2's output [N, h] and one more [N, h]: the weighted
+  output where the combine scatters (`index_add` keeps its source: capacity padding); none where
+  the combine gathers each token's rows (it keeps only indices; the experts' activation is never
+  compiled);
 - shared experts: a dense MLP of their size (the dense MLP's terms, over the TP group's gathered
   tokens with sequence parallelism), and with the gate its output [T, h] and the gate [T].
 --moe-layer-recompute keeps none of these (the block's input is the norm's output, already counted)
@@ -92,9 +93,9 @@ def block_activation_terms(arch, lay) -> dict:
     if a.moe_capacity_factor is not None:
         router += INT64 * capacity(a, T) * E + (0 if a.moe_pad_to_capacity else T * E)
     dispatch = 2 * INT64 * (sent if exchanges else n)
-    if exchanges:  # the experts' order, and (ETP 1) the returned rows the combine weights by the probabilities
-        dispatch += INT64 * n + (e * sent * h if lay.etp == 1 else 0)
-    experts = e * n * (3 * h + (4 if a.gated_linear_unit else 2) * f + 1)
+    if exchanges:  # the experts' order, and the returned rows the combine weights by the probabilities
+        dispatch += INT64 * n + e * sent * h
+    experts = e * n * ((2 if static else 3) * h + (4 if a.gated_linear_unit else 2) * f + 1)
     terms = {"router": router, "dispatch": dispatch, "experts": experts}
     if a.moe_shared_expert_size:  # a dense MLP: over the TP group's gathered tokens with SP
         terms["shared experts"] = _dense_mlp_bytes(a, lay, a.moe_shared_expert_size, T * lay.tp if lay.sp else T)
@@ -168,16 +169,18 @@ def grad_accumulation_seconds(arch, lay, cluster) -> float:
     --gradient-accumulation-fusion (and a main_grad buffer: not FSDP2): where the GPU runs the
     grouped GEMMs, one grouped GEMM per weight writes its fp32 product [E, n, k] and one pass adds it
     into main_grad (written and read 8 bytes, main_grad read and written 8), unless
-    --moe-grouped-wgrad triton, whose GEMM adds into main_grad itself (nothing more, as the dense
-    linears'); elsewhere each expert's GEMM accumulates in place (nothing more). Under FP8, or
+    --moe-grouped-wgrad triton, whose GEMM adds into main_grad itself: main_grad read and written, 8
+    bytes, which an H200 showed it does not hide under its GEMM (its time at the presets' shapes was
+    the GEMM's plus that traffic's); elsewhere each expert's GEMM accumulates in place (nothing
+    more). Under FP8, or
     without the fusion, the GEMM writes its product in the compute dtype and it is added to
     main_grad: written and read in the compute dtype, main_grad read and written (the FP8 loop's
     direct write on a step's first micro-batch is not counted)."""
     weights = expert_layer_parameters(arch, lay.ep, lay.etp, weights_only=True)
     if lay.gradient_accumulation_fusion and not lay.fsdp2 and not lay.fp8:
-        if not cluster.gpu.grouped_gemm or lay.moe_grouped_wgrad == "triton":
+        if not cluster.gpu.grouped_gemm:
             return 0.0
-        return cluster.memory_seconds(4 * FP32 * weights, 2)
+        return cluster.memory_seconds((2 if lay.moe_grouped_wgrad == "triton" else 4) * FP32 * weights, 2)
     return cluster.memory_seconds((2 * lay.compute_bytes + 2 * FP32) * weights, 2)
 
 
