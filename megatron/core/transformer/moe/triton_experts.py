@@ -37,7 +37,7 @@ import importlib.util
 import torch
 
 # Tiles (bench/bench_moe_kernels.py on an H200, 2026-11-28: of six, this one was the fastest at
-# every MoE preset's shape, 7-27% ahead of 128 x 128 x 64 rows with 8 warps and 3 stages).
+# every MoE preset's shape, 7-24% ahead of 128 x 128 x 64 rows with 8 warps and 3 stages).
 BLOCK_N, BLOCK_K, BLOCK_ROWS = 128, 128, 32  # output tile [BLOCK_N, BLOCK_K]; rows summed per step
 WGRAD_WARPS, WGRAD_STAGES = 4, 5
 ROWS_BLOCK_M, ROWS_BLOCK_N, ROWS_BLOCK_K = 128, 128, 64  # the row-grouped GEMM's tile and its K step
