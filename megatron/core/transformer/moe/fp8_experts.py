@@ -135,14 +135,20 @@ def _scaled_grouped_mm(a, b, scale_a, scale_b, offs):
     return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)
 
 
-def _grouped_gemm(kernel: bool, a, b, scale_a, scale_b, offs, out_dtype, widen=None):
+def widen_scaled(a: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """An FP8 cast times its dequantizing factors (broadcast), in fp32, rounded to bf16 once.
+    Compiled (`ExpertsFP8.widen`): one kernel reading one byte and writing two per element."""
+    return (a.float() * factor).to(torch.bfloat16)
+
+
+def _grouped_gemm(kernel: bool, a, b, scale_a, scale_b, offs, out_dtype, widen=widen_scaled):
     """The FP8 grouped GEMM: the kernel (`kernel`, bf16 output); where it has none, on a GPU that runs
     bf16 grouped GEMMs `_bf16_grouped_mm_of_casts` (`widen`: its widening of the scaled operand,
     `widen_scaled` or that compiled), elsewhere (the CPU) `_dequantized_grouped_mm`."""
     if kernel:
         return _scaled_grouped_mm(a, b, scale_a, scale_b, offs)
     if _bf16_grouped_mm_runs(a, b):
-        return _bf16_grouped_mm_of_casts(a, b, scale_a, scale_b, offs, out_dtype, widen or widen_scaled)
+        return _bf16_grouped_mm_of_casts(a, b, scale_a, scale_b, offs, out_dtype, widen)
     return _dequantized_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype)
 
 
@@ -165,12 +171,6 @@ def _bf16_grouped_layout(t) -> bool:
     (rows, cols), (row_stride, col_stride) = t.shape[-2:], t.stride()[-2:]
     return ((col_stride == 1 and row_stride % 8 == 0 and row_stride >= max(1, cols))
             or (row_stride == 1 and col_stride % 8 == 0 and col_stride >= max(1, rows)))
-
-
-def widen_scaled(a: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """An FP8 cast times its dequantizing factors (broadcast), in fp32, rounded to bf16 once.
-    Compiled (`ExpertsFP8.widen`): one kernel reading one byte and writing two per element."""
-    return (a.float() * factor).to(torch.bfloat16)
 
 
 def _bf16_grouped_mm_of_casts(a, b, scale_a, scale_b, offs, out_dtype, widen=widen_scaled):
