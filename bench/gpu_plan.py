@@ -4,9 +4,9 @@
     python bench/gpu_plan.py --lines [--tunableop] [--smoke]        # what gpu_check.sh reads (--smoke: tiny)
 
 Order: the benchmarks first (bf16 on llama3-8b-8layers, the MoE presets, a few Mixtral 8x7B,
-Qwen3-30B-A3B and DeepSeek-V3-routed layers, in bf16, Qwen3-MoE's again with
---moe-grouped-wgrad triton (the A/B of the experts' weight-gradient path) and with the compiled
-permutation and router, and Mixtral's in FP8 (hybrid tensorwise, with and without the Triton
+Qwen3-30B-A3B and DeepSeek-V3-routed layers, in bf16, Mixtral's again with
+--moe-grouped-wgrad per-expert (the A/B of the experts' weight-gradient path), Qwen3-MoE's with the
+compiled permutation and router, and Mixtral's in FP8 (hybrid tensorwise, with and without the Triton
 kernels, then e4m3: all three expert GEMMs FP8 grouped GEMMs), then with --tunableop the bf16 run with PyTorch TunableOp, with --dense-ab llama3.2-1b
 in bf16, llama3-8b-8layers in FP8 delayed and the compile and gradient-accumulation-fusion
 off-switches as A/Bs on llama3-8b-8layers), the GPU test lane last with what is left. A run's estimate = start-up (model,
@@ -16,7 +16,7 @@ warm-up, 4 timed) so that all of it fits one 10-minute command. Each run costs a
 first step, so the plan holds 9 runs: FP8 on llama3.2-1b, FP8 tensorwise on llama3-8b-8layers and
 the --no-cross-entropy-loss-fusion A/B gave way to the MoE runs (run them by hand:
 docs/performance.md), and llama3.2-1b in bf16, the 8B preset in FP8 and the dense off-switch A/Bs
-(measured 2026-11-28; --dense-ab runs them) to the Triton A/Bs, leaving the GPU test lane about 2
+(measured 2026-11-28; --dense-ab runs them) to the weight-gradient and FP8 A/Bs, leaving the GPU test lane about 2
 minutes by the estimates (the MoE runs took 26-53 s each on an H200, which leaves it more). The estimates are predictions:
 gpu_check.sh gives each run 1.5x its estimate (at least +30 s), and skips what no longer fits.
 `--smoke` (gpu_check.sh's CPU dry run) runs each entry on the tiny preset, the MoE ones on tiny-moe.
@@ -33,6 +33,7 @@ MIXTRAL, QWEN3_MOE = "mixtral-8x7b-2layers", "qwen3-30b-a3b-4layers"  # a few Mo
 DEEPSEEK = "deepseek-v3-4layers"  # DeepSeek-V3's routing (256 experts, group-limited, sigmoid) at h 2048
 MOE_PRESETS = (MIXTRAL, QWEN3_MOE, DEEPSEEK)
 TRITON_WGRAD = "--moe-grouped-wgrad triton"
+PER_EXPERT_WGRAD = "--moe-grouped-wgrad per-expert"
 FUSIONS = "--moe-permute-fusion --moe-router-fusion"
 TUNABLEOP_ENV = "PYTORCH_TUNABLEOP_ENABLED=1 PYTORCH_TUNABLEOP_TUNING=1 PYTORCH_TUNABLEOP_MAX_TUNING_DURATION_MS=30"
 
@@ -43,9 +44,10 @@ def runs(tunableop: bool, dense_ab: bool = False) -> list:
     dense = [("bf16", SMALL, "", *protocol, ""), ("fp8-delayed", BIG, FP8_DELAYED, *protocol, "")] if dense_ab else []
     plan = [("bf16", BIG, "", *protocol, "")] + dense + [
             ("bf16", MIXTRAL, "", *ab, ""), ("bf16", QWEN3_MOE, "", *ab, ""), ("bf16", DEEPSEEK, "", *ab, ""),
-            # A/B: the experts' weight gradients by the Triton grouped GEMM that adds into main_grad
-            # (Mixtral's measured 5% slower on 2026-11-28, before its tiles were retuned)
-            ("bf16-triton-wgrad", QWEN3_MOE, TRITON_WGRAD, *ab, ""),
+            # A/B: the experts' weight gradients by one cuBLAS GEMM per expert accumulating into
+            # main_grad (the Triton grouped GEMM that adds into it measured no faster on 2026-11-28:
+            # Qwen3-MoE equal, Mixtral 5% slower; run it by hand with --moe-grouped-wgrad triton)
+            ("bf16-per-expert-wgrad", MIXTRAL, PER_EXPERT_WGRAD, *ab, ""),
             # the compiled permutation and router, where the host's share is largest
             ("bf16-fused", QWEN3_MOE, FUSIONS, *ab, ""),
             ("fp8-tensorwise", MIXTRAL, f"{FP8_TENSORWISE} --moe-router-padding-for-fp8", *ab, ""),
@@ -68,10 +70,12 @@ def estimates(plan: list) -> list:
                  for name in MOE_PRESETS for precision in ("bf16", "fp8")})
     step.update({(name, f"{precision}-triton"): moe_prediction(name, precision, "triton")["step_seconds"]
                  for name in MOE_PRESETS for precision in ("bf16", "fp8")})
+    step.update({(name, "bf16-per-expert"): moe_prediction(name, "bf16", "per-expert")["step_seconds"]
+                 for name in MOE_PRESETS})
     seconds, compiled = [], set()
     for name, preset, flags, warmup, timed, env in plan:
-        triton = TRITON_WGRAD in flags
-        precision = ("fp8" if "--fp8-format" in flags else "bf16") + ("-triton" if triton else "")
+        wgrad = "-triton" if TRITON_WGRAD in flags else "-per-expert" if PER_EXPERT_WGRAD in flags else ""
+        precision = ("fp8" if "--fp8-format" in flags else "bf16") + wgrad
         compile_seconds = 0 if "--no-torch-compile" in flags else (
             WARM_COMPILE if compiled else COLD_COMPILE)
         compiled.add(preset)

@@ -283,6 +283,9 @@ def _validate_kernels(config: Config, notes: list) -> None:
             notes.append("--moe-grouped-wgrad triton has no effect here: it takes the grouped experts' weight "
                          "gradients into main_grad (needs --num-experts and --gradient-accumulation-fusion; under FP8 "
                          "--moe-router-padding-for-fp8 with the tensorwise or delayed recipe)")
+    if m.moe_grouped_wgrad == "per-expert" and (not m.num_experts or not m.gradient_accumulation_fusion or m.fp8):
+        notes.append("--moe-grouped-wgrad per-expert has no effect here: it takes the grouped experts' bf16 weight "
+                     "gradients into main_grad (needs --num-experts and --gradient-accumulation-fusion, without FP8)")
     if m.use_flash_attn:
         _require(m.attention_backend in ("auto", "flash", "flash_attn"),
                  f"--use-flash-attn conflicts with --attention-backend {m.attention_backend}; drop one of them")

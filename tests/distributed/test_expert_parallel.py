@@ -2,8 +2,9 @@
 dropping). A tiny MoE model (both layers mixtures of 4 experts, top-2, load-balancing and z losses
 on) trains 3 AdamW steps with clipping active; losses and gradient norms must equal the
 single-process run at rtol 1e-5, for EP2 and EP4 (both dispatchers), EP1 x ETP2 and EP2 x TP2 with
-sequence parallelism (expert-tensor-parallel sizes 1 and 2), EP2 with the distributed optimizer, and
-EP2 with --overlap-grad-reduce; then the options that change what is summed over ranks (biases,
+sequence parallelism (expert-tensor-parallel sizes 1 and 2), EP2 with the distributed optimizer,
+EP2 with --overlap-grad-reduce, and --moe-grouped-wgrad per-expert at EP2 and EP2 x TP2 (against
+the reference's grouped weight gradients); then the options that change what is summed over ranks (biases,
 shared experts) crossed with the layouts where that sum happens (OPTIONS). The reference is
 gradient accumulation over all micro-batches; each parallel rank takes its data-parallel share of
 them. tests/unit/test_expert_layouts_in_threads.py checks one MoE layer at these layouts in seconds.
@@ -86,17 +87,24 @@ def reference(dp_size: int, overrides: tuple = ()) -> dict:
         PER_RANK = saved
 
 
+EXECUTION_KEYS = ("moe_grouped_wgrad",)  # overrides of how the model runs (ExecutionConfig), not what it is
+
+
 def _parallel(tp: int, ep: int, etp=None, overrides: tuple = (), distributed_optimizer=False, overlap=False) -> dict:
     groups = initialize_model_parallel(tp, 1, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
-    config = model_config(**dict(overrides))
+    config = model_config(**{key: value for key, value in overrides if key not in EXECUTION_KEYS})
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer,
                                                overlap_grad_reduce=overlap, bucket_size=2000 if overlap else None)
+    execution = {key: value for key, value in overrides if key in EXECUTION_KEYS}
     return train(groups, config, ddp_config, dp_size=groups.dp_size, dp_rank=groups.dp_rank,
-                 execution=ExecutionConfig(sequence_parallel=tp > 1))
+                 execution=ExecutionConfig(sequence_parallel=tp > 1, **execution))
 
 
 ALLGATHER = (("moe_token_dispatcher_type", "allgather"),)
 ALLTOALL = (("moe_token_dispatcher_type", "alltoall"),)
+# --moe-grouped-wgrad per-expert: each local expert's weight gradient its own GEMM into main_grad,
+# the counts (after the exchange at EP > 1) copied to the host in forward
+PER_EXPERT = (("moe_grouped_wgrad", "per-expert"),)
 LAYOUTS = {
     2: {"ep2 alltoall": (1, 2, None, ALLTOALL, False, False),
         "ep2 allgather": (1, 2, None, ALLGATHER, False, False),
@@ -104,13 +112,15 @@ LAYOUTS = {
         "ep2 overlap grad reduce": (1, 2, None, ALLTOALL, False, True),
         "ep1 dp2": (1, 1, None, ALLTOALL, False, False),
         "ep1 tp2 sp etp2 alltoall": (2, 1, 2, ALLTOALL, False, False),
-        "ep1 tp2 sp etp2 allgather": (2, 1, 2, ALLGATHER, False, False)},
+        "ep1 tp2 sp etp2 allgather": (2, 1, 2, ALLGATHER, False, False),
+        "ep2 alltoall per-expert wgrad": (1, 2, None, ALLTOALL + PER_EXPERT, False, False)},
     4: {"ep4 alltoall": (1, 4, None, ALLTOALL, False, False),
         "ep4 allgather": (1, 4, None, ALLGATHER, False, False),
         "ep2 tp2 sp etp1 alltoall": (2, 2, 1, ALLTOALL, False, False),
         "ep2 tp2 sp etp2 alltoall": (2, 2, 2, ALLTOALL, False, False),
         "ep2 tp2 sp etp2 allgather": (2, 2, 2, ALLGATHER, False, False),
-        "ep2 tp2 sp etp1 distributed optimizer": (2, 2, 1, ALLGATHER, True, False)},
+        "ep2 tp2 sp etp1 distributed optimizer": (2, 2, 1, ALLGATHER, True, False),
+        "ep2 tp2 sp etp2 allgather per-expert wgrad": (2, 2, 2, ALLGATHER + PER_EXPERT, False, False)},
 }
 # Options that change what is summed over the ranks, each crossed with the layouts where that sum
 # happens: biases (fc2's bias is added on one expert-tensor-parallel rank only and its gradient summed
@@ -156,7 +166,8 @@ def test_expert_parallel_matches_one_process(world_size, name):
     tp, _, _, overrides, _, _ = SCENARIOS[world_size][name]
     dp = world_size // tp
     got = _results(world_size)[0][name]
-    want = reference(dp, tuple(item for item in overrides if item[0] != "moe_token_dispatcher_type"))
+    want = reference(dp, tuple(item for item in overrides
+                               if item[0] != "moe_token_dispatcher_type" and item[0] not in EXECUTION_KEYS))
     assert all(norm > CLIP for norm in want["norms"]), "clipping must be active in the test"
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=RTOL, atol=0)
     torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(want["norms"]), rtol=RTOL, atol=0)

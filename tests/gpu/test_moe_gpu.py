@@ -3,7 +3,9 @@ CPU cannot run, each against the loop of GEMMs it replaces.
 
 - bf16: `torch._grouped_mm` (--moe-grouped-gemm) against the loop of F.linear, forward and backward;
   and with the weight gradients accumulated into an fp32 `main_grad` onto what the buffer holds: the
-  product added eagerly, compiled, and by the Triton grouped GEMM (--moe-grouped-wgrad triton).
+  product added eagerly, compiled, by the Triton grouped GEMM (--moe-grouped-wgrad triton), and by a
+  cuBLAS GEMM per expert accumulating into it, the counts copied to the host without waiting
+  (--moe-grouped-wgrad per-expert: one non-blocking copy, nothing else read back).
 - FP8: `torch._scaled_grouped_mm` (one cast per tensor for all experts, each expert's scale per
   row) against the loop of `torch._scaled_mm` with each expert's `FP8Linear`: the same FP8 values,
   so only the bf16 rounding of the results differs; and both within the FP8 bound of bf16.
@@ -94,6 +96,53 @@ def test_grouped_mm_experts_accumulate_weight_gradients_into_main_grad(compile_a
         y.backward(grad)
     assert fused.grad is None
     _close((y.detach().float(), inputs.grad.float(), fused.main_grad - 0.5), want, "bf16 grouped, fused")
+
+
+def test_per_expert_weight_gradients_accumulate_into_main_grad_with_counts_copied_without_waiting():
+    """--moe-grouped-wgrad per-expert on the GPU: the counts (a device tensor) copied to pinned host
+    memory with one non-blocking copy in forward; backward's GEMMs accumulate into main_grad (cuBLAS,
+    fp32 output) what the loop of GEMMs computes, with no other copy to the host."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron.core.transformer.moe.experts import (
+        HostCounts,
+        _ExpertsFunction,
+        _grouped_mm_supported,
+        _looped_linear,
+        accumulate_expert_grads_,
+    )
+
+    x, weight, grad = _data(3)
+    if not _grouped_mm_supported(x):
+        pytest.skip("torch._grouped_mm needs compute capability 9.0+ and this PyTorch")
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.to_host = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._local_scalar_dense.default:
+                self.to_host.append("item")
+            if func is torch.ops.aten.copy_.default and args[0].device.type == "cpu" and args[1].is_cuda:
+                self.to_host.append(("copy_", bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))))
+            return func(*args, **kwargs)
+
+    want = _run(lambda a, w: _looped_linear(a, w, COUNTS), x, weight, grad)
+    fused = weight.clone().requires_grad_()
+    fused.main_grad = torch.full(weight.shape, 0.5, device="cuda")  # accumulated onto, not overwritten
+    inputs = x.clone().requires_grad_()
+    counts = torch.tensor(COUNTS, device="cuda")
+    with Copies() as forward:
+        host = HostCounts(counts)
+        y = _ExpertsFunction.apply(inputs, fused, counts, True, accumulate_expert_grads_, False, host)
+    with Copies() as backward:
+        y.backward(grad)
+    assert forward.to_host == [("copy_", True)] and backward.to_host == []
+    assert host.read() == COUNTS
+    assert fused.grad is None
+    _close((y.detach().float(), inputs.grad.float(), fused.main_grad - 0.5), want, "bf16 grouped, per-expert")
 
 
 @pytest.mark.parametrize("fp8_format", ["e4m3", "hybrid"])

@@ -86,6 +86,9 @@ def test_the_weight_gradient_part_names_the_experts_path():
     assert part(compiled).endswith("; experts: a grouped GEMM product added into main_grad (compiled)")
     triton = dataclasses.replace(execution, moe_grouped_wgrad="triton")
     assert part(triton).endswith("; experts: a Triton grouped GEMM adding into main_grad")
+    per_expert = dataclasses.replace(execution, moe_grouped_wgrad="per-expert")
+    assert part(per_expert).endswith("; experts: a GEMM per expert accumulating into main_grad (counts copied "
+                                     "to the host without waiting)")
     assert "experts" not in part(execution, num_experts=None)
     assert "experts" not in part(dataclasses.replace(execution, gradient_accumulation_fusion=False))
 

@@ -91,18 +91,24 @@ def test_the_moe_benchmark_runs_with_fp8_experts_on_cpu():
                            cwd=ROOT / "bench", timeout=120).stdout
     assert sum("|tiny-moe|" in line for line in smoke.splitlines()) == 8
     triton = [line for line in smoke.splitlines() if "--moe-grouped-wgrad triton" in line]
-    assert len(triton) == 2 and all(line.endswith("|TRITON_INTERPRET=1") for line in triton)
+    assert len(triton) == 1 and all(line.endswith("|TRITON_INTERPRET=1") for line in triton)
+    assert sum("--moe-grouped-wgrad per-expert" in line for line in smoke.splitlines()) == 1
 
 
-def test_the_moe_benchmark_runs_the_triton_weight_gradients_on_cpu():
-    """The plan's Triton A/B on the tiny MoE preset, the kernel in Triton's interpreter (as
-    gpu_check.sh's dry run runs it): it trains and its start-up line names the experts' path."""
-    pytest.importorskip("triton")
+@pytest.mark.parametrize("wgrad, path", [
+    ("triton", "experts: a Triton grouped GEMM adding into main_grad"),
+    ("per-expert", "experts: a GEMM per expert accumulating into main_grad (counts copied to the host without waiting)")])
+def test_the_moe_benchmark_runs_the_weight_gradient_choices_on_cpu(wgrad, path):
+    """The plan's weight-gradient A/Bs on the tiny MoE preset, the Triton kernel in Triton's
+    interpreter (as gpu_check.sh's dry run runs it): it trains and its start-up line names the
+    experts' path."""
+    if wgrad == "triton":
+        pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     result = subprocess.run([sys.executable, "bench/bench_pretrain.py", "--preset", "tiny-moe", "--device", "cpu",
                              "--micro-batches", "2", "--warmup", "1", "--steps", "2", "--", "--bf16",
-                             "--moe-grouped-wgrad", "triton"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                             "--moe-grouped-wgrad", wgrad], capture_output=True, text=True, cwd=ROOT, timeout=300,
                             env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "experts: a Triton grouped GEMM adding into main_grad" in result.stdout
+    assert path in result.stdout
     assert "tokens per GPU (tokens/s/GPU)" in result.stdout

@@ -79,6 +79,16 @@ def test_triton_weight_gradients_need_a_gpu_and_triton(monkeypatch):
         _validate(flags)
 
 
+def test_per_expert_weight_gradients_say_where_they_do_nothing():
+    def notes(flags):
+        return [note for note in _validate(flags) if "--moe-grouped-wgrad per-expert" in note]
+
+    assert notes(MOE + ["--moe-grouped-wgrad", "per-expert"]) == []
+    for flags in (["--moe-grouped-wgrad", "per-expert"],
+                  MOE + ["--moe-grouped-wgrad", "per-expert", "--no-gradient-accumulation-fusion"]):
+        assert len(notes(flags)) == 1 and "has no effect here" in notes(flags)[0]
+
+
 def test_expert_parallel_needs_experts():
     with pytest.raises(ConfigError, match="--expert-model-parallel-size 2 needs --num-experts"):
         _validate(["--expert-model-parallel-size", "2"], 2)

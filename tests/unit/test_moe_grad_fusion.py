@@ -132,33 +132,73 @@ def _train(experts, ddp, dtype):
     return made, calls
 
 
-@pytest.mark.parametrize("path", ["loop", "grouped"])
+@pytest.mark.parametrize("path", ["loop", "grouped", "per-expert"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_experts_weight_gradients_accumulate_into_main_grad(dtype, path, monkeypatch):
+    """per-expert: --moe-grouped-wgrad per-expert (grouped forward and input gradients, the weight
+    gradient one GEMM per expert with rows accumulating into main_grad, the counts read once)."""
+    grouped = []
     if path == "loop":  # the fallback where PyTorch has no torch._grouped_mm for the device
         monkeypatch.setattr(experts_module, "_grouped_mm_supported", lambda x: False)
-    if path == "grouped":  # PyTorch's CPU build runs torch._grouped_mm too (a reference kernel)
+    else:  # PyTorch's CPU build runs torch._grouped_mm too (a reference kernel)
         if not _cpu_grouped_mm():
             pytest.skip("this PyTorch has no CPU torch._grouped_mm (2.13 has; the GPU lane tests the kernel)")
         monkeypatch.setattr(experts_module, "_grouped_mm_supported", lambda x: True)
-        grouped = []
         monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: grouped.append(1) or GROUPED_MM(*a, **k))
-    fused, fused_ddp = _experts(dtype, fusion=True, grouped=path == "grouped")
-    unfused, unfused_ddp = _experts(dtype, fusion=False, grouped=path == "grouped")
+    wgrad = dict(moe_grouped_wgrad="per-expert") if path == "per-expert" else {}
+    fused, fused_ddp = _experts(dtype, fusion=True, grouped=path != "loop", **wgrad)
+    unfused, unfused_ddp = _experts(dtype, fusion=False, grouped=path != "loop", **wgrad)
     want = _reference(fused, dtype)
+    accumulated = []
+    accumulate = experts_module.accumulate_matmul_
+    monkeypatch.setattr(experts_module, "accumulate_matmul_",
+                        lambda out, a, b: accumulated.append(out.shape) or accumulate(out, a, b))
     made, calls = _train(fused, fused_ddp, dtype)
-    fused_grouped_calls = len(grouped) if path == "grouped" else 0
+    fused_grouped_calls, fused_accumulated = len(grouped), len(accumulated)
     made_unfused, _ = _train(unfused, unfused_ddp, dtype)
-    # The loop accumulates into main_grad GEMM by GEMM; the grouped weight gradient is one product
-    # [E, n, k] per weight and micro-batch (torch._grouped_mm has no accumulating form), added once.
-    assert made == (0 if path == "loop" else 2 * len(COUNTS))
+    # The loop and per-expert accumulate into main_grad GEMM by GEMM; the grouped weight gradient is
+    # one product [E, n, k] per weight and micro-batch (torch._grouped_mm has no accumulating form),
+    # added once.
+    assert made == (2 * len(COUNTS) if path == "grouped" else 0)
     assert made_unfused >= 2 * len(COUNTS)  # a gradient per weight and micro-batch: the check sees them
     assert calls == {fused.fc1_weight: len(COUNTS), fused.fc2_weight: len(COUNTS)}
     for module in (fused, unfused):
         torch.testing.assert_close(module.fc1_weight.main_grad, want[0], **TOLERANCE[dtype])
         torch.testing.assert_close(module.fc2_weight.main_grad, want[1], **TOLERANCE[dtype])
-    if path == "grouped":  # fused: both weights' forward, input- and weight-gradient GEMMs per micro-batch
-        assert fused_grouped_calls == 2 * 3 * len(COUNTS)
+    # Fused, per micro-batch: both weights' forward, input- and weight-gradient GEMMs grouped; per
+    # expert, the weight gradient's GEMMs one per expert with rows (none for the second micro-batch's
+    # empty expert) and weight.
+    with_rows = sum(count > 0 for counts in COUNTS for count in counts)
+    assert fused_grouped_calls == {"loop": 0, "grouped": 2 * 3 * len(COUNTS), "per-expert": 2 * 2 * len(COUNTS)}[path]
+    assert fused_accumulated == (0 if path == "grouped" else 2 * with_rows)
+
+
+def test_per_expert_weight_gradients_read_the_counts_once_per_backward(monkeypatch):
+    """--moe-grouped-wgrad per-expert with the counts a device tensor (as the dispatchers give them):
+    the forward reads nothing back (on a GPU it starts one non-blocking copy: the GPU lane checks
+    it), each backward reads the counts once for both weights, and each micro-batch's own counts are
+    used (main_grad equals the reference over micro-batches routed differently)."""
+    from tests.unit.test_moe_host_sync import HostReads
+
+    if not _cpu_grouped_mm():
+        pytest.skip("this PyTorch has no CPU torch._grouped_mm (2.13 has; the GPU lane tests the kernel)")
+    monkeypatch.setattr(experts_module, "_grouped_mm_supported", lambda x: True)
+    experts, ddp = _experts(torch.float32, fusion=True, grouped=True, moe_grouped_wgrad="per-expert")
+    want = _reference(experts, torch.float32)
+    mode = HostReads()
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: mode.reads.append("tolist") or tolist(self))
+    for counts, x, probs, grad in _micro_batches(torch.float32):
+        with mode:
+            out = ddp(x, torch.tensor(counts), probs)
+        assert mode.reads == []
+        with mode:
+            out.backward(grad)
+        assert mode.reads == ["tolist"]
+        mode.reads.clear()
+    ddp.finish_grad_sync()
+    torch.testing.assert_close(experts.fc1_weight.main_grad, want[0], **TOLERANCE[torch.float32])
+    torch.testing.assert_close(experts.fc2_weight.main_grad, want[1], **TOLERANCE[torch.float32])
 
 
 class ScaledMatmuls(TorchDispatchMode):

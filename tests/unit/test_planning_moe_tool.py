@@ -134,6 +134,16 @@ def test_expert_weight_gradients_cost_time_only_where_their_gemm_does_not_accumu
     in_gemm = target.memory_seconds(8 * local_weights, 2)
     assert layer_time(arch, lay.replace(moe_grouped_wgrad="triton"), target,
                       moe=True).expert_grad_accumulation == pytest.approx(in_gemm, rel=1e-9)
+    # per-expert: the same 8 bytes; at EP 8 one local expert, so its GEMM is the grouped one's size
+    assert layer_time(arch, lay.replace(moe_grouped_wgrad="per-expert"), target,
+                      moe=True).expert_grad_accumulation == pytest.approx(target.memory_seconds(8 * local_weights, 0),
+                                                                          rel=1e-9)
+    # ... and at EP 1 eight GEMMs an eighth the size each: slower than one grouped GEMM (a launch
+    # each at least), counted on top
+    ep1 = lay.replace(ep=1, moe_grouped_wgrad="per-expert")
+    extra = layer_time(arch, ep1, target, moe=True).expert_grad_accumulation - target.memory_seconds(
+        8 * 8 * local_weights, 0)
+    assert extra >= (8 - 1) * 2 * target.table["launch_seconds"] - 1e-12
     assert layer_time(arch, lay, cluster("a100-80gb"), moe=True).expert_grad_accumulation == 0.0
     for other in (lay.replace(gradient_accumulation_fusion=False), lay.replace(fp8=True), lay.replace(fsdp2=True)):
         assert layer_time(arch, other, target, moe=True).expert_grad_accumulation == pytest.approx(unfused, rel=1e-9)
@@ -144,8 +154,9 @@ def test_expert_weight_gradients_cost_time_only_where_their_gemm_does_not_accumu
     for extra, fused in (([], True), (["--no-gradient-accumulation-fusion"], False)):
         plan = plan_for_flags(parse_args(flags + extra), 32000, 8, target)
         assert plan.layout.gradient_accumulation_fusion is fused
-    assert plan_for_flags(parse_args(flags + ["--moe-grouped-wgrad", "triton"]), 32000, 8,
-                          target).layout.moe_grouped_wgrad == "triton"
+    for choice in ("triton", "per-expert"):
+        assert plan_for_flags(parse_args(flags + ["--moe-grouped-wgrad", choice]), 32000, 8,
+                              target).layout.moe_grouped_wgrad == choice
 
 
 def test_search_sizes_come_from_the_validation_rules():

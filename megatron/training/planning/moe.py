@@ -149,12 +149,7 @@ def gemm_forward_seconds(arch, lay, cluster, fp8: bool = False) -> float:
     f = arch.moe_ffn_hidden_size / lay.etp
     fc1 = (2 if arch.gated_linear_unit else 1) * f
     seconds = cluster.gemm_seconds(2 * T * h * arch.num_experts)
-    if cluster.gpu.grouped_gemm:
-        seconds += cluster.gemm_seconds(2 * local_experts * rows * h * fc1, fp8) + cluster.gemm_seconds(
-            2 * local_experts * rows * f * h, fp8)
-    else:
-        seconds += local_experts * (cluster.gemm_seconds(2 * rows * h * fc1, fp8)
-                                    + cluster.gemm_seconds(2 * rows * f * h, fp8))
+    seconds += _routed_expert_gemm_seconds(arch, lay, cluster, cluster.gpu.grouped_gemm, fp8)
     if arch.moe_shared_expert_size:
         # the shared experts see the whole sequence of the TP group (gathered like the dense MLP)
         tokens = T * lay.tp if lay.sp else T
@@ -164,6 +159,21 @@ def gemm_forward_seconds(arch, lay, cluster, fp8: bool = False) -> float:
     return seconds
 
 
+def _routed_expert_gemm_seconds(arch, lay, cluster, grouped: bool, fp8: bool = False) -> float:
+    """One GEMM pass (forward, or one of the two gradients) of the local experts' two linears: one
+    grouped GEMM per linear at the throughput of one GEMM of their total work (`grouped`), else one
+    GEMM per local expert and linear."""
+    h = arch.hidden_size
+    local_experts = arch.num_experts // lay.ep
+    rows = rows_computed(arch, lay) / local_experts
+    f = arch.moe_ffn_hidden_size / lay.etp
+    fc1 = (2 if arch.gated_linear_unit else 1) * f
+    if grouped:
+        return cluster.gemm_seconds(2 * local_experts * rows * h * fc1, fp8) + cluster.gemm_seconds(
+            2 * local_experts * rows * f * h, fp8)
+    return local_experts * (cluster.gemm_seconds(2 * rows * h * fc1, fp8) + cluster.gemm_seconds(2 * rows * f * h, fp8))
+
+
 def grad_accumulation_seconds(arch, lay, cluster) -> float:
     """The routed experts' weight gradients per micro-batch, beyond their GEMMs. With
     --gradient-accumulation-fusion (and a main_grad buffer: not FSDP2): where the GPU runs the
@@ -171,8 +181,10 @@ def grad_accumulation_seconds(arch, lay, cluster) -> float:
     into main_grad (written and read 8 bytes, main_grad read and written 8), unless
     --moe-grouped-wgrad triton, whose GEMM adds into main_grad itself: main_grad read and written, 8
     bytes, which an H200 showed it does not hide under its GEMM (its time at the presets' shapes was
-    the GEMM's plus that traffic's); elsewhere each expert's GEMM accumulates in place (nothing
-    more). Under FP8, or
+    the GEMM's plus that traffic's), or --moe-grouped-wgrad per-expert, one GEMM per expert
+    accumulating into main_grad: the same 8 bytes, plus what the per-expert GEMMs take beyond the
+    grouped one (smaller GEMMs, a launch each); elsewhere each expert's GEMM accumulates in place
+    (nothing more). Under FP8, or
     without the fusion, the GEMM writes its product in the compute dtype and it is added to
     main_grad: written and read in the compute dtype, main_grad read and written (the FP8 loop's
     direct write on a step's first micro-batch is not counted)."""
@@ -180,6 +192,10 @@ def grad_accumulation_seconds(arch, lay, cluster) -> float:
     if lay.gradient_accumulation_fusion and not lay.fsdp2 and not lay.fp8:
         if not cluster.gpu.grouped_gemm:
             return 0.0
+        if lay.moe_grouped_wgrad == "per-expert":
+            return cluster.memory_seconds(2 * FP32 * weights, 0) + max(
+                0.0, _routed_expert_gemm_seconds(arch, lay, cluster, False)
+                - _routed_expert_gemm_seconds(arch, lay, cluster, True))
         return cluster.memory_seconds((2 if lay.moe_grouped_wgrad == "triton" else 4) * FP32 * weights, 2)
     return cluster.memory_seconds((2 * lay.compute_bytes + 2 * FP32) * weights, 2)
 

@@ -49,6 +49,8 @@ def _experts_weight_gradient(execution: ExecutionConfig, num_experts) -> str:
         return ""
     if execution.moe_grouped_wgrad == "triton":
         return "; experts: a Triton grouped GEMM adding into main_grad"
+    if execution.moe_grouped_wgrad == "per-expert":
+        return "; experts: a GEMM per expert accumulating into main_grad (counts copied to the host without waiting)"
     compiled = "compiled" if execution.fuse_elementwise else "eager, two passes"
     return f"; experts: a grouped GEMM product added into main_grad ({compiled})"
 

@@ -13,8 +13,10 @@ weight gradient, with the offsets computed on the device: the work per layer doe
 expert count, and nothing is read back to the host. The weight gradient reaches the fp32 `main_grad`
 that data parallelism attaches (--gradient-accumulation-fusion) in one pass per weight
 (`accumulate_expert_grads_`, one kernel when compiled), or, with --moe-grouped-wgrad triton, by a
-Triton grouped GEMM that adds into it itself (moe/triton_experts.py); never a stacked gradient
-added by the data-parallel hook. Where `torch._grouped_mm` does not run (and under
+Triton grouped GEMM that adds into it itself (moe/triton_experts.py), or, with --moe-grouped-wgrad
+per-expert, by one GEMM per expert accumulating into its slice (cuBLAS, beta = 1, fp32 output: no
+product, no pass after it), the counts copied to the host without waiting in forward (`HostCounts`);
+never a stacked gradient added by the data-parallel hook. Where `torch._grouped_mm` does not run (and under
 FP8) the experts loop over GEMMs with the row counts read back once, each expert's weight gradient
 accumulated into its `main_grad` slice. Under FP8 (`attach_fp8`) the experts' GEMMs run in FP8, each
 expert with its own scaling state, on rows padded per expert to a multiple of 16
@@ -88,6 +90,7 @@ class GroupedMLP(torch.nn.Module):
         # one pass over the experts' weights instead of two).
         self.accumulate_grads = accumulate_expert_grads_
         self.triton_wgrad = execution.moe_grouped_wgrad == "triton"  # (where the kernel runs: triton_experts.py)
+        self.per_expert_wgrad = execution.moe_grouped_wgrad == "per-expert"  # (bf16/fp32 grouped path: HostCounts)
         # Layouts of the stacked tensors (dim 0 is the expert) over the expert-tensor-parallel ranks:
         # the hidden size split like the dense MLP's. With etp = 1 an expert is whole on every rank
         # that holds it, and the gradients of its copies are summed over the expert-data-parallel
@@ -167,22 +170,30 @@ class GroupedMLP(torch.nn.Module):
         row_expert = None
         if self.fc1_bias is not None:
             row_expert = _row_experts(tokens_per_expert, tokens.shape[0], tokens.device)
-        h = self._linear(tokens, "fc1", tokens_per_expert, grouped)
+        # --moe-grouped-wgrad per-expert: the counts start on their way to the host now, for both
+        # weights' backward (which reads them without waiting on the GPU's queue).
+        host_counts = None
+        if grouped and self.per_expert_wgrad and self.fp8 is None and torch.is_grad_enabled() and any(
+                fuses_grad_accumulation(w, self.gradient_accumulation_fusion) for w in (self.fc1_weight, self.fc2_weight)):
+            host_counts = HostCounts(tokens_per_expert)
+        h = self._linear(tokens, "fc1", tokens_per_expert, grouped, host_counts)
         if self.fc1_bias is not None:
             h = h + _per_row(self.fc1_bias, row_expert)
-        out = self._linear(self._activate(h), "fc2", tokens_per_expert, grouped)
+        out = self._linear(self._activate(h), "fc2", tokens_per_expert, grouped, host_counts)
         if self.fc2_bias is not None and self.add_fc2_bias:
             out = out + _per_row(self.fc2_bias, row_expert)
         return out
 
-    def _linear(self, x: torch.Tensor, name: str, tokens_per_expert, grouped: bool) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, name: str, tokens_per_expert, grouped: bool,
+                host_counts=None) -> torch.Tensor:
         weight = self.fc1_weight if name == "fc1" else self.fc2_weight
         # Fused: the weight gradient goes into main_grad here (`accumulate`: the grouped paths' way).
         fused = fuses_grad_accumulation(weight, self.gradient_accumulation_fusion)
         accumulate = self.accumulate_grads if fused else None
         if self.fp8 is not None:
             return self.fp8[name](x, weight, tokens_per_expert, accumulate, self.triton_wgrad)
-        return _ExpertsFunction.apply(x, weight, tokens_per_expert, grouped, accumulate, self.triton_wgrad)
+        return _ExpertsFunction.apply(x, weight, tokens_per_expert, grouped, accumulate, self.triton_wgrad,
+                                      host_counts if fused else None)
 
     def _activate(self, h):
         if self._swiglu is not None:
@@ -207,13 +218,16 @@ class _ExpertsFunction(torch.autograd.Function):
     weights' dtype; one pass over E x n x k elements costs far less than a GEMM per expert.
     With `triton_wgrad` (--moe-grouped-wgrad triton, where its kernel runs) one Triton grouped GEMM
     adds each expert's gradient into `main_grad` itself instead (moe/triton_experts.py: no product).
+    With `host_counts` (--moe-grouped-wgrad per-expert: a `HostCounts` started in forward) the
+    weight gradient is one GEMM per expert with rows, each accumulating into main_grad[e] (no product,
+    work growing with the expert count: for a few large experts, as Mixtral's).
     Looped: a GEMM per expert for each gradient, the weight's accumulated into `main_grad[e]`
     (given `accumulate`) or returned stacked. Either way data parallelism's hook is told once.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, counts, grouped, accumulate, triton_wgrad=False):
-        ctx.grouped, ctx.accumulate, ctx.triton_wgrad = grouped, accumulate, triton_wgrad
+    def forward(ctx, x, weight, counts, grouped, accumulate, triton_wgrad=False, host_counts=None):
+        ctx.grouped, ctx.accumulate, ctx.triton_wgrad, ctx.host_counts = grouped, accumulate, triton_wgrad, host_counts
         if grouped:
             counts = torch.as_tensor(counts, device=x.device)
             offsets = _offsets(counts)
@@ -235,21 +249,27 @@ def _grouped_backward(ctx, grad):
     x, weight, offsets, counts = ctx.saved_tensors
     grad_input = torch._grouped_mm(grad, weight, offs=offsets) if ctx.needs_input_grad[0] else None
     if not ctx.needs_input_grad[1]:
-        return grad_input, None, None, None, None, None
+        return grad_input, None, None, None, None, None, None
     accumulate = ctx.accumulate
     if accumulate is not None and ctx.triton_wgrad and triton_experts.supported(grad, x, weight.main_grad):
         triton_experts.accumulate_grouped_wgrad_(weight.main_grad, grad, x, offsets)
         main_grad_accumulated(weight)
-        return grad_input, None, None, None, None, None
+        return grad_input, None, None, None, None, None, None
+    if accumulate is not None and ctx.host_counts is not None:
+        # --moe-grouped-wgrad per-expert: one GEMM per expert that received rows, accumulating into
+        # its main_grad slice (on the GPU: cuBLAS with beta = 1 and an fp32 output; no product).
+        _accumulate_per_expert_(weight.main_grad, grad, x, ctx.host_counts.read())
+        main_grad_accumulated(weight)
+        return grad_input, None, None, None, None, None, None
     fused_dtype = accumulate is not None and _grouped_mm_writes(grad, weight.main_grad.dtype)
     out_dtype = weight.main_grad.dtype if fused_dtype else None
     product = torch._grouped_mm(grad.t(), x, offs=offsets, out_dtype=out_dtype)    # [E, n, k]
     if accumulate is None:
         # An expert without rows: zeros whatever the kernel leaves in its slot.
-        return grad_input, product.masked_fill_(counts.eq(0).view(-1, 1, 1), 0), None, None, None, None
+        return grad_input, product.masked_fill_(counts.eq(0).view(-1, 1, 1), 0), None, None, None, None, None
     accumulate(weight.main_grad, product, counts)
     main_grad_accumulated(weight)
-    return grad_input, None, None, None, None, None
+    return grad_input, None, None, None, None, None, None
 
 
 def accumulate_expert_grads_(main_grad: torch.Tensor, product: torch.Tensor, counts: torch.Tensor) -> None:
@@ -265,27 +285,65 @@ def accumulate_expert_grads_(main_grad: torch.Tensor, product: torch.Tensor, cou
         main_grad.add_(product.masked_fill_(empty, 0))
 
 
+def _accumulate_per_expert_(main_grad: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, counts: list) -> None:
+    """main_grad[e] += grad[rows of e]^T @ x[rows of e] for each expert e with rows (`counts` on the
+    host; rows past their sum, the dispatcher's sentinel rows, are left out)."""
+    start = 0
+    for index, rows in enumerate(counts):
+        if rows:
+            accumulate_matmul_(main_grad[index], grad[start:start + rows].t(), x[start:start + rows])
+        start += rows
+
+
+class HostCounts:
+    """The experts' row counts on their way to the host for --moe-grouped-wgrad per-expert: a device
+    tensor is copied into pinned host memory without waiting (`non_blocking`, an event recorded after
+    it) when the forward routes, and `read()` in backward waits for that copy only, which finished
+    long before (the forward's other work queued after it); nothing stalls the GPU's queue (as
+    Megatron-Core's all-to-all dispatcher copies its counts). Counts given as a list, or a CPU
+    tensor, are read as they are. Read once, for both weights."""
+
+    def __init__(self, counts):
+        self._event = self._list = None
+        if torch.is_tensor(counts) and counts.device.type == "cuda":
+            self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self._host.copy_(counts, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        elif torch.is_tensor(counts):
+            self._host = counts.detach().clone()   # (the values of this micro-batch, whatever follows)
+        else:
+            self._list = [int(count) for count in counts]
+
+    def read(self) -> list:
+        if self._list is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._list = self._host.tolist()
+        return self._list
+
+
 def _looped_backward(ctx, grad):
     x, weight = ctx.saved_tensors
     grad_input = None
     if ctx.needs_input_grad[0]:
         grad_input = _looped_linear(grad, weight.transpose(1, 2), ctx.counts)
     if not ctx.needs_input_grad[1]:
-        return grad_input, None, None, None, None, None
+        return grad_input, None, None, None, None, None, None
     pairs = list(zip(grad.split(ctx.counts), x.split(ctx.counts)))
     if ctx.accumulate is not None:
         for index, (rows_grad, rows) in enumerate(pairs):
             if rows.shape[0]:
                 accumulate_matmul_(weight.main_grad[index], rows_grad.t(), rows)
         main_grad_accumulated(weight)
-        return grad_input, None, None, None, None, None
+        return grad_input, None, None, None, None, None, None
     grad_weight = torch.empty_like(weight)
     for index, (rows_grad, rows) in enumerate(pairs):
         if rows.shape[0]:
             torch.mm(rows_grad.t(), rows, out=grad_weight[index])
         else:
             grad_weight[index].zero_()
-    return grad_input, grad_weight, None, None, None, None
+    return grad_input, grad_weight, None, None, None, None, None
 
 
 def _looped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list) -> torch.Tensor:
