@@ -144,10 +144,6 @@ def gemm_forward_seconds(arch, lay, cluster, fp8: bool = False) -> float:
     elsewhere, one GEMM per local expert and linear.
     `fp8`: the experts' and shared experts' GEMMs at the FP8 rate (the router stays in bf16)."""
     h, T = arch.hidden_size, tokens_in(lay)
-    local_experts = arch.num_experts // lay.ep
-    rows = rows_computed(arch, lay) / local_experts
-    f = arch.moe_ffn_hidden_size / lay.etp
-    fc1 = (2 if arch.gated_linear_unit else 1) * f
     seconds = cluster.gemm_seconds(2 * T * h * arch.num_experts)
     seconds += _routed_expert_gemm_seconds(arch, lay, cluster, cluster.gpu.grouped_gemm, fp8)
     if arch.moe_shared_expert_size:
