@@ -344,7 +344,9 @@ def moe_step_parts(name: str, precision: str, wgrad: str = "grouped-mm") -> dict
         # experts' E5M2 gradients, so their two gradient GEMMs run in bf16 on the widened casts,
         # unless --moe-grouped-wgrad triton, whose kernels multiply E5M2 by E4M3 (at the FP8 rate
         # assumed here, unmeasured).
-        widened = 0 if wgrad == "triton" else flops["experts"] * 2 / 3
+        # With --moe-grouped-wgrad per-expert, cuBLAS's `_scaled_mm` per expert multiplies them (FP8
+        # rate, a GEMM per expert).
+        widened = 0 if wgrad in ("triton", "per-expert") else flops["experts"] * 2 / 3
         gemm_seconds = m * (layers * ((layer_gemm - widened) / GEMM_FP8 + widened / GEMM_BF16) + output / GEMM_BF16)
     else:
         gemm_seconds = m * (layers * layer_gemm / GEMM_BF16 + output / GEMM_BF16)
@@ -385,20 +387,22 @@ def moe_step_parts(name: str, precision: str, wgrad: str = "grouped-mm") -> dict
         attention_weights = p["h"] * (2 * q + 2 * kv)
         x = tokens * (p["h"] + q) + rows * (p["h"] + p["expert_f"])
         g = tokens * (q + 2 * kv + p["h"]) + rows * (2 * p["expert_f"] + p["h"])
-        expert_wgrad_bytes = 8 if wgrad == "triton" else 12  # the Triton kernel adds into main_grad itself
+        # The Triton kernel adds into main_grad itself; per expert, `_scaled_mm` writes a step's first
+        # micro-batch into main_grad (fp32, 4 bytes), the later ones' bf16 products are added (12).
+        expert_wgrad_bytes = {"triton": 8, "per-expert": (4 + 12 * (m - 1)) / m}.get(wgrad, 12)
         casts = m * layers * (6 * (x + g) + 12 * attention_weights + expert_wgrad_bytes * expert_weights)
         casts += layers * 6 * (expert_weights + attention_weights)
         # hybrid's widened gradient GEMMs: the input gradient's operands (the experts' weight casts and
         # the gradient's rows, 1 byte read and 2 written each) and the weight gradient's (the
         # gradient's and input's rows); none with the Triton kernels, which take the casts as they are.
         expert_g, expert_x = rows * (2 * p["expert_f"] + p["h"]), rows * (p["h"] + p["expert_f"])
-        casts += 0 if wgrad == "triton" else m * layers * 3 * (expert_weights + 2 * expert_g + expert_x)
+        casts += 0 if wgrad in ("triton", "per-expert") else m * layers * 3 * (expert_weights + 2 * expert_g + expert_x)
         parts["FP8 casts"] = (casts / HBM, f"{casts / 1e9:.0f} GB")
     # The host runs ahead of the GPU (no read-back in the MoE layer at EP 1): only host time beyond
     # the GPU's adds to the step.
     ops = m * moe_host_ops(name)
-    if wgrad == "per-expert" and precision == "bf16":
-        ops += m * layers * 2 * p["experts"]  # a weight-gradient GEMM per expert and weight
+    if wgrad == "per-expert":  # a weight-gradient GEMM per expert and weight (FP8: the input gradient's too)
+        ops += m * layers * 2 * p["experts"] * (2 if precision == "fp8" else 1)
     host, gpu = ops * HOST_SECONDS_PER_OP, sum(t for t, _ in parts.values())
     parts["host beyond the GPU"] = (max(0.0, host - gpu), f"{ops} ops, {host * 1e3:.0f} ms of CPU")
     return parts
@@ -423,12 +427,13 @@ def moe_markdown() -> str:
     lines = []
     for name in MOE_PRESETS:
         rows = [moe_prediction(name, "bf16"), moe_prediction(name, "bf16", "triton"),
-                moe_prediction(name, "bf16", "per-expert"), moe_prediction(name, "fp8")]
+                moe_prediction(name, "bf16", "per-expert"), moe_prediction(name, "fp8", "per-expert"),
+                moe_prediction(name, "fp8")]
         lines += [f"**{name}** ({rows[0]['parameters'] / 1e9:.2f} B parameters, {rows[0]['state_gb']:.0f} / "
                   f"{rows[-1]['state_gb']:.0f} GB of weights, gradients and optimizer state in bf16 / FP8, "
                   f"before activations; predicted, ms per step of {MICRO_BATCHES} micro-batches)", "",
-                  "| part | bf16 | bf16, --moe-grouped-wgrad triton | bf16, --moe-grouped-wgrad per-expert | fp8 "
-                  "| work (fp8) |", "|---|---|---|---|---|---|"]
+                  "| part | bf16 | bf16, --moe-grouped-wgrad triton | bf16, --moe-grouped-wgrad per-expert "
+                  "| fp8, --moe-grouped-wgrad per-expert | fp8 | work (fp8) |", "|---|---|---|---|---|---|---|"]
         for part in rows[-1]["parts"]:
             cells = [f"{r['parts'][part]['seconds'] * 1e3:.0f}" if part in r["parts"] else "" for r in rows]
             lines.append(f"| {part} | " + " | ".join(cells) + f" | {rows[-1]['parts'][part]['work']} |")
@@ -447,7 +452,7 @@ def main() -> None:
     rows = predictions()
     moe = [moe_prediction(name, precision, wgrad) for name in MOE_PRESETS
            for precision, wgrad in (("bf16", "grouped-mm"), ("bf16", "triton"), ("bf16", "per-expert"),
-                                    ("fp8", "grouped-mm"))]
+                                    ("fp8", "grouped-mm"), ("fp8", "per-expert"))]
     print(json.dumps(rows + moe, indent=1) if args.json else markdown(rows) + "\n" + moe_markdown())
 
 

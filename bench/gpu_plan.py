@@ -6,8 +6,8 @@
 Order: the benchmarks first (bf16 on llama3-8b-8layers, the MoE presets, a few Mixtral 8x7B,
 Qwen3-30B-A3B and DeepSeek-V3-routed layers, in bf16, Mixtral's again with
 --moe-grouped-wgrad per-expert (the A/B of the experts' weight-gradient path), Qwen3-MoE's with the
-compiled permutation and router, and Mixtral's in FP8 (hybrid tensorwise, with and without the Triton
-kernels, then e4m3: all three expert GEMMs FP8 grouped GEMMs), then with --tunableop the bf16 run with PyTorch TunableOp, with --dense-ab llama3.2-1b
+compiled permutation and router, and Mixtral's in FP8 (hybrid tensorwise, with the gradient GEMMs grouped
+and per expert, then e4m3: all three expert GEMMs FP8 grouped GEMMs), then with --tunableop the bf16 run with PyTorch TunableOp, with --dense-ab llama3.2-1b
 in bf16, llama3-8b-8layers in FP8 delayed and the compile and gradient-accumulation-fusion
 off-switches as A/Bs on llama3-8b-8layers), the GPU test lane last with what is left. A run's estimate = start-up (model,
 data, NCCL) + compilation (cold for the first run, warm from inductor's cache after it) + its steps
@@ -51,7 +51,11 @@ def runs(tunableop: bool, dense_ab: bool = False) -> list:
             # the compiled permutation and router, where the host's share is largest
             ("bf16-fused", QWEN3_MOE, FUSIONS, *ab, ""),
             ("fp8-tensorwise", MIXTRAL, f"{FP8_TENSORWISE} --moe-router-padding-for-fp8", *ab, ""),
-            ("fp8-tensorwise-triton", MIXTRAL, f"{FP8_TENSORWISE} --moe-router-padding-for-fp8 {TRITON_WGRAD}", *ab, ""),
+            # FP8's gradient GEMMs per expert by cuBLAS (E5M2 x E4M3 at the FP8 rate; the Triton
+            # kernels, which widen FP8 tiles to fp16, measured 692 ms against 714 on 2026-11-28: run
+            # them by hand with --moe-grouped-wgrad triton)
+            ("fp8-tensorwise-per-expert", MIXTRAL, f"{FP8_TENSORWISE} --moe-router-padding-for-fp8 {PER_EXPERT_WGRAD}",
+             *ab, ""),
             # all three expert GEMMs as FP8 grouped GEMMs (E4M3 gradients: no widening to bf16)
             ("fp8-e4m3-tensorwise", MIXTRAL, f"{FP8_E4M3} --moe-router-padding-for-fp8", *ab, "")]
     if tunableop:
@@ -70,8 +74,8 @@ def estimates(plan: list) -> list:
                  for name in MOE_PRESETS for precision in ("bf16", "fp8")})
     step.update({(name, f"{precision}-triton"): moe_prediction(name, precision, "triton")["step_seconds"]
                  for name in MOE_PRESETS for precision in ("bf16", "fp8")})
-    step.update({(name, "bf16-per-expert"): moe_prediction(name, "bf16", "per-expert")["step_seconds"]
-                 for name in MOE_PRESETS})
+    step.update({(name, f"{precision}-per-expert"): moe_prediction(name, precision, "per-expert")["step_seconds"]
+                 for name in MOE_PRESETS for precision in ("bf16", "fp8")})
     seconds, compiled = [], set()
     for name, preset, flags, warmup, timed, env in plan:
         wgrad = "-triton" if TRITON_WGRAD in flags else "-per-expert" if PER_EXPERT_WGRAD in flags else ""

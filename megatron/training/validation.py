@@ -272,20 +272,18 @@ def _validate_kernels(config: Config, notes: list) -> None:
     if (not m.no_torch_compile and importlib.util.find_spec("triton") is None and _cuda_available()):
         notes.append("Triton is not installed, so RMSNorm/RoPE/SwiGLU run eagerly (unfused); "
                       "install triton for the torch.compile'd kernels")
+    fp8_grouped = m.moe_router_padding_for_fp8 and m.fp8_recipe in ("tensorwise", "delayed")
     if m.moe_grouped_wgrad == "triton":
         _require(importlib.util.find_spec("triton") is not None,
                  "--moe-grouped-wgrad triton needs Triton (pip install triton); or use --moe-grouped-wgrad grouped-mm")
         _require(_cuda_available() or os.environ.get("TRITON_INTERPRET") == "1",
                  "--moe-grouped-wgrad triton runs its kernel on a CUDA GPU and none is visible (or in Triton's "
                  "interpreter, TRITON_INTERPRET=1); use --moe-grouped-wgrad grouped-mm")
-        fp8_grouped = m.moe_router_padding_for_fp8 and m.fp8_recipe in ("tensorwise", "delayed")
-        if not m.num_experts or not m.gradient_accumulation_fusion or (m.fp8 and not fp8_grouped):
-            notes.append("--moe-grouped-wgrad triton has no effect here: it takes the grouped experts' weight "
-                         "gradients into main_grad (needs --num-experts and --gradient-accumulation-fusion; under FP8 "
-                         "--moe-router-padding-for-fp8 with the tensorwise or delayed recipe)")
-    if m.moe_grouped_wgrad == "per-expert" and (not m.num_experts or not m.gradient_accumulation_fusion or m.fp8):
-        notes.append("--moe-grouped-wgrad per-expert has no effect here: it takes the grouped experts' bf16 weight "
-                     "gradients into main_grad (needs --num-experts and --gradient-accumulation-fusion, without FP8)")
+    if m.moe_grouped_wgrad != "grouped-mm" and (not m.num_experts or not m.gradient_accumulation_fusion
+                                                 or (m.fp8 and not fp8_grouped)):
+        notes.append(f"--moe-grouped-wgrad {m.moe_grouped_wgrad} has no effect here: it takes the grouped experts' "
+                     "weight gradients into main_grad (needs --num-experts and --gradient-accumulation-fusion; under "
+                     "FP8 --moe-router-padding-for-fp8 with the tensorwise or delayed recipe)")
     if m.use_flash_attn:
         _require(m.attention_backend in ("auto", "flash", "flash_attn"),
                  f"--use-flash-attn conflicts with --attention-backend {m.attention_backend}; drop one of them")

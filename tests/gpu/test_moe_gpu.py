@@ -5,7 +5,8 @@ CPU cannot run, each against the loop of GEMMs it replaces.
   and with the weight gradients accumulated into an fp32 `main_grad` onto what the buffer holds: the
   product added eagerly, compiled, by the Triton grouped GEMM (--moe-grouped-wgrad triton), and by a
   cuBLAS GEMM per expert accumulating into it, the counts copied to the host without waiting
-  (--moe-grouped-wgrad per-expert: one non-blocking copy, nothing else read back).
+  (--moe-grouped-wgrad per-expert: one non-blocking copy, nothing else read back); under FP8 its
+  per-expert `_scaled_mm` gradients (E5M2 x E4M3 under hybrid) against the loop.
 - FP8: `torch._scaled_grouped_mm` (one cast per tensor for all experts, each expert's scale per
   row) against the loop of `torch._scaled_mm` with each expert's `FP8Linear`: the same FP8 values,
   so only the bf16 rounding of the results differs; and both within the FP8 bound of bf16.
@@ -167,6 +168,44 @@ def test_scaled_grouped_mm_fp8_experts_equal_the_loop(fp8_format):
         error = ((g - w).norm() / w.norm()).item()
         assert error <= bound, (name, error, bound)
     assert torch.all(got[2][1] == 0)  # the expert without rows gets a zero weight gradient
+
+
+@pytest.mark.parametrize("fp8_format", ["e4m3", "hybrid"])
+@pytest.mark.parametrize("empty", [True, False], ids=["written", "added"])
+def test_fp8_per_expert_gradients_equal_the_loop_on_cuda(fp8_format, empty):
+    """--moe-grouped-wgrad per-expert under FP8 on the GPU: the grouped forward, then per expert
+    cuBLAS `_scaled_mm` (E5M2 x E4M3 under hybrid) on column slices of the transposed casts, whose
+    leading dimension is rounded up to 16 bytes (here N = 101 rows with the sentinel rows: an
+    expert's columns of an unpadded [n, N] transpose are no operand cuBLAS takes). The weight
+    gradient written into a zeroed main_grad on a step's first micro-batch (`written`), else its
+    product added (`added`, onto 0.5); against the loop of `_scaled_mm` with each expert's
+    `FP8Linear` (the same FP8 values)."""
+    from megatron.core.transformer.fp8 import FP8Linear, FP8Options
+    from megatron.core.transformer.moe.experts import HostCounts, accumulate_expert_grads_
+    from megatron.core.transformer.moe.fp8_experts import ExpertsFP8, _ExpertsFP8Function, grouped_fp8_supported
+
+    x, weight, grad = _data(4)
+    if not grouped_fp8_supported(x, rowwise=False):
+        pytest.skip("torch._scaled_grouped_mm needs compute capability 9.x and this PyTorch")
+    rows, sentinel = sum(COUNTS), 5
+    x_s = torch.cat([x, torch.zeros(sentinel, HIDDEN, device="cuda", dtype=x.dtype)])
+    grad_s = torch.cat([grad, torch.ones(sentinel, FFN, device="cuda", dtype=grad.dtype)])
+    options = FP8Options(fp8_format, "tensorwise")
+    grouped = ExpertsFP8([FP8Linear(options, None) for _ in COUNTS])
+    loop = [FP8Linear(options, None) for _ in COUNTS]
+    fused = weight.clone().requires_grad_()
+    start = 0.0 if empty else 0.5
+    fused.main_grad = torch.full(weight.shape, start, device="cuda")
+    fused.main_grad_empty = empty
+    inputs = x_s.clone().requires_grad_()
+    counts = torch.tensor(COUNTS, device="cuda")
+    y = grouped(inputs, fused, counts, accumulate_expert_grads_, False, HostCounts(counts))
+    y.backward(grad_s)
+    want = _run(lambda a, w: _ExpertsFP8Function.apply(a, w, COUNTS, loop, False), x, weight, grad)
+    _close((y[:rows].detach().float(), inputs.grad[:rows].float(), fused.main_grad - start), want,
+           f"FP8 {fp8_format} per-expert gradients")
+    assert torch.all(inputs.grad[rows:] == 0) and fused.grad is None
+    assert torch.all(fused.main_grad[1] == start)  # the expert without rows: untouched
 
 
 @pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.bfloat16), (torch.float8_e4m3fn, torch.float8_e4m3fn),

@@ -117,6 +117,18 @@ def test_the_fp8_part_names_the_triton_weight_gradients():
             attention_report="SDPA", optimizer=optimizer, num_experts=8)
     finally:
         fast_paths.grouped_fp8_supported = original
+    per_expert = dataclasses.replace(execution, moe_grouped_wgrad="per-expert")
+    line = fast_paths_line(per_expert, no_torch_compile=False, device=CPU, attention_report="SDPA",
+                           optimizer=optimizer, num_experts=8)
+    assert ("one grouped GEMM of the dequantized casts (no FP8 grouped GEMM on cpu); gradient GEMMs per expert "
+            "(torch._scaled_mm of the casts, counts copied to the host without waiting)") in line
+    try:
+        fast_paths.grouped_fp8_supported = lambda probe, rowwise: True
+        assert "grouped GEMMs (E4M3) forward; gradient GEMMs per expert (torch._scaled_mm" in fast_paths_line(
+            per_expert, no_torch_compile=False, device=CPU, attention_report="SDPA", optimizer=optimizer,
+            num_experts=8)
+    finally:
+        fast_paths.grouped_fp8_supported = original
     rowwise = dataclasses.replace(execution, fp8_recipe="rowwise")
     assert "Triton" not in fast_paths_line(rowwise, no_torch_compile=False, device=CPU, attention_report="SDPA",
                                            optimizer=optimizer, num_experts=8)

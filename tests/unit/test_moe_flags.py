@@ -83,9 +83,12 @@ def test_per_expert_weight_gradients_say_where_they_do_nothing():
     def notes(flags):
         return [note for note in _validate(flags) if "--moe-grouped-wgrad per-expert" in note]
 
+    fp8 = ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
     assert notes(MOE + ["--moe-grouped-wgrad", "per-expert"]) == []
+    assert notes(MOE + fp8 + ["--moe-grouped-wgrad", "per-expert", "--moe-router-padding-for-fp8"]) == []
     for flags in (["--moe-grouped-wgrad", "per-expert"],
-                  MOE + ["--moe-grouped-wgrad", "per-expert", "--no-gradient-accumulation-fusion"]):
+                  MOE + ["--moe-grouped-wgrad", "per-expert", "--no-gradient-accumulation-fusion"],
+                  MOE + fp8 + ["--moe-grouped-wgrad", "per-expert"]):  # FP8 rows padded: the loop
         assert len(notes(flags)) == 1 and "has no effect here" in notes(flags)[0]
 
 

@@ -256,3 +256,76 @@ def test_compiled_grouped_accumulation_equals_the_reference(dtype):
     fused_ddp.finish_grad_sync()
     torch.testing.assert_close(fused.fc1_weight.main_grad, want[0], **TOLERANCE[dtype])
     torch.testing.assert_close(fused.fc2_weight.main_grad, want[1], **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("fp8_format, recipe", [("hybrid", "tensorwise"), ("e4m3", "tensorwise"),
+                                                ("hybrid", "delayed")])
+def test_fp8_per_expert_gradients_equal_the_grouped_path(fp8_format, recipe, monkeypatch):
+    """--moe-grouped-wgrad per-expert under FP8 (padded routing: counts multiples of 16 on the
+    device, sentinel rows after them): both gradient GEMMs are `torch._scaled_mm` per expert with
+    rows, on the casts the grouped path makes (E5M2 x E4M3 under hybrid, which the grouped FP8 kernel
+    cannot multiply), no grouped GEMM left in backward; the first micro-batch's weight gradients are
+    written into main_grad by the GEMM, the later ones added. Same FP8 values and scales as the
+    grouped path (here its dequantized grouped GEMM, as on the CPU), which rounds every weight-gradient
+    product to bf16 where the first per-expert one is written in fp32: within bf16's rounding."""
+    from megatron.core.transformer.fp8 import DelayedScaling, FP8Linear, FP8Options
+    from megatron.core.transformer.moe import fp8_experts
+    from tests.unit.test_moe_host_sync import HostReads
+
+    if not _cpu_grouped_mm():
+        pytest.skip("this PyTorch has no CPU torch._grouped_mm (2.13 has; the GPU lane tests the kernel)")
+    grouped_gemm, grouped_calls = fp8_experts._grouped_gemm, []
+    monkeypatch.setattr(fp8_experts, "_grouped_gemm", lambda *a: grouped_calls.append(1) or grouped_gemm(*a))
+    generator = torch.Generator().manual_seed(5)
+    batches = []
+    for counts in ([16, 0, 32, 16], [32, 16, 16, 0], [16, 16, 16, 16]):
+        rows = sum(counts) + 16  # sentinel rows after the counted ones
+        batches.append((torch.tensor(counts), torch.randn(rows, HIDDEN, generator=generator).bfloat16(),
+                        torch.rand(rows, generator=generator).bfloat16(),
+                        torch.randn(rows, HIDDEN, generator=generator).bfloat16()))
+    mode = HostReads()
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: mode.reads.append("tolist") or tolist(self))
+    results = {}
+    for wgrad in ("grouped-mm", "per-expert"):
+        experts, ddp = _experts(torch.bfloat16, fusion=True, grouped=True, moe_router_padding_for_fp8=True,
+                                moe_grouped_wgrad=wgrad)
+        options = FP8Options(fp8_format, recipe, amax_history_len=2, amax_compute_algo="max")
+        scaling = DelayedScaling(options) if recipe == "delayed" else None
+        linears = experts.attach_fp8(lambda: FP8Linear(options, scaling))
+        if scaling is not None:
+            scaling.allocate("cpu")
+        for linear in linears:
+            linear.bind()
+        assert experts.fp8_counts_on_device(batches[0][1])
+        assert linears[0].writes_into(experts.fc1_weight.main_grad)  # probed here, not counted below
+        input_grads, backward_grouped, reads = [], 0, []
+        with ScaledMatmuls() as gemms:
+            for counts, x, probs, grad in batches:
+                inputs = x.clone().requires_grad_()
+                out = ddp(inputs, counts, probs)
+                grouped_calls.clear()
+                mode.reads.clear()
+                with mode:
+                    out.backward(grad)
+                backward_grouped += len(grouped_calls)
+                reads.append(list(mode.reads))
+                if wgrad == "per-expert":  # sentinel rows: zeros (not what an empty tensor held)
+                    assert torch.all(inputs.grad[int(counts.sum()):] == 0)
+                input_grads.append(inputs.grad[:int(counts.sum())].float())
+        ddp.finish_grad_sync()
+        results[wgrad] = dict(grouped=backward_grouped, into=gemms.into, made=gemms.made, reads=reads,
+                              input_grad=torch.cat(input_grads), fc1=experts.fc1_weight.main_grad.clone(),
+                              fc2=experts.fc2_weight.main_grad.clone())
+    per_expert, grouped = results["per-expert"], results["grouped-mm"]
+    with_rows = [sum(count > 0 for count in counts.tolist()) for counts, *_ in batches]
+    assert grouped["grouped"] == 2 * 2 * len(batches) and per_expert["grouped"] == 0
+    assert per_expert["reads"] == [["tolist"]] * len(batches)  # the counts once per backward, both weights
+    # Per weight: the first micro-batch's experts with rows write into main_grad, then a product
+    # each; an input gradient per expert with rows (written into its rows of the result).
+    assert per_expert["into"] == 2 * (with_rows[0] + sum(with_rows))
+    assert per_expert["made"] == 2 * sum(with_rows[1:])
+    for name in ("input_grad", "fc1", "fc2"):
+        torch.testing.assert_close(per_expert[name], grouped[name], rtol=2 ** -7,
+                                   atol=2 ** -7 * grouped[name].abs().max().item())
+    assert per_expert["fc1"].abs().sum() > 0 and per_expert["fc2"].abs().sum() > 0

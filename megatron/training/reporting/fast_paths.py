@@ -83,19 +83,23 @@ def _fp8(execution: ExecutionConfig, num_experts, device, fp8_choice: str = "") 
     return f"{execution.fp8} {execution.fp8_recipe}, {once}, {wgrad}{experts}{chosen}"
 
 
-def _fp8_triton_wgrad(execution: ExecutionConfig) -> bool:
-    """--moe-grouped-wgrad triton where FP8 experts take it: the grouped path (padded routing,
+def _fp8_triton_wgrad(execution: ExecutionConfig, choice: str = "triton") -> bool:
+    """--moe-grouped-wgrad `choice` where FP8 experts take it: the grouped path (padded routing,
     tensorwise or delayed) with the weight gradients fused into main_grad."""
-    return (execution.moe_grouped_wgrad == "triton" and execution.gradient_accumulation_fusion
+    return (execution.moe_grouped_wgrad == choice and execution.gradient_accumulation_fusion
             and execution.moe_router_padding_for_fp8 and execution.fp8_recipe in ("tensorwise", "delayed"))
 
 
 def _fp8_experts_gemms(execution: ExecutionConfig, device) -> str:
     probe = torch.empty(0, device=device, dtype=execution.params_dtype)
+    per_expert = ("; gradient GEMMs per expert (torch._scaled_mm of the casts, counts copied to the host "
+                  "without waiting)") if _fp8_triton_wgrad(execution, "per-expert") else ""
     if not grouped_fp8_supported(probe, execution.fp8_recipe == "rowwise"):
         if execution.moe_router_padding_for_fp8 and execution.fp8_recipe in ("tensorwise", "delayed"):
-            return f"one grouped GEMM of the dequantized casts (no FP8 grouped GEMM on {device.type})"
+            return f"one grouped GEMM of the dequantized casts (no FP8 grouped GEMM on {device.type}){per_expert}"
         return "a loop of GEMMs"
+    if per_expert:
+        return f"grouped GEMMs (E4M3) forward{per_expert}"
     if execution.fp8 == "hybrid" and _fp8_triton_wgrad(execution):
         return "grouped GEMMs (E4M3) and Triton FP8 grouped GEMMs for the E5M2 gradients"
     if execution.fp8 == "hybrid":

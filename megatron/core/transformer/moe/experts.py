@@ -173,7 +173,7 @@ class GroupedMLP(torch.nn.Module):
         # --moe-grouped-wgrad per-expert: the counts start on their way to the host now, for both
         # weights' backward (which reads them without waiting on the GPU's queue).
         host_counts = None
-        if grouped and self.per_expert_wgrad and self.fp8 is None and torch.is_grad_enabled() and any(
+        if grouped and self.per_expert_wgrad and torch.is_grad_enabled() and any(
                 fuses_grad_accumulation(w, self.gradient_accumulation_fusion) for w in (self.fc1_weight, self.fc2_weight)):
             host_counts = HostCounts(tokens_per_expert)
         h = self._linear(tokens, "fc1", tokens_per_expert, grouped, host_counts)
@@ -191,7 +191,8 @@ class GroupedMLP(torch.nn.Module):
         fused = fuses_grad_accumulation(weight, self.gradient_accumulation_fusion)
         accumulate = self.accumulate_grads if fused else None
         if self.fp8 is not None:
-            return self.fp8[name](x, weight, tokens_per_expert, accumulate, self.triton_wgrad)
+            return self.fp8[name](x, weight, tokens_per_expert, accumulate, self.triton_wgrad,
+                                  host_counts if fused else None)
         return _ExpertsFunction.apply(x, weight, tokens_per_expert, grouped, accumulate, self.triton_wgrad,
                                       host_counts if fused else None)
 

@@ -24,8 +24,10 @@ delayed), with each expert's scale given per row (and per output column of its w
 operands only, so under `hybrid` (E5M2 gradients) the two gradient GEMMs run as one bf16 grouped
 GEMM of the casts widened to bf16, the dequantizing factors folded into one operand
 (`_bf16_grouped_mm_of_casts`; an fp32 grouped GEMM on the GPU is PyTorch's slow fallback, which
-reads the offsets back). Elsewhere, and for rowwise, all three GEMMs loop over the experts that
-received rows, each with its `FP8Linear`.
+reads the offsets back), unless --moe-grouped-wgrad per-expert: then both gradient GEMMs are one
+`torch._scaled_mm` per expert on the same casts (cuBLAS multiplies E5M2 by E4M3 at the FP8 rate),
+the counts copied to the host without waiting in forward (`_per_expert_gradients`). Elsewhere, and
+for rowwise, all three GEMMs loop over the experts that received rows, each with its `FP8Linear`.
 
 Under --moe-router-padding-for-fp8 the dispatcher pads the routing instead of these rows: every
 expert's count is a multiple of 16 already, so the counts stay on the device and the tensorwise and
@@ -248,7 +250,7 @@ class ExpertsFP8:
         self._slots = {}  # role -> the experts' slots in the delayed-scaling state, as a device tensor
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, counts, accumulate=None,
-                 triton_wgrad: bool = False) -> torch.Tensor:
+                 triton_wgrad: bool = False, host_counts=None) -> torch.Tensor:
         """x [N, k] (rows sorted by expert, `counts` each, every count a multiple of FP8_ALIGNMENT)
         times weight [E, n, k] per expert -> [N, n] in x's dtype. `counts`: a list, or a device
         tensor [E] (routing padded; rows past their sum are sentinel rows, left out of the GEMMs):
@@ -257,11 +259,15 @@ class ExpertsFP8:
         into `weight.main_grad` here, the grouped product through `accumulate(main_grad, product,
         counts)` (experts.accumulate_expert_grads_), the loop's per expert; with `triton_wgrad`
         (--moe-grouped-wgrad triton, where it runs) the grouped path's by the Triton kernel, which
-        adds into `main_grad` from the casts themselves (moe/triton_experts.py)."""
+        adds into `main_grad` from the casts themselves (moe/triton_experts.py); with `host_counts`
+        (--moe-grouped-wgrad per-expert: the counts on their way to the host, `experts.HostCounts`)
+        both gradient GEMMs by `torch._scaled_mm` per expert (`_per_expert_gradients`)."""
+        per_expert = host_counts if accumulate is not None else None
         if torch.is_tensor(counts):
-            return _GroupedExpertsFP8Function.apply(x, weight, counts, self, accumulate, triton_wgrad)
+            return _GroupedExpertsFP8Function.apply(x, weight, counts, self, accumulate, triton_wgrad, per_expert)
         if grouped_fp8_supported(x, self.rowwise):
-            return _GroupedExpertsFP8Function.apply(x, weight, list(counts), self, accumulate, triton_wgrad)
+            return _GroupedExpertsFP8Function.apply(x, weight, list(counts), self, accumulate, triton_wgrad,
+                                                    per_expert)
         return _ExpertsFP8Function.apply(x, weight, list(counts), self.linears, accumulate is not None)
 
     def scales(self, amaxes: torch.Tensor, role: int, dtype: torch.dtype) -> torch.Tensor:
@@ -297,7 +303,7 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
     kernel, each row scaled by its expert's scale)."""
 
     @staticmethod
-    def forward(ctx, x, weight, counts, fp8, accumulate, triton_wgrad=False):
+    def forward(ctx, x, weight, counts, fp8, accumulate, triton_wgrad=False, host_counts=None):
         num_experts = weight.shape[0]
         counts_t = torch.as_tensor(counts, device=x.device)                          # [E]
         offs = counts_t.cumsum(0).to(torch.int32)
@@ -315,7 +321,11 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
         # Triton kernel, which adds into main_grad, takes the cast [N, k] itself.
         ctx.triton = (accumulate is not None and triton_wgrad
                       and triton_experts.supported(x_q, x_q, weight.main_grad))
-        ctx.save_for_backward(x_q if ctx.triton else x_q.t().contiguous(), x_scale, weight, row_expert, offs)
+        # Per expert (`host_counts`): the transpose with a leading dimension of a 16-byte multiple,
+        # so that each expert's columns are an operand `torch._scaled_mm` takes.
+        ctx.host_counts = host_counts if accumulate is not None else None
+        x_kept = x_q if ctx.triton else aligned_transpose(x_q) if ctx.host_counts is not None else x_q.t().contiguous()
+        ctx.save_for_backward(x_kept, x_scale, weight, row_expert, offs)
         ctx.counts, ctx.fp8, ctx.kernel, ctx.accumulate = counts, fp8, kernel, accumulate
         return y
 
@@ -328,6 +338,10 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
         g_scale = fp8.scales(_expert_amaxes(grad, row_expert, num_experts), GRAD, fp8.grad_dtype)
         g_q = fp8.quantize_rows(grad, g_scale, row_expert, fp8.grad_dtype)            # [N, n], cast once
         _, w_dgrad, w_scale = fp8.weights(weight)
+        if ctx.host_counts is not None:
+            grad_input = _per_expert_gradients(weight, g_q, g_scale, x_kept, x_scale, w_dgrad, w_scale,
+                                               ctx.host_counts.read(), fp8, grad.dtype)
+            return grad_input, None, None, None, None, None, None
         # The grouped kernel multiplies E4M3 operands only: under `hybrid` (E5M2 gradients) both
         # gradient GEMMs run as a bf16 grouped GEMM of the widened casts on the GPU, as the fp32 one
         # on the CPU (`_grouped_gemm`: the same FP8 values and scales; no host read). A loop of `_scaled_mm` over the experts' column slices was refused
@@ -348,7 +362,7 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
             triton_experts.accumulate_grouped_wgrad_(weight.main_grad, g_q, x_kept, offs,
                                                           (g_scale * x_scale).reciprocal())
             main_grad_accumulated(weight)
-            return grad_input, None, None, None, None, None
+            return grad_input, None, None, None, None, None, None
         # Weight gradient: groups along the contracted (row) dimension, scales group-major.
         # The kernel takes the gradient's transpose [n, N] row-major; the widening reads it as a view.
         g_t = g_q.t().contiguous() if kernel else g_q.t()                             # [n, N]
@@ -357,7 +371,50 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
                                     fp8.widen)
         counts_t = torch.as_tensor(counts, device=grad.device)
         if ctx.accumulate is None:
-            return grad_input, grad_weight.masked_fill_(counts_t.eq(0).view(-1, 1, 1), 0), None, None, None, None
+            return grad_input, grad_weight.masked_fill_(counts_t.eq(0).view(-1, 1, 1), 0), None, None, None, None, None
         ctx.accumulate(weight.main_grad, grad_weight, counts_t)
         main_grad_accumulated(weight)
-        return grad_input, None, None, None, None, None
+        return grad_input, None, None, None, None, None, None
+
+
+def aligned_transpose(q: torch.Tensor) -> torch.Tensor:
+    """q [N, k] -> its transpose [k, N] stored row-major with a leading dimension rounded up to 16
+    elements (FP8: 16 bytes), so that any columns [s, s + r) with s a multiple of 16 are a row-major
+    operand `torch._scaled_mm` takes (cuBLAS wants 16-byte aligned leading dimensions)."""
+    rows, cols = q.shape
+    padded = -(-rows // FP8_ALIGNMENT) * FP8_ALIGNMENT
+    return q.new_empty((cols, padded))[:, :rows].copy_(q.t())
+
+
+def _per_expert_gradients(weight, g_q, g_scale, x_t, x_scale, w_dgrad, w_scale, counts: list, fp8, dtype):
+    """--moe-grouped-wgrad per-expert under FP8: for each expert e with rows (`counts` read on the host,
+    each a multiple of 16 on padded routing), its input gradient g_e @ W_e into its rows of the
+    result and its weight gradient g_e^T @ x_e into main_grad[e], each one `torch._scaled_mm` of the
+    casts as they are (one scale per expert and tensor): on the GPU cuBLAS multiplies E5M2 by E4M3
+    (hybrid) at the FP8 rate, which `torch._scaled_grouped_mm` (E4M3 only) cannot. The weight
+    gradient is written into fp32 main_grad by the GEMM while nothing is accumulated there yet this
+    step (where `_scaled_mm` writes fp32), else its product in the compute dtype is added. Returns
+    the input gradient [N, k] (the dispatcher's sentinel rows past the counted ones zero)."""
+    num_rows, in_features = g_q.shape[0], w_dgrad.shape[2]
+    grad_input = g_q.new_empty((num_rows, in_features), dtype=dtype)
+    g_t = aligned_transpose(g_q)                                                     # [n, N]
+    g_inv, w_inv, x_inv = g_scale.reciprocal(), w_scale.reciprocal(), x_scale.reciprocal()
+    main_grad = weight.main_grad
+    write_into = main_grad_empty(weight) and fp8.linears[0].writes_into(main_grad)
+    start = 0
+    for index, rows in enumerate(counts):
+        end = start + rows
+        if rows:
+            torch._scaled_mm(g_q[start:end], w_dgrad[index], scale_a=g_inv[index], scale_b=w_inv[index],
+                             out_dtype=dtype, out=grad_input[start:end])
+            a, b = g_t[:, start:end], x_t[:, start:end].t()                         # [n, r], [r, k]
+            if write_into:
+                torch._scaled_mm(a, b, scale_a=g_inv[index], scale_b=x_inv[index], out_dtype=main_grad.dtype,
+                                 out=main_grad[index])
+            else:
+                main_grad[index].add_(torch._scaled_mm(a, b, scale_a=g_inv[index], scale_b=x_inv[index],
+                                                       out_dtype=dtype))
+        start = end
+    grad_input[start:].zero_()
+    main_grad_accumulated(weight)
+    return grad_input
