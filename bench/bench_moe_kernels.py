@@ -1,8 +1,11 @@
 """The experts' weight-gradient paths on one GPU, at the MoE presets' shapes: PyTorch's grouped GEMM
 plus the pass into main_grad against the Triton kernel that adds into main_grad itself, for a few
-tile configurations (FP8 casts too: E5M2 x E4M3, widened in registers); and FP8 hybrid's
-row-grouped E5M2 x E4M3 GEMM against the bf16 grouped GEMM. (torch._grouped_mm of bf16 writes bf16
-on PyTorch 2.11: the baseline adds that product into the fp32 main_grad, eagerly.)
+tile configurations (FP8 casts too: E5M2 x E4M3, widened in registers), and against
+--moe-grouped-wgrad per-expert's cuBLAS GEMM per expert accumulating into main_grad; and FP8
+hybrid's gradient GEMMs: the row-grouped E5M2 x E4M3 Triton GEMM and per-expert's `_scaled_mm`
+(both gradients, `fp8_experts._per_expert_gradients`) against the bf16 grouped GEMMs.
+(torch._grouped_mm of bf16 writes bf16 on PyTorch 2.11: the baseline adds that product into the
+fp32 main_grad, eagerly.)
 
     python bench/bench_moe_kernels.py [--seconds 60] [--json out.json]
 
@@ -22,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from megatron.core.transformer.moe import triton_experts  # noqa: E402
+from megatron.core.transformer.moe import fp8_experts, triton_experts  # noqa: E402
+from megatron.core.transformer.moe.experts import _accumulate_per_expert_  # noqa: E402
 
 SHAPES = [  # name, experts, rows per expert, n (gradient's columns), k (input's columns)
     ("mixtral-fc1", 8, 1024, 28672, 4096), ("mixtral-fc2", 8, 1024, 4096, 14336),
@@ -81,6 +85,9 @@ def main() -> None:
         record(name, "grouped-mm bf16 + add", None, do_bench(grouped_then_add, rep=60), flops)
         record(name, "grouped-mm bf16 only", None,
                do_bench(lambda: torch._grouped_mm(grad.t(), x, offs=ends), rep=60), flops)
+        counts = [per] * experts
+        record(name, "per-expert cublas accum", None,
+               do_bench(lambda: _accumulate_per_expert_(main_grad, grad, x, counts), rep=60), flops)
         for config in WGRAD_CONFIGS:
             set_wgrad(config)
             try:
@@ -114,6 +121,34 @@ def main() -> None:
                 except Exception as error:
                     record(name, "triton dgrad e5m2xe4m3", config, None, flops, f"{type(error).__name__}: {error}"[:200])
             set_rows(default_rows)
+            # Both gradient GEMMs: bf16 grouped (input gradient, weight gradient and its add) against
+            # per-expert `_scaled_mm` of the casts (hybrid), the weight gradient added or written.
+            w16 = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16)
+
+            def bf16_both():
+                torch._grouped_mm(grad, w16, offs=ends)
+                grouped_then_add()
+
+            record(name, "dgrad+wgrad bf16 grouped", None, do_bench(bf16_both, rep=60), 2 * flops)
+            weight = torch.empty(0)
+            weight.main_grad = main_grad
+            w_dgrad = w8.transpose(1, 2).contiguous().transpose(1, 2)                # column-major per expert
+            x_t = fp8_experts.aligned_transpose(x8)
+            ones = torch.ones(experts, device="cuda")
+            for written in (False, True):
+                fp8 = type("FP8", (), dict(linears=[type("L", (), dict(writes_into=lambda self, out: written))()]))
+
+                def fp8_both():
+                    weight.main_grad_empty = written
+                    fp8_experts._per_expert_gradients(weight, g8, ones, x_t, ones, w_dgrad, ones, counts, fp8,
+                                                      torch.bfloat16)
+
+                try:
+                    record(name, f"dgrad+wgrad fp8 per-expert ({'written' if written else 'added'})", None,
+                           do_bench(fp8_both, rep=60), 2 * flops)
+                except Exception as error:
+                    record(name, "dgrad+wgrad fp8 per-expert", None, None, 2 * flops,
+                           f"{type(error).__name__}: {error}"[:200])
         set_wgrad(default_wgrad)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), results=results), indent=1))

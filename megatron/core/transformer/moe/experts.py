@@ -173,8 +173,9 @@ class GroupedMLP(torch.nn.Module):
         # --moe-grouped-wgrad per-expert: the counts start on their way to the host now, for both
         # weights' backward (which reads them without waiting on the GPU's queue).
         host_counts = None
-        if grouped and self.per_expert_wgrad and torch.is_grad_enabled() and any(
-                fuses_grad_accumulation(w, self.gradient_accumulation_fusion) for w in (self.fc1_weight, self.fc2_weight)):
+        weights = (self.fc1_weight, self.fc2_weight)
+        if grouped and self.per_expert_wgrad and any(
+                fuses_grad_accumulation(w, self.gradient_accumulation_fusion) for w in weights):
             host_counts = HostCounts(tokens_per_expert)
         h = self._linear(tokens, "fc1", tokens_per_expert, grouped, host_counts)
         if self.fc1_bias is not None:

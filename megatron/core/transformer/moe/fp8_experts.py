@@ -323,7 +323,7 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
                       and triton_experts.supported(x_q, x_q, weight.main_grad))
         # Per expert (`host_counts`): the transpose with a leading dimension of a 16-byte multiple,
         # so that each expert's columns are an operand `torch._scaled_mm` takes.
-        ctx.host_counts = host_counts if accumulate is not None else None
+        ctx.host_counts = host_counts   # (given with `accumulate` only: `ExpertsFP8.__call__`)
         x_kept = x_q if ctx.triton else aligned_transpose(x_q) if ctx.host_counts is not None else x_q.t().contiguous()
         ctx.save_for_backward(x_kept, x_scale, weight, row_expert, offs)
         ctx.counts, ctx.fp8, ctx.kernel, ctx.accumulate = counts, fp8, kernel, accumulate
@@ -344,9 +344,9 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
             return grad_input, None, None, None, None, None, None
         # The grouped kernel multiplies E4M3 operands only: under `hybrid` (E5M2 gradients) both
         # gradient GEMMs run as a bf16 grouped GEMM of the widened casts on the GPU, as the fp32 one
-        # on the CPU (`_grouped_gemm`: the same FP8 values and scales; no host read). A loop of `_scaled_mm` over the experts' column slices was refused
-        # by cuBLAS on an H200 (an expert's slice of the [n, N] transpose is not 16-byte aligned when
-        # N, which counts the dispatcher's sentinel rows, is no multiple of 16).
+        # on the CPU (`_grouped_gemm`: the same FP8 values and scales; no host read). (Per expert,
+        # above, the transposes' leading dimensions are padded: an expert's columns of an unpadded
+        # [n, N] transpose were refused by cuBLAS on an H200 when N was no multiple of 16.)
         # With the Triton kernels (--moe-grouped-wgrad triton) the input gradient the grouped kernel
         # cannot take runs as Triton's row-grouped FP8 GEMM instead: E5M2 times E4M3 at the FP8 rate.
         kernel = ctx.kernel and fp8.grad_dtype == fp8.forward_dtype
