@@ -130,6 +130,9 @@ def test_per_expert_weight_gradients_accumulate_into_main_grad_with_counts_copie
                 self.to_host.append(("copy_", bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))))
             return func(*args, **kwargs)
 
+    from megatron.core.tensor_parallel.layers import _mixed_dtype_addmm_works
+
+    assert _mixed_dtype_addmm_works(x.device)  # (probed here, not counted below: cuBLAS's fp32 output)
     want = _run(lambda a, w: _looped_linear(a, w, COUNTS), x, weight, grad)
     fused = weight.clone().requires_grad_()
     fused.main_grad = torch.full(weight.shape, 0.5, device="cuda")  # accumulated onto, not overwritten

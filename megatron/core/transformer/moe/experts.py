@@ -16,9 +16,9 @@ that data parallelism attaches (--gradient-accumulation-fusion) in one pass per 
 Triton grouped GEMM that adds into it itself (moe/triton_experts.py), or, with --moe-grouped-wgrad
 per-expert, by one GEMM per expert accumulating into its slice (cuBLAS, beta = 1, fp32 output: no
 product, no pass after it), the counts copied to the host without waiting in forward (`HostCounts`);
-never a stacked gradient added by the data-parallel hook. Where `torch._grouped_mm` does not run (and under
-FP8) the experts loop over GEMMs with the row counts read back once, each expert's weight gradient
-accumulated into its `main_grad` slice. Under FP8 (`attach_fp8`) the experts' GEMMs run in FP8, each
+never a stacked gradient added by the data-parallel hook. Where `torch._grouped_mm` does not run
+(and under FP8) the experts loop over GEMMs with the row counts read back once, each expert's
+weight gradient accumulated into its `main_grad` slice. Under FP8 (`attach_fp8`) the experts' GEMMs run in FP8, each
 expert with its own scaling state, on rows padded per expert to a multiple of 16
 (moe/fp8_experts.py), or, with the routing padded instead (--moe-router-padding-for-fp8), as
 grouped FP8 GEMMs with the counts on the device. Expert-tensor parallelism splits the expert hidden
@@ -90,7 +90,7 @@ class GroupedMLP(torch.nn.Module):
         # one pass over the experts' weights instead of two).
         self.accumulate_grads = accumulate_expert_grads_
         self.triton_wgrad = execution.moe_grouped_wgrad == "triton"  # (where the kernel runs: triton_experts.py)
-        self.per_expert_wgrad = execution.moe_grouped_wgrad == "per-expert"  # (bf16/fp32 grouped path: HostCounts)
+        self.per_expert_wgrad = execution.moe_grouped_wgrad == "per-expert"  # (the grouped paths: HostCounts)
         # Layouts of the stacked tensors (dim 0 is the expert) over the expert-tensor-parallel ranks:
         # the hidden size split like the dense MLP's. With etp = 1 an expert is whole on every rank
         # that holds it, and the gradients of its copies are summed over the expert-data-parallel

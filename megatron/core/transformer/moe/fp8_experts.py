@@ -324,7 +324,10 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
         # Per expert (`host_counts`): the transpose with a leading dimension of a 16-byte multiple,
         # so that each expert's columns are an operand `torch._scaled_mm` takes.
         ctx.host_counts = host_counts   # (given with `accumulate` only: `ExpertsFP8.__call__`)
-        x_kept = x_q if ctx.triton else aligned_transpose(x_q) if ctx.host_counts is not None else x_q.t().contiguous()
+        if ctx.triton:
+            x_kept = x_q
+        else:
+            x_kept = aligned_transpose(x_q) if host_counts is not None else x_q.t().contiguous()
         ctx.save_for_backward(x_kept, x_scale, weight, row_expert, offs)
         ctx.counts, ctx.fp8, ctx.kernel, ctx.accumulate = counts, fp8, kernel, accumulate
         return y
