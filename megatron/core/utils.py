@@ -155,6 +155,27 @@ class IntervalTimer:
         return total
 
 
+class HostCopy:
+    """A tensor's values on their way to the host without the host waiting: from an accelerator,
+    one non-blocking copy into pinned host memory and an event recorded after it; `tolist()` waits
+    for that copy only (not for work queued after it). A CPU tensor is copied as it is."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._event = None
+        if tensor.device.type == "cuda":
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensor.detach().clone()
+
+    def tolist(self) -> list:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
 def compiled(function, dynamic=False):
     """The torch.compile'd `function` (compiled lazily on first call, once per process). `dynamic`:
     False, one graph per set of shapes (fixed shapes); None, PyTorch's automatic dynamic shapes (a

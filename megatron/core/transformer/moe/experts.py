@@ -56,7 +56,7 @@ from megatron.core.transformer.moe.fp8_experts import (
     padded_counts,
     real_rows,
 )
-from megatron.core.utils import divide
+from megatron.core.utils import HostCopy, divide
 
 
 class GroupedMLP(torch.nn.Module):
@@ -299,29 +299,20 @@ def _accumulate_per_expert_(main_grad: torch.Tensor, grad: torch.Tensor, x: torc
 
 class HostCounts:
     """The experts' row counts on their way to the host for --moe-grouped-wgrad per-expert: a device
-    tensor is copied into pinned host memory without waiting (`non_blocking`, an event recorded after
-    it) when the forward routes, and `read()` in backward waits for that copy only, which finished
-    long before (the forward's other work queued after it); nothing stalls the GPU's queue (as
-    Megatron-Core's all-to-all dispatcher copies its counts). Counts given as a list, or a CPU
-    tensor, are read as they are. Read once, for both weights."""
+    tensor is copied into pinned host memory without waiting (`utils.HostCopy`: non-blocking, an
+    event recorded after it) when the forward routes, and `read()` in backward waits for that copy
+    only, which finished long before (the forward's other work queued after it); nothing stalls the
+    GPU's queue (as Megatron-Core's all-to-all dispatcher copies its counts). Counts given as a list
+    are read as they are; a CPU tensor's values are kept as they were (this micro-batch's, whatever
+    follows). Read once, for both weights."""
 
     def __init__(self, counts):
-        self._event = self._list = None
-        if torch.is_tensor(counts) and counts.device.type == "cuda":
-            self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-            self._host.copy_(counts, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        elif torch.is_tensor(counts):
-            self._host = counts.detach().clone()   # (the values of this micro-batch, whatever follows)
-        else:
-            self._list = [int(count) for count in counts]
+        self._copy, self._list = (HostCopy(counts), None) if torch.is_tensor(counts) else (
+            None, [int(count) for count in counts])
 
     def read(self) -> list:
         if self._list is None:
-            if self._event is not None:
-                self._event.synchronize()
-            self._list = self._host.tolist()
+            self._list = self._copy.tolist()
         return self._list
 
 
