@@ -27,8 +27,9 @@
 #      is skipped and logged.
 #   3. pytest -m gpu (tests/gpu; a small built-in runner if pytest is not installed) with the time left
 #   4. bench/gpu_report.py writes the report: device, versions, the test lane's outcome and, per
-#      run, TFLOP/s/GPU, MFU, tokens/s/GPU, peak memory and the fast paths that ran; per MoE run the
-#      profiled step's top kernels and CPU-time / GPU-time ratio.
+#      run, TFLOP/s/GPU, MFU, tokens/s/GPU, peak memory and the fast paths that ran; each run with
+#      flags as a speed-up over its preset's plain bf16 run (the A/Bs); per MoE run the profiled
+#      step's top kernels and CPU-time / GPU-time ratio.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"

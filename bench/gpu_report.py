@@ -104,6 +104,23 @@ def _runs(work: Path) -> list:
     return rows + ([""] + failures if failures else [])
 
 
+def _against_bf16(work: Path) -> list:
+    """Each run with flags against the same preset's plain bf16 run (no flags), when both finished:
+    the A/Bs (a weight-gradient path, FP8) as speed-ups, the plain step over the run's."""
+    finished = {}
+    for index, name, preset, flags, status in _run_lines(work):
+        figures_file = work / f"run{index}.json"
+        if status == "0" and figures_file.exists():
+            finished[(name, preset, flags)] = json.loads(figures_file.read_text())["step_ms"]
+    plain = {preset: step for (_, preset, flags), step in finished.items() if not flags}
+    rows = ["| run | preset | flags | step (ms) | plain bf16 step (ms) | speed-up |", "|---|---|---|---|---|---|"]
+    for (name, preset, flags), step in finished.items():
+        if flags and preset in plain:
+            rows.append(f"| {name} | {preset} | `{flags}` | {step:.1f} | {plain[preset]:.1f} | "
+                        f"{plain[preset] / step:.2f}x |")
+    return rows if len(rows) > 2 else ["(no run with flags finished beside its preset's plain bf16 run)"]
+
+
 def _fast_paths(work: Path) -> list:
     """Each run's start-up line naming the implementation of every speed-critical path."""
     lines = []
@@ -139,6 +156,7 @@ def main() -> None:
             "Protocol: bench/bench_pretrain.py, seq 4096, 8 micro-batches per step, median of 8 steps after 3 "
             "warm-up steps; MFU against 989 (BF16) and 1979 (FP8) TFLOP/s dense.", "",
             "## GPU test lane (`pytest -m gpu`)", "", *_lane(work), "", "## Benchmarks", "", *_runs(work), "",
+            "## Against the plain bf16 run of the same preset", "", *_against_bf16(work), "",
             "## Fast paths (the start-up line of each run)", "", *_fast_paths(work), "",
             "## Where the time goes (one more step of each MoE run under torch.profiler)", "", *_profiles(work),
             "## Steps", "", "```", *(work / "steps.log").read_text().splitlines(), "```", ""]

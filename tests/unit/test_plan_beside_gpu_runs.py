@@ -74,3 +74,21 @@ def test_the_gpu_report_prints_the_plan_beside_each_run(tmp_path):
     assert rows[2].endswith(f"| {planned_ms:.1f} ms, {100 * plan.time.mfu:.1f}% | 1.10 |"), rows[2]
     assert rows[3].endswith("| 1.30 (off by more than 15%) |"), rows[3]
     assert gpu_report.planner_preset("NVIDIA H200") == "h200"
+
+
+def test_the_gpu_report_sets_each_a_b_beside_its_presets_plain_run(tmp_path):
+    """The A/Bs (here per-expert weight gradients and FP8 on Mixtral) as speed-ups over the same
+    preset's plain bf16 run; a failed run and a preset without a plain run are left out."""
+    (tmp_path / "runs.txt").write_text(
+        "1|bf16|mixtral-8x7b-2layers||0\n2|bf16-per-expert-wgrad|mixtral-8x7b-2layers|--moe-grouped-wgrad per-expert|0\n"
+        "3|fp8-tensorwise|mixtral-8x7b-2layers|--fp8-format hybrid|0\n4|fp8-e4m3|mixtral-8x7b-2layers|--fp8-format e4m3|1\n"
+        "5|bf16-fused|qwen3-30b-a3b-4layers|--moe-permute-fusion|0\n")
+    for index, step_ms in ((1, 440.0), (2, 400.0), (3, 352.0), (5, 390.0)):
+        (tmp_path / f"run{index}.json").write_text(json.dumps({"step_ms": step_ms}))
+    rows = gpu_report._against_bf16(tmp_path)
+    assert rows[2:] == [
+        "| bf16-per-expert-wgrad | mixtral-8x7b-2layers | `--moe-grouped-wgrad per-expert` | 400.0 | 440.0 | 1.10x |",
+        "| fp8-tensorwise | mixtral-8x7b-2layers | `--fp8-format hybrid` | 352.0 | 440.0 | 1.25x |"]
+    (tmp_path / "run1.json").unlink()
+    assert gpu_report._against_bf16(tmp_path) == [
+        "(no run with flags finished beside its preset's plain bf16 run)"]
