@@ -41,6 +41,15 @@ def _run(function, x, weight, grad):
     return y.detach().float(), x.grad.float(), weight.grad.float()
 
 
+def _with_main_grad(weight, start: float, empty: bool = False):
+    """A leaf copy of `weight` with an fp32 `main_grad` holding `start` everywhere, marked empty (data
+    parallelism's zeroed buffer at a step's first micro-batch) if `empty`."""
+    fused = weight.clone().requires_grad_()
+    fused.main_grad = torch.full(weight.shape, start, device=weight.device)
+    fused.main_grad_empty = empty
+    return fused
+
+
 def _close(got, want, what):
     for name, g, w in zip(("output", "input grad", "weight grad"), got, want):
         torch.testing.assert_close(g, w, rtol=2 ** -7, atol=2 ** -7 * w.abs().max().item(), msg=f"{what}: {name}")
@@ -71,8 +80,7 @@ def test_grouped_mm_experts_accumulate_weight_gradients_into_main_grad(compile_a
     if not _grouped_mm_supported(x):
         pytest.skip("torch._grouped_mm needs compute capability 9.0+ and this PyTorch")
     want = _run(lambda a, w: _looped_linear(a, w, COUNTS), x, weight, grad)
-    fused = weight.clone().requires_grad_()
-    fused.main_grad = torch.full(weight.shape, 0.5, device="cuda")  # accumulated onto, not overwritten
+    fused = _with_main_grad(weight, 0.5)  # accumulated onto, not overwritten
     inputs = x.clone().requires_grad_()
     if triton and importlib.util.find_spec("triton") is None:
         pytest.skip("Triton is not installed")
@@ -134,8 +142,7 @@ def test_per_expert_weight_gradients_accumulate_into_main_grad_with_counts_copie
 
     assert _mixed_dtype_addmm_works(x.device)  # (probed here, not counted below: cuBLAS's fp32 output)
     want = _run(lambda a, w: _looped_linear(a, w, COUNTS), x, weight, grad)
-    fused = weight.clone().requires_grad_()
-    fused.main_grad = torch.full(weight.shape, 0.5, device="cuda")  # accumulated onto, not overwritten
+    fused = _with_main_grad(weight, 0.5)  # accumulated onto, not overwritten
     inputs = x.clone().requires_grad_()
     counts = torch.tensor(COUNTS, device="cuda")
     with Copies() as forward:
@@ -196,10 +203,8 @@ def test_fp8_per_expert_gradients_equal_the_loop_on_cuda(fp8_format, empty):
     options = FP8Options(fp8_format, "tensorwise")
     grouped = ExpertsFP8([FP8Linear(options, None) for _ in COUNTS])
     loop = [FP8Linear(options, None) for _ in COUNTS]
-    fused = weight.clone().requires_grad_()
     start = 0.0 if empty else 0.5
-    fused.main_grad = torch.full(weight.shape, start, device="cuda")
-    fused.main_grad_empty = empty
+    fused = _with_main_grad(weight, start, empty)
     inputs = x_s.clone().requires_grad_()
     counts = torch.tensor(COUNTS, device="cuda")
     y = grouped(inputs, fused, counts, accumulate_expert_grads_, False, HostCounts(counts))

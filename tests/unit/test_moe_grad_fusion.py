@@ -44,9 +44,9 @@ def _micro_batches(dtype):
     return out
 
 
-def _experts(dtype, fusion, fp8_recipe=None, grouped=False, **execution_fields):
+def _experts(dtype, fusion, fp8_recipe=None, grouped=False, fp8_format="hybrid", **execution_fields):
     """Four local experts (SwiGLU, ffn 16: grouped GEMMs take strides of 16 bytes) under a one-process
-    DDP, so they have `main_grad`."""
+    DDP, so they have `main_grad`; in FP8 (`fp8_format`, `fp8_recipe`) if a recipe is given."""
     execution = ExecutionConfig(params_dtype=dtype, gradient_accumulation_fusion=fusion, **execution_fields)
     experts = GroupedMLP(config(moe_grouped_gemm=grouped, moe_ffn_hidden_size=16), execution=execution,
                          num_local_experts=4, expert_offset=0, etp=TensorParallel(), tp=TensorParallel(),
@@ -55,7 +55,7 @@ def _experts(dtype, fusion, fp8_recipe=None, grouped=False, **execution_fields):
         for name, param in experts.named_parameters():
             initialize_expert_param(param, f"decoder.layers.0.mlp.experts.{name}", 3, 0.5, 2)
     if fp8_recipe is not None:
-        options = FP8Options("hybrid", fp8_recipe, amax_history_len=2, amax_compute_algo="max")
+        options = FP8Options(fp8_format, fp8_recipe, amax_history_len=2, amax_compute_algo="max")
         scaling = DelayedScaling(options) if fp8_recipe == "delayed" else None
         linears = experts.attach_fp8(lambda: FP8Linear(options, scaling))
         if scaling is not None:
@@ -268,7 +268,6 @@ def test_fp8_per_expert_gradients_equal_the_grouped_path(fp8_format, recipe, mon
     written into main_grad by the GEMM, the later ones added. Same FP8 values and scales as the
     grouped path (here its dequantized grouped GEMM, as on the CPU), which rounds every weight-gradient
     product to bf16 where the first per-expert one is written in fp32: within bf16's rounding."""
-    from megatron.core.transformer.fp8 import DelayedScaling, FP8Linear, FP8Options
     from megatron.core.transformer.moe import fp8_experts
     from tests.unit.test_moe_host_sync import HostReads
 
@@ -288,17 +287,11 @@ def test_fp8_per_expert_gradients_equal_the_grouped_path(fp8_format, recipe, mon
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: mode.reads.append("tolist") or tolist(self))
     results = {}
     for wgrad in ("grouped-mm", "per-expert"):
-        experts, ddp = _experts(torch.bfloat16, fusion=True, grouped=True, moe_router_padding_for_fp8=True,
-                                moe_grouped_wgrad=wgrad)
-        options = FP8Options(fp8_format, recipe, amax_history_len=2, amax_compute_algo="max")
-        scaling = DelayedScaling(options) if recipe == "delayed" else None
-        linears = experts.attach_fp8(lambda: FP8Linear(options, scaling))
-        if scaling is not None:
-            scaling.allocate("cpu")
-        for linear in linears:
-            linear.bind()
+        experts, ddp = _experts(torch.bfloat16, fusion=True, fp8_recipe=recipe, grouped=True, fp8_format=fp8_format,
+                                moe_router_padding_for_fp8=True, moe_grouped_wgrad=wgrad)
         assert experts.fp8_counts_on_device(batches[0][1])
-        assert linears[0].writes_into(experts.fc1_weight.main_grad)  # probed here, not counted below
+        # (probed here, not counted below)
+        assert experts.fp8["fc1"].linears[0].writes_into(experts.fc1_weight.main_grad)
         input_grads, backward_grouped, reads = [], 0, []
         with ScaledMatmuls() as gemms:
             for counts, x, probs, grad in batches:
