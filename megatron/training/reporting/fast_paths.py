@@ -77,13 +77,13 @@ def _fp8(execution: ExecutionConfig, num_experts, device, fp8_choice: str = "") 
     padding = "routing padded to 16" if execution.moe_router_padding_for_fp8 else "rows padded to 16"
     experts = f"; experts: per-expert scales, {padding}, {_fp8_experts_gemms(execution, device)}" \
         if num_experts else ""
-    if num_experts and _fp8_triton_wgrad(execution):
+    if num_experts and _fp8_wgrad_choice(execution, "triton"):
         experts += ", weight gradients added into main_grad by a Triton grouped GEMM from the casts"
     chosen = f"; {fp8_choice}" if fp8_choice else ""
     return f"{execution.fp8} {execution.fp8_recipe}, {once}, {wgrad}{experts}{chosen}"
 
 
-def _fp8_triton_wgrad(execution: ExecutionConfig, choice: str = "triton") -> bool:
+def _fp8_wgrad_choice(execution: ExecutionConfig, choice: str) -> bool:
     """--moe-grouped-wgrad `choice` where FP8 experts take it: the grouped path (padded routing,
     tensorwise or delayed) with the weight gradients fused into main_grad."""
     return (execution.moe_grouped_wgrad == choice and execution.gradient_accumulation_fusion
@@ -93,14 +93,14 @@ def _fp8_triton_wgrad(execution: ExecutionConfig, choice: str = "triton") -> boo
 def _fp8_experts_gemms(execution: ExecutionConfig, device) -> str:
     probe = torch.empty(0, device=device, dtype=execution.params_dtype)
     per_expert = ("; gradient GEMMs per expert (torch._scaled_mm of the casts, counts copied to the host "
-                  "without waiting)") if _fp8_triton_wgrad(execution, "per-expert") else ""
+                  "without waiting)") if _fp8_wgrad_choice(execution, "per-expert") else ""
     if not grouped_fp8_supported(probe, execution.fp8_recipe == "rowwise"):
         if execution.moe_router_padding_for_fp8 and execution.fp8_recipe in ("tensorwise", "delayed"):
             return f"one grouped GEMM of the dequantized casts (no FP8 grouped GEMM on {device.type}){per_expert}"
         return "a loop of GEMMs"
     if per_expert:
         return f"grouped GEMMs (E4M3) forward{per_expert}"
-    if execution.fp8 == "hybrid" and _fp8_triton_wgrad(execution):
+    if execution.fp8 == "hybrid" and _fp8_wgrad_choice(execution, "triton"):
         return "grouped GEMMs (E4M3) and Triton FP8 grouped GEMMs for the E5M2 gradients"
     if execution.fp8 == "hybrid":
         return "grouped GEMMs (E4M3) and bf16 grouped GEMMs of the widened casts for the E5M2 gradients"
