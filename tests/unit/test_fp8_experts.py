@@ -17,6 +17,7 @@ from megatron.core.transformer.fp8 import INPUT, DelayedScaling, FP8Linear, FP8O
 from megatron.core.transformer.moe.experts import initialize_expert_param
 from megatron.core.transformer.moe.fp8_experts import padded_counts, real_rows
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from tests.unit.cuda_operand_rules import scaled_grouped_mm_problems
 from tests.unit.test_fp8 import train_on_arithmetic_sequences
 from tests.unit.test_fp8_work import CountFP8Work, micro_batch_step
 
@@ -201,7 +202,10 @@ def test_tiny_moe_model_trained_in_fp8_tracks_bf16(fp8_format, recipe, bf16_loss
 def _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs):
     """torch._scaled_grouped_mm as PyTorch's own tests define it (no CPU kernel exists): per group,
     `_scaled_mm` with a's row scales and b's column scales; groups of a's rows (b 3-D) or of the
-    contracted dimension (b 2-D, scales group-major)."""
+    contracted dimension (b 2-D, scales group-major). Its arguments are held to what the GPU's
+    kernel takes (tests/unit/cuda_operand_rules.py)."""
+    problems = scaled_grouped_mm_problems(a, b, scale_a, scale_b, offs)
+    assert not problems, "a GPU would refuse this torch._scaled_grouped_mm: " + "; ".join(problems)
     ends = offs.tolist()
     bounds = list(zip([0] + ends[:-1], ends))
     if b.dim() == 3:
