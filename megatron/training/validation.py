@@ -1,5 +1,6 @@
 """Cross-field checks run before anything expensive. Every message names the flags and values."""
 import copy
+import dataclasses
 import importlib.util
 import json
 import os
@@ -321,11 +322,13 @@ def _validate_fp8(config: Config) -> None:
     sizes = {"--hidden-size": m.hidden_size, "--ffn-hidden-size / TP": ffn // tp,
              "attention heads x --kv-channels / TP": m.num_attention_heads * kv // tp,
              "query groups x --kv-channels": groups * kv,
-             "--micro-batch-size x --seq-length": t.micro_batch_size * t.seq_length}
+             # the weight gradient's contracted dimension: a rank's tokens of a micro-batch
+             "--micro-batch-size x --seq-length / --context-parallel-size":
+                 t.micro_batch_size * t.seq_length // p.context_parallel_size}
     multiple = 128 if m.fp8_recipe == "blockwise" else 16  # blockwise: whole 1x128 tiles and 128x128 blocks
+    needs = f"FP8 GEMMs{' with --fp8-recipe blockwise' if multiple == 128 else ''} need matrix sizes divisible by {multiple}"
     for what, size in sizes.items():
-        _require(size % multiple == 0, f"FP8 GEMMs{' with --fp8-recipe blockwise' if multiple == 128 else ''} "
-                                       f"need matrix sizes divisible by {multiple}: {what} is {size}")
+        _require(size % multiple == 0, f"{needs}: {what} is {size}")
     if m.fp8_recipe == "blockwise":
         _validate_blockwise(config)
     if m.first_last_layers_bf16:
@@ -333,6 +336,37 @@ def _validate_fp8(config: Config) -> None:
         _require(start >= 0 and end >= 0 and start + end <= m.num_layers,
                  f"--num-layers-at-start-in-bf16 ({start}) + --num-layers-at-end-in-bf16 ({end}) must be >= 0 "
                  f"and at most --num-layers ({m.num_layers})")
+    _validate_fp8_weights(config, arch, multiple, needs)
+
+
+def _validate_fp8_weights(config: Config, arch, multiple: int, needs: str) -> None:
+    """Every weight the FP8 layers multiply, as a layer of each kind builds it on one rank (on the
+    meta device, as the planner counts): the sizes above are the dense layers'; the routed and
+    shared experts' and multi-latent attention's come from their own flags, which the GPU's FP8
+    GEMMs would otherwise refuse at the first step (the CPU's take any size)."""
+    from megatron.core.transformer.fp8 import fp8_layer_numbers
+    from megatron.core.transformer.layer import TransformerLayer
+    from megatron.training.planning import built
+
+    m, p = config.model, config.parallel
+    tp, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
+    etp = tp if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
+    if arch.padded_vocab_size is None:  # (the tokenizer's, not known yet; no layer's weight has it)
+        arch = dataclasses.replace(arch, padded_vocab_size=128 * tp)
+    kinds = sorted({TransformerLayer.kind(arch, number) for number in fp8_layer_numbers(m, m.num_layers)})
+    for kind in kinds:
+        for name, shape in built.fp8_weight_shapes(arch, built.model_key(arch), kind, tp, ep, etp):
+            if all(size % multiple == 0 for size in shape[-2:]):
+                continue
+            if ".experts." in f".{name}" and "shared" not in name:
+                source = (f"--moe-ffn-hidden-size ({arch.moe_ffn_hidden_size}) / --expert-tensor-parallel-size "
+                          f"({etp}), and --hidden-size")
+            elif "shared" in name:
+                source = (f"--moe-shared-expert-intermediate-size ({arch.moe_shared_expert_intermediate_size}) / "
+                          f"--tensor-model-parallel-size ({tp}), and --hidden-size")
+            else:
+                source = f"the model's sizes / --tensor-model-parallel-size ({tp})"
+            raise ConfigError(f"{needs}: a {kind} layer's {name} is {list(shape)} on each rank (from {source})")
 
 
 def _validate_blockwise(config: Config) -> None:

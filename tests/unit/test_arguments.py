@@ -75,6 +75,23 @@ def test_weighted_data_path_is_a_list():
      "--fp8-recipe rowwise takes --fp8-format e4m3"),
     (["--bf16", "--fp8-format", "e4m3", "--hidden-size", "72", "--num-attention-heads", "4"], 1,
      "FP8 GEMMs need matrix sizes divisible by 16: --hidden-size is 72"),
+    (["--bf16", "--fp8-format", "hybrid", "--context-parallel-size", "2", "--micro-batch-size", "1",
+      "--seq-length", "16", "--max-position-embeddings", "16", "--attention-dropout", "0"], 2,
+     "FP8 GEMMs need matrix sizes divisible by 16: --micro-batch-size x --seq-length / --context-parallel-size is 8"),
+    (["--bf16", "--fp8-format", "hybrid", "--num-experts", "4", "--moe-ffn-hidden-size", "24"], 1,
+     "FP8 GEMMs need matrix sizes divisible by 16: a moe layer's mlp.experts.fc1_weight is [4, 24, 64] on each "
+     "rank (from --moe-ffn-hidden-size (24) / --expert-tensor-parallel-size (1), and --hidden-size)"),
+    (["--bf16", "--fp8-format", "hybrid", "--num-experts", "4", "--moe-ffn-hidden-size", "48",
+      "--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
+     "mlp.experts.fc1_weight is [4, 24, 64] on each rank (from --moe-ffn-hidden-size (48) / "
+     "--expert-tensor-parallel-size (2)"),
+    (["--bf16", "--fp8-format", "hybrid", "--num-experts", "4", "--moe-ffn-hidden-size", "32",
+      "--moe-shared-expert-intermediate-size", "40"], 1,
+     "mlp.shared_experts.mlp.linear_fc1.weight is [40, 64] on each rank (from "
+     "--moe-shared-expert-intermediate-size (40) / --tensor-model-parallel-size (1), and --hidden-size)"),
+    (["--bf16", "--fp8-format", "hybrid", "--multi-latent-attention", "--q-lora-rank", "40", "--kv-lora-rank",
+      "32", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16"], 1,
+     "a dense layer's self_attention.linear_q_up_proj.weight is [96, 40] on each rank"),
     (["--bf16", "--fp8-format", "e4m3", "--use-torch-fsdp2"], 2, "--fp8-format with --use-torch-fsdp2"),
     (["--use-flash-attn", "--attention-backend", "math"], 1,
      "--use-flash-attn conflicts with --attention-backend math"),

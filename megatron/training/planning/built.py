@@ -24,6 +24,7 @@ import torch
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.parallel_state import ParallelGroups
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.config import DEFAULT_EXECUTION
 from megatron.core.transformer.flops import flops_per_token
 from megatron.core.transformer.layer import TransformerLayer
@@ -105,6 +106,23 @@ def layer_matrices(model_config, key: str, kind: str, tp: int) -> tuple:
         return tuple(p.numel() for p in layer.parameters() if p.dim() == 2 and id(p) not in skipped)
 
     return _cached(("matrices", key, kind, tp), matrices)
+
+
+def fp8_weight_shapes(model_config, key: str, kind: str, tp: int, ep: int = 1, etp: int = 1) -> tuple:
+    """(name, shape on one rank) of each weight a decoder layer of this kind multiplies in FP8 under
+    --fp8-format (`fp8.attach_fp8`'s): its column- and row-parallel linears' [out, in] and its routed
+    experts' stacked weights [local experts, out, in]."""
+    def shapes() -> tuple:
+        found = []
+        for name, module in _layer(model_config, kind, tp, ep, etp).named_modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                found.append((f"{name}.weight", tuple(module.weight.shape)))
+            elif hasattr(module, "attach_fp8"):
+                found += [(f"{name}.{weight}", tuple(param.shape))
+                          for weight, param in module.named_parameters(recurse=False) if param.dim() == 3]
+        return tuple(found)
+
+    return _cached(("fp8 weights", key, kind, tp, ep, etp), shapes)
 
 
 def layer_kinds(model_config, first_layer: int, num_layers: int) -> dict:
