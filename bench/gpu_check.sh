@@ -17,10 +17,11 @@
 #   1. pip install --no-build-isolation --no-deps -e .
 #   2. bench_pretrain.py, in the order of bench/gpu_plan.py: llama3-8b-8layers in bf16 [and, with
 #      --dense-ab, llama3.2-1b, and llama3-8b-8layers in FP8 (hybrid, delayed)], the MoE presets
-#      mixtral-8x7b-2layers, qwen3-30b-a3b-4layers and deepseek-v3-4layers in bf16, Qwen3-MoE's
-#      again with --moe-grouped-wgrad triton and with --moe-permute-fusion --moe-router-fusion,
-#      mixtral-8x7b-2layers in FP8 (hybrid tensorwise without and with the Triton kernels, then
-#      e4m3), each MoE run with one more step under torch.profiler (--profile: its top kernels
+#      mixtral-8x7b-2layers, qwen3-30b-a3b-4layers and deepseek-v3-4layers in bf16, Mixtral's again
+#      with --moe-grouped-wgrad per-expert, Qwen3-MoE's with --moe-permute-fusion --moe-router-fusion,
+#      mixtral-8x7b-2layers in FP8 (hybrid tensorwise with the gradient GEMMs grouped and with
+#      --moe-grouped-wgrad per-expert, then e4m3), each MoE run with one more step under
+#      torch.profiler (--profile: its top kernels
 #      and CPU/GPU time ratio go to the run's log and the report), [--tunableop: bf16 with TunableOp,]
 #      [--dense-ab: the --no-torch-compile and --no-gradient-accumulation-fusion A/Bs on the 8B preset].
 #      Each run is limited to 1.5x its predicted duration (at least +30 s); a run that no longer fits
