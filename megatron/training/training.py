@@ -20,6 +20,8 @@ from megatron.core.distributed.ddp import finalize_model_grads
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.transformer.fp8 import choose_fp8_linears
+from megatron.core.transformer.moe.experts import GroupedMLP
+from megatron.core.transformer.moe.wgrad_choice import choose_expert_wgrad, rows_per_expert
 from megatron.core.transformer.moe.router import aux_loss_log_values, finish_moe_step
 from megatron.training import builders
 from megatron.training.arguments import format_config
@@ -106,14 +108,36 @@ def _build(config: Config, groups: ParallelGroups, model_config, rng_tracker, vo
     chunks = builders.build_model_chunks(config, groups, model_config, execution, rng_tracker)
     fp8_choice = choose_fp8_linears(chunks, config.training.micro_batch_size * config.training.seq_length
                                     // groups.cp_size, groups.device) if execution.fp8 else ""
+    execution, wgrad_choice = _choose_expert_wgrad(chunks, config, groups, model_config, execution)
     chunks = builders.wrap_data_parallel(chunks, config, groups)
     optimizer, scheduler = builders.build_optimizer(config, chunks, groups)
     fast_paths = fast_paths_line(execution, no_torch_compile=config.model.no_torch_compile, device=groups.device,
                                  attention_report=attention_report, optimizer=optimizer,
-                                 num_experts=model_config.num_experts, fp8_choice=fp8_choice)
+                                 num_experts=model_config.num_experts, fp8_choice=fp8_choice,
+                                 wgrad_choice=wgrad_choice)
     print_rank_0(f"> {fast_paths}")
     model = ModelBundle(chunks, optimizer, scheduler, model_config, execution, vocab_size)
     return model, Reports(print_rank_0, attention_report=attention_report, fast_paths=fast_paths)
+
+
+def _choose_expert_wgrad(chunks: list, config: Config, groups: ParallelGroups, model_config, execution):
+    """--moe-grouped-wgrad auto: the routed experts' weight-gradient path timed at start-up
+    (moe/wgrad_choice.py) on the rows each local expert gets from a micro-batch under balanced
+    routing. Returns (the execution config naming the chosen path where every module took the same
+    one, the report for the fast-paths line)."""
+    if execution.moe_grouped_wgrad != "auto" or not model_config.num_experts:
+        return execution, ""
+    tokens = config.training.micro_batch_size * config.training.seq_length // groups.cp_size
+    if execution.sequence_parallel and groups.tp_size > 1:
+        tokens //= groups.tp_size
+    rows = rows_per_expert(tokens, model_config.moe_router_topk, model_config.num_experts,
+                           groups.ep_size * groups.etp_size)
+    report = choose_expert_wgrad(chunks, rows, groups.device)
+    chosen = {module.per_expert_wgrad for chunk in chunks for module in chunk.modules()
+              if isinstance(module, GroupedMLP) and module.wgrad_auto}
+    if report and len(chosen) == 1:
+        execution = dataclasses.replace(execution, moe_grouped_wgrad="per-expert" if chosen.pop() else "grouped-mm")
+    return execution, report
 
 
 def _print_built(config: Config, groups: ParallelGroups, model: ModelBundle, num_microbatches: int) -> None:

@@ -280,7 +280,7 @@ def _validate_kernels(config: Config, notes: list) -> None:
         _require(_cuda_available() or os.environ.get("TRITON_INTERPRET") == "1",
                  "--moe-grouped-wgrad triton runs its kernel on a CUDA GPU and none is visible (or in Triton's "
                  "interpreter, TRITON_INTERPRET=1); use --moe-grouped-wgrad grouped-mm")
-    if m.moe_grouped_wgrad != "grouped-mm" and (not m.num_experts or not m.gradient_accumulation_fusion
+    if m.moe_grouped_wgrad not in ("grouped-mm", "auto") and (not m.num_experts or not m.gradient_accumulation_fusion
                                                  or (m.fp8 and not fp8_grouped)):
         notes.append(f"--moe-grouped-wgrad {m.moe_grouped_wgrad} has no effect here: it takes the grouped experts' "
                      "weight gradients into main_grad (needs --num-experts and --gradient-accumulation-fusion; under "

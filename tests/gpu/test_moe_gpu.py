@@ -314,3 +314,34 @@ def test_moe_layer_with_every_fusion_compiled_matches_eager_on_cuda(dispatcher):
         for index, (got, want) in enumerate(zip(results[name], results["eager"])):
             scale = want.abs().max().item()
             torch.testing.assert_close(got, want, rtol=2 ** -6, atol=2 ** -6 * scale, msg=f"{name}: tensor {index}")
+
+
+@pytest.mark.parametrize("fp8_format", [None, "hybrid"], ids=["bf16", "fp8-hybrid"])
+def test_auto_weight_gradient_probe_times_both_paths_on_cuda(fp8_format):
+    """--moe-grouped-wgrad auto on the GPU: both paths timed (no failure), the choice set on every
+    module of the kind, the model's main_grad and weights untouched (the probe's gradients go to
+    stand-ins). FP8: hybrid tensorwise experts on padded routing."""
+    from megatron.core.transformer.fp8 import FP8Linear, FP8Options
+    from megatron.core.transformer.moe.wgrad_choice import choose_expert_wgrad
+    from tests.unit.test_moe_wgrad_choice import chunk, experts_of
+
+    extra = dict(fp8=fp8_format, fp8_recipe="tensorwise", moe_router_padding_for_fp8=True) if fp8_format else {}
+    modules = chunk(dtype=torch.bfloat16, device=torch.device("cuda"), **extra)
+    with torch.no_grad():
+        for param in modules.parameters():
+            param.normal_(0, 0.1)
+    for module in experts_of(modules):
+        if fp8_format:
+            module.attach_fp8(lambda: FP8Linear(FP8Options(fp8_format, "tensorwise"), None))
+        for weight in (module.fc1_weight, module.fc2_weight):
+            weight.main_grad = torch.zeros(weight.shape, device="cuda")
+    before = [p.detach().clone() for p in modules.parameters()]
+    report = choose_expert_wgrad([modules], 64, torch.device("cuda"))
+    assert report.startswith("auto -> ") and "grouped-mm " in report and "per-expert " in report, report
+    assert "failed" not in report, report
+    chosen = {module.per_expert_wgrad for module in experts_of(modules)}
+    assert len(chosen) == 1 and report.startswith(f"auto -> {'per-expert' if chosen.pop() else 'grouped-mm'} (")
+    for param, old in zip(modules.parameters(), before):
+        assert torch.equal(param.detach(), old)
+    for module in experts_of(modules):
+        assert not module.fc1_weight.main_grad.any() and not module.fc2_weight.main_grad.any()

@@ -136,6 +136,8 @@ def test_tiny_moe_trains_with_aux_losses_in_the_log_line():
     assert len(lines) == 3
     assert all("load_balancing_loss: " in line and "z_loss: " in line for line in lines)
     assert "Warning" not in done.stderr
+    # --moe-grouped-wgrad auto, the default: on the CPU the grouped path, untimed, said at start-up
+    assert "[auto -> grouped-mm (not timed on the CPU)]" in done.stdout
 
 
 def _script_args(script: str, env: dict) -> list:

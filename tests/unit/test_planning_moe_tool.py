@@ -123,14 +123,20 @@ def test_expert_weight_gradients_cost_time_only_where_their_gemm_does_not_accumu
     top of the GEMM; on a GPU without grouped GEMMs (A100) each expert's GEMM accumulates in place:
     nothing beyond the GEMM, as for the dense linears. Without the fusion,
     under FP8 (the GEMM's product in bf16) or FSDP2 (no main_grad buffer), 12 bytes: bf16 written
-    and read, fp32 main_grad read and written."""
+    and read, fp32 main_grad read and written. auto, the default, costs the cheaper of grouped-mm
+    and per-expert."""
     arch = architecture_of(MIXTRAL_8X7B)
     target = cluster("h100-80gb")
     lay = Layout(tp=1, pp=1, cp=1, dp=8, micro_batch_size=1, global_batch_size=8, seq_length=4096, ep=8)
     local_weights = 3 * 4096 * 14336  # one expert per rank at EP 8
     unfused = target.memory_seconds(12 * local_weights, 2)
     grouped = target.memory_seconds(16 * local_weights, 2)
-    assert layer_time(arch, lay, target, moe=True).expert_grad_accumulation == pytest.approx(grouped, rel=1e-9)
+    assert layer_time(arch, lay.replace(moe_grouped_wgrad="grouped-mm"), target,
+                      moe=True).expert_grad_accumulation == pytest.approx(grouped, rel=1e-9)
+    # auto (the default): the faster of the two, as the start-up probe picks; here per-expert's
+    assert lay.moe_grouped_wgrad == "auto"
+    assert layer_time(arch, lay, target, moe=True).expert_grad_accumulation == pytest.approx(
+        min(grouped, target.memory_seconds(8 * local_weights, 0)), rel=1e-9)
     in_gemm = target.memory_seconds(8 * local_weights, 2)
     assert layer_time(arch, lay.replace(moe_grouped_wgrad="triton"), target,
                       moe=True).expert_grad_accumulation == pytest.approx(in_gemm, rel=1e-9)
@@ -154,7 +160,7 @@ def test_expert_weight_gradients_cost_time_only_where_their_gemm_does_not_accumu
     for extra, fused in (([], True), (["--no-gradient-accumulation-fusion"], False)):
         plan = plan_for_flags(parse_args(flags + extra), 32000, 8, target)
         assert plan.layout.gradient_accumulation_fusion is fused
-    for choice in ("triton", "per-expert"):
+    for choice in ("triton", "per-expert", "grouped-mm"):
         assert plan_for_flags(parse_args(flags + ["--moe-grouped-wgrad", choice]), 32000, 8,
                               target).layout.moe_grouped_wgrad == choice
 

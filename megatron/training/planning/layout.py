@@ -45,7 +45,7 @@ class Layout:
     ep: int = 1                             # expert parallelism (folded from the TP x CP x DP ranks)
     etp: int = 1                            # expert tensor parallelism (1 or TP)
     moe_layer_recompute: bool = False       # each mixture-of-experts block re-run in backward
-    moe_grouped_wgrad: str = "grouped-mm"   # the grouped experts' weight gradients into main_grad
+    moe_grouped_wgrad: str = "auto"         # the grouped experts' weight gradients into main_grad
 
     @property
     def edp(self) -> int:

@@ -179,7 +179,8 @@ def grad_accumulation_seconds(arch, lay, cluster) -> float:
     bytes, which an H200 showed it does not hide under its GEMM (its time at the presets' shapes was
     the GEMM's plus that traffic's), or --moe-grouped-wgrad per-expert, one GEMM per expert
     accumulating into main_grad: the same 8 bytes, plus what the per-expert GEMMs take beyond the
-    grouped one (smaller GEMMs, a launch each); elsewhere each expert's GEMM accumulates in place
+    grouped one (smaller GEMMs, a launch each), or auto (the default), the faster of grouped-mm and
+    per-expert, as the start-up probe picks; elsewhere each expert's GEMM accumulates in place
     (nothing more). Under FP8, or
     without the fusion, the GEMM writes its product in the compute dtype and it is added to
     main_grad: written and read in the compute dtype, main_grad read and written (the FP8 loop's
@@ -188,11 +189,13 @@ def grad_accumulation_seconds(arch, lay, cluster) -> float:
     if lay.gradient_accumulation_fusion and not lay.fsdp2 and not lay.fp8:
         if not cluster.gpu.grouped_gemm:
             return 0.0
-        if lay.moe_grouped_wgrad == "per-expert":
-            return cluster.memory_seconds(2 * FP32 * weights, 0) + max(
-                0.0, _routed_expert_gemm_seconds(arch, lay, cluster, False)
-                - _routed_expert_gemm_seconds(arch, lay, cluster, True))
-        return cluster.memory_seconds((2 if lay.moe_grouped_wgrad == "triton" else 4) * FP32 * weights, 2)
+        per_expert = cluster.memory_seconds(2 * FP32 * weights, 0) + max(
+            0.0, _routed_expert_gemm_seconds(arch, lay, cluster, False)
+            - _routed_expert_gemm_seconds(arch, lay, cluster, True))
+        grouped = cluster.memory_seconds((2 if lay.moe_grouped_wgrad == "triton" else 4) * FP32 * weights, 2)
+        if lay.moe_grouped_wgrad == "auto":  # the start-up probe takes the faster
+            return min(per_expert, grouped)
+        return per_expert if lay.moe_grouped_wgrad == "per-expert" else grouped
     return cluster.memory_seconds((2 * lay.compute_bytes + 2 * FP32) * weights, 2)
 
 

@@ -115,14 +115,18 @@ def _optimizer(optimizer) -> str:
 
 
 def fast_paths_line(execution: ExecutionConfig, *, no_torch_compile: bool, device, attention_report: str,
-                    optimizer, num_experts=None, fp8_choice: str = "") -> str:
-    """`fp8_choice`: the linears the start-up probe left in bf16 (`fp8.choose_fp8_linears`)."""
+                    optimizer, num_experts=None, fp8_choice: str = "", wgrad_choice: str = "") -> str:
+    """`fp8_choice`: the linears the start-up probe left in bf16 (`fp8.choose_fp8_linears`);
+    `wgrad_choice`: the experts' weight-gradient path --moe-grouped-wgrad auto chose and its times
+    (`wgrad_choice.choose_expert_wgrad`)."""
+    chosen = f" [{wgrad_choice}]" if wgrad_choice else ""
     parts = {
         "compile": _compile(execution, no_torch_compile, device),
-        "weight-gradient GEMM": _weight_gradient(execution, device) + _experts_weight_gradient(execution, num_experts),
+        "weight-gradient GEMM": (_weight_gradient(execution, device) + _experts_weight_gradient(execution, num_experts)
+                                 + (chosen if not execution.fp8 else "")),
         "cross entropy": _cross_entropy(execution),
         "attention": attention_report.removeprefix("attention: "),
-        "FP8": _fp8(execution, num_experts, device, fp8_choice),
+        "FP8": _fp8(execution, num_experts, device, fp8_choice) + (chosen if execution.fp8 else ""),
         "optimizer": _optimizer(optimizer),
     }
     return "fast paths: " + " | ".join(f"{name}: {value}" for name, value in parts.items())

@@ -20,7 +20,7 @@ class ExecutionConfig:
     moe_permute_fusion: bool = False             # torch.compile the MoE permute and unpermute (token_dispatcher)
     moe_router_fusion: bool = False              # torch.compile the router's arithmetic (moe_utils.route)
     moe_router_padding_for_fp8: bool = False     # pad the routing, not the FP8 experts' rows (token_dispatcher)
-    moe_grouped_wgrad: str = "grouped-mm"        # or "triton": the experts' weight gradients into main_grad
+    moe_grouped_wgrad: str = "grouped-mm"        # "triton", "per-expert", "auto": the experts' weight gradients into main_grad
     cp_comm_type: str = "p2p"                    # context parallelism: "p2p", "all_gather" or "a2a"
     gradient_accumulation_fusion: bool = True    # linears/embedding accumulate weight grads into main_grad
     cross_entropy_loss_fusion: bool = True       # chunked fused cross entropy (tensor_parallel.cross_entropy)

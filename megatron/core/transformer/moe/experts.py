@@ -91,6 +91,8 @@ class GroupedMLP(torch.nn.Module):
         self.accumulate_grads = accumulate_expert_grads_
         self.triton_wgrad = execution.moe_grouped_wgrad == "triton"  # (where the kernel runs: triton_experts.py)
         self.per_expert_wgrad = execution.moe_grouped_wgrad == "per-expert"  # (the grouped paths: HostCounts)
+        # auto: the grouped path until the start-up probe sets `per_expert_wgrad` (moe/wgrad_choice.py)
+        self.wgrad_auto = execution.moe_grouped_wgrad == "auto"
         # Layouts of the stacked tensors (dim 0 is the expert) over the expert-tensor-parallel ranks:
         # the hidden size split like the dense MLP's. With etp = 1 an expert is whole on every rank
         # that holds it, and the gradients of its copies are summed over the expert-data-parallel
