@@ -141,7 +141,5 @@ def time_expert_wgrad(module: GroupedMLP, per_expert: bool, rows: int, device, w
         h = linear(inputs, weights[0], "fc1", host_counts)
         linear(module._activate(h), weights[1], "fc2", host_counts).backward(grad)
 
-    seconds = median_seconds(step, device, PROBE_WARMUP if warmup is None else warmup,
-                             PROBE_REPEATS if repeats is None else repeats)
-    del weights, x, grad
-    return seconds
+    return median_seconds(step, device, PROBE_WARMUP if warmup is None else warmup,
+                          PROBE_REPEATS if repeats is None else repeats)
