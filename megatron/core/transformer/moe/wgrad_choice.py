@@ -23,11 +23,16 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron.core import utils
 from megatron.core.transformer.moe.experts import GroupedMLP, HostCounts, _ExpertsFunction
 
 CHOICES = ("grouped-mm", "per-expert")
 MARGIN = 0.05                 # per-expert is taken only when at least 5% faster
-SCRATCH_BYTES = 2 * 2 ** 30   # fp32 stand-in gradients the probe may allocate
+# fp32 stand-in gradients the probe may allocate: at most one layer's experts' main_grad, which data
+# parallelism allocates after it anyway for every layer (returned to the device when the probe ends);
+# enough for every local expert of the presets, so that the compiled accumulation sees the shapes it
+# trains with (no recompilation for the probe's)
+SCRATCH_BYTES = 8 * 2 ** 30
 FP8_ALIGNMENT = 16
 
 
@@ -84,22 +89,30 @@ def choose_expert_wgrad(chunks: list, rows: int, device, time_path: Optional[Cal
         def time_path(module, per_expert):
             return time_expert_wgrad(module, per_expert, rows, device)
     reports = []
-    for modules in kinds.values():
-        seconds, failures = {}, []
-        for choice in CHOICES:
-            try:
-                seconds[choice] = time_path(modules[0], choice == "per-expert")
-            except (RuntimeError, ValueError, NotImplementedError) as error:
-                failures.append(f"{choice} failed: {str(error).splitlines()[0][:120]}")
-        grouped, per_expert = seconds.get("grouped-mm", math.inf), seconds.get("per-expert", math.inf)
-        chosen = "per-expert" if per_expert < (1 - MARGIN) * grouped else "grouped-mm"
-        for module in modules:
-            module.per_expert_wgrad = chosen == "per-expert"
-        timed = ", ".join(f"{choice} {seconds[choice] * 1e3:.2f} ms" for choice in CHOICES if choice in seconds)
-        experts = probe_experts(modules[0])
-        reports.append(f"auto -> {chosen} ({timed} for {experts} experts x {rows} rows"
-                       + "".join(f"; {failure}" for failure in failures) + ")")
+    try:
+        for modules in kinds.values():
+            reports.append(_choose_for_kind(modules, time_path, rows))
+    finally:
+        utils.empty_cache(device)  # the probe's blocks back to the device before the buffers are made
     return "; ".join(dict.fromkeys(reports))
+
+
+def _choose_for_kind(modules: list, time_path, rows: int) -> str:
+    """Times both paths for one kind of module (`modules`), sets the faster on all of them and says so."""
+    seconds, failures = {}, []
+    for choice in CHOICES:
+        try:
+            seconds[choice] = time_path(modules[0], choice == "per-expert")
+        except (RuntimeError, ValueError, NotImplementedError) as error:
+            failures.append(f"{choice} failed: {str(error).splitlines()[0][:120]}")
+    grouped, per_expert = seconds.get("grouped-mm", math.inf), seconds.get("per-expert", math.inf)
+    chosen = "per-expert" if per_expert < (1 - MARGIN) * grouped else "grouped-mm"
+    for module in modules:
+        module.per_expert_wgrad = chosen == "per-expert"
+    timed = ", ".join(f"{choice} {seconds[choice] * 1e3:.2f} ms" for choice in CHOICES if choice in seconds)
+    experts = probe_experts(modules[0])
+    return (f"auto -> {chosen} ({timed} for {experts} experts x {rows} rows"
+            + "".join(f"; {failure}" for failure in failures) + ")")
 
 
 def time_expert_wgrad(module: GroupedMLP, per_expert: bool, rows: int, device, warmup: int = None,
@@ -141,5 +154,6 @@ def time_expert_wgrad(module: GroupedMLP, per_expert: bool, rows: int, device, w
         h = linear(inputs, weights[0], "fc1", host_counts)
         linear(module._activate(h), weights[1], "fc2", host_counts).backward(grad)
 
-    return median_seconds(step, device, PROBE_WARMUP if warmup is None else warmup,
-                          PROBE_REPEATS if repeats is None else repeats)
+    seconds = median_seconds(step, device, PROBE_WARMUP if warmup is None else warmup,
+                             PROBE_REPEATS if repeats is None else repeats)
+    return seconds
