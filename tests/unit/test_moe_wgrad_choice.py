@@ -160,3 +160,31 @@ def test_the_timing_runs_each_path_and_leaves_the_model_alone(fp8_format, recipe
         assert not p.main_grad.any(), name
     if scaling is not None:
         assert torch.equal(scaling.history, history)
+
+
+def test_start_up_probes_the_rows_of_a_micro_batch_and_names_the_choice(monkeypatch):
+    """The training start-up (`training._choose_expert_wgrad`): the rows each local expert gets from
+    a micro-batch of 2 x 32 tokens, top-2 over 4 experts (32), and, where every module took the same
+    path, the execution config naming it (what the fast-paths line and FP8's report read)."""
+    from megatron.training import training
+    from megatron.training.arguments import parse_args
+    from tests.unit.test_moe_flags import MINIMAL
+
+    config = parse_args(MINIMAL + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16"])
+    modules = chunk()
+    model_config = type("Routing", (), dict(num_experts=4, moe_router_topk=2))()  # (only its routing is read)
+    asked = []
+
+    def choose(chunks, rows, device):
+        asked.append(rows)
+        for module in experts_of(chunks[0]):
+            module.per_expert_wgrad = True
+        return "auto -> per-expert (...)"
+
+    monkeypatch.setattr(training, "choose_expert_wgrad", choose)
+    execution = ExecutionConfig(moe_grouped_wgrad="auto")
+    chosen, report = training._choose_expert_wgrad([modules], config, single_process(), model_config, execution)
+    assert asked == [32] and report == "auto -> per-expert (...)"
+    assert chosen.moe_grouped_wgrad == "per-expert"
+    forced = ExecutionConfig(moe_grouped_wgrad="grouped-mm")
+    assert training._choose_expert_wgrad([modules], config, single_process(), model_config, forced) == (forced, "")
