@@ -47,6 +47,19 @@ def _aligned(t, name: str, leading: int) -> list:
     return problems
 
 
+def _operand_layouts(a, b) -> list:
+    """a row-major and b column-major (in their last two dimensions), each aligned."""
+    if not _row_major(a):
+        problems = [f"a must be row-major, got strides {a.stride()} for {tuple(a.shape)}"]
+    else:
+        problems = _aligned(a, "a", a.stride(-2))
+    if not _column_major(b):
+        problems.append(f"b must be column-major, got strides {b.stride()} for {tuple(b.shape)}")
+    else:
+        problems += _aligned(b, "b", b.stride(-1))
+    return problems
+
+
 def scaled_mm_problems(a, b, scale_a, scale_b, out_dtype=None, out=None) -> list:
     """What CUDA's `torch._scaled_mm` would refuse in these arguments ([] if nothing)."""
     problems = []
@@ -59,14 +72,7 @@ def scaled_mm_problems(a, b, scale_a, scale_b, out_dtype=None, out=None) -> list
     (m, k), n = a.shape, b.shape[1]
     if 0 in (m, k, n):
         return problems
-    if not _row_major(a):
-        problems.append(f"a must be row-major, got strides {a.stride()} for {tuple(a.shape)}")
-    else:
-        problems += _aligned(a, "a", a.stride(0))
-    if not _column_major(b):
-        problems.append(f"b must be column-major, got strides {b.stride()} for {tuple(b.shape)}")
-    else:
-        problems += _aligned(b, "b", b.stride(1))
+    problems += _operand_layouts(a, b)
     if k % 16 or n % 16:
         problems.append(f"K ({k}) and N ({n}) must be multiples of 16")
     out_dtype = out_dtype or a.dtype
@@ -99,16 +105,9 @@ def scaled_grouped_mm_problems(a, b, scale_a, scale_b, offs, out_dtype=torch.bfl
         problems.append(f"operands must both be E4M3, got {a.dtype} and {b.dtype}")
     if a.dim() != 2 or b.dim() not in (2, 3):
         return problems + [f"operands must be 2-D and 2- or 3-D, got {tuple(a.shape)} and {tuple(b.shape)}"]
-    if not _row_major(a):
-        problems.append(f"a must be row-major, got strides {a.stride()} for {tuple(a.shape)}")
-    else:
-        problems += _aligned(a, "a", a.stride(0))
-    if not _column_major(b):
-        problems.append(f"b must be column-major, got strides {b.stride()} for {tuple(b.shape)}")
-    else:
-        problems += _aligned(b, "b", b.stride(-1))
-        if b.dim() == 3 and (b.stride(0) * b.element_size()) % ALIGN:
-            problems.append(f"b's group stride ({b.stride(0)}) is no multiple of 16 bytes")
+    problems += _operand_layouts(a, b)
+    if b.dim() == 3 and (b.stride(0) * b.element_size()) % ALIGN:
+        problems.append(f"b's group stride ({b.stride(0)}) is no multiple of 16 bytes")
     k, n = a.shape[1], b.shape[-1]
     if k % 16 or n % 16:
         problems.append(f"K ({k}) and N ({n}) must be multiples of 16")

@@ -12,8 +12,9 @@ its arguments to the grouped rules).
 import pytest
 import torch
 
-from megatron.core.transformer.fp8 import DelayedScaling, FP8Linear, FP8Options, writes_into
+from megatron.core.transformer.fp8 import writes_into
 from tests.unit.cuda_operand_rules import CudaOperandRules, scaled_grouped_mm_problems, scaled_mm_problems
+from tests.unit.test_fp8 import fp8_linear, randn
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 ONE = torch.tensor(1.0)
@@ -116,16 +117,8 @@ def test_the_dispatch_mode_stops_a_refused_call_and_counts_the_others():
 def test_dense_fp8_linear_gemms_take_gpu_operands(fp8_format, recipe):
     """Forward, input gradient and weight gradient (from the bf16 input, from the kept FP8 transpose,
     and written into an fp32 main_grad) of one FP8 linear, twice (delayed: from the history)."""
-    options = FP8Options(fp8_format, recipe)
-    scaling = DelayedScaling(options) if recipe == "delayed" else None
-    linear = FP8Linear(options, scaling)
-    if scaling is not None:
-        scaling.allocate("cpu")
-        linear.bind()
-    generator = torch.Generator().manual_seed(1)
-    x = torch.randn(3, 16, 64, generator=generator).bfloat16()
-    weight = (torch.randn(96, 64, generator=generator) * 0.1).bfloat16()
-    grad = (torch.randn(3, 16, 96, generator=generator) * 1e-3).bfloat16()
+    linear, scaling = fp8_linear(fp8_format, recipe)
+    x, weight, grad = randn(3, 16, 64, seed=1), randn(96, 64, seed=2, scale=0.1), randn(3, 16, 96, seed=3, scale=1e-3)
     main_grad = torch.zeros(96, 64)
     writes_into = linear.writes_into(main_grad)  # (probed here, not counted below)
     with CudaOperandRules() as rules:

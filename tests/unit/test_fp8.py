@@ -89,14 +89,20 @@ def test_delayed_scaling_scales_the_first_micro_batch_from_its_own_amax():
     assert linear._tensor_scale(x, 0, torch.float8_e4m3fn).item() == pytest.approx(448.0 / 1e-3)
 
 
-@pytest.mark.parametrize("fp8_format, recipe", CASES)
-def test_each_recipe_gemm_matches_bf16_within_the_format_bound(fp8_format, recipe):
+def fp8_linear(fp8_format: str, recipe: str):
+    """(an FP8Linear of this format and recipe, its DelayedScaling bound on the CPU or None)."""
     options = FP8Options(fp8_format, recipe)
     scaling = DelayedScaling(options) if recipe == "delayed" else None
     linear = FP8Linear(options, scaling)
     if scaling is not None:
         scaling.allocate("cpu")
         linear.bind()
+    return linear, scaling
+
+
+@pytest.mark.parametrize("fp8_format, recipe", CASES)
+def test_each_recipe_gemm_matches_bf16_within_the_format_bound(fp8_format, recipe):
+    linear, scaling = fp8_linear(fp8_format, recipe)
     x, weight, grad = randn(8, 4, 64, seed=1), randn(48, 64, seed=2, scale=0.1), randn(8, 4, 48, seed=3, scale=1e-4)
     forward_u = UNIT_ROUNDOFF[linear.forward_dtype]
     grad_u = UNIT_ROUNDOFF[linear.grad_dtype]
