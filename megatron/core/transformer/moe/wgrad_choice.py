@@ -25,6 +25,7 @@ import torch
 
 from megatron.core import utils
 from megatron.core.transformer.moe.experts import GroupedMLP, HostCounts, _ExpertsFunction
+from megatron.core.transformer.moe.fp8_experts import FP8_ALIGNMENT, ExpertsFP8
 
 CHOICES = ("grouped-mm", "per-expert")
 MARGIN = 0.05                 # per-expert is taken only when at least 5% faster
@@ -33,7 +34,6 @@ MARGIN = 0.05                 # per-expert is taken only when at least 5% faster
 # enough for every local expert of the presets, so that the compiled accumulation sees the shapes it
 # trains with (no recompilation for the probe's)
 SCRATCH_BYTES = 8 * 2 ** 30
-FP8_ALIGNMENT = 16
 
 
 def probe_experts(module: GroupedMLP) -> int:
@@ -123,7 +123,6 @@ def time_expert_wgrad(module: GroupedMLP, per_expert: bool, rows: int, device, w
     main_grad and hooks are untouched."""
     from megatron.core.transformer.attention import PROBE_REPEATS, PROBE_WARMUP, median_seconds
     from megatron.core.transformer.fp8 import FP8Linear, FP8Options
-    from megatron.core.transformer.moe.fp8_experts import ExpertsFP8
 
     experts = probe_experts(module)
     weights = []
