@@ -119,6 +119,8 @@ def _add_field(group, field: dataclasses.Field, annotation, help_text: str) -> N
     flags = (flag_of(field), *(irregular.aliases if isinstance(irregular, Flag) else ()))
     if isinstance(irregular, Flag):
         help_text = irregular.help or help_text
+    help_text = help_text.replace("%", "%%")  # argparse formats help with %: a "5%" is text here
+    if isinstance(irregular, Flag):
         if irregular.action is not None:
             group.add_argument(*flags, dest=name, action=irregular.action, default=default, help=help_text)
             return
