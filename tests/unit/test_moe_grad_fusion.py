@@ -55,16 +55,23 @@ def _experts(dtype, fusion, fp8_recipe=None, grouped=False, fp8_format="hybrid",
         for name, param in experts.named_parameters():
             initialize_expert_param(param, f"decoder.layers.0.mlp.experts.{name}", 3, 0.5, 2)
     if fp8_recipe is not None:
-        options = FP8Options(fp8_format, fp8_recipe, amax_history_len=2, amax_compute_algo="max")
-        scaling = DelayedScaling(options) if fp8_recipe == "delayed" else None
-        linears = experts.attach_fp8(lambda: FP8Linear(options, scaling))
-        if scaling is not None:
-            scaling.allocate("cpu")
-        for linear in linears:
-            linear.bind()
+        attach_fp8([experts], fp8_format, fp8_recipe)
     ddp = DistributedDataParallel(experts, single_process())
     ddp.zero_grad_buffer()
     return experts, ddp
+
+
+def attach_fp8(experts: list, fp8_format: str, recipe: str):
+    """The experts (GroupedMLPs) in FP8 of this format and recipe, one delayed-scaling state for all
+    of them (allocated on the CPU and bound; None for the other recipes), which is returned."""
+    options = FP8Options(fp8_format, recipe, amax_history_len=2, amax_compute_algo="max")
+    scaling = DelayedScaling(options) if recipe == "delayed" else None
+    linears = [linear for module in experts for linear in module.attach_fp8(lambda: FP8Linear(options, scaling))]
+    if scaling is not None:
+        scaling.allocate("cpu")
+    for linear in linears:
+        linear.bind()
+    return scaling
 
 
 def _reference(experts, dtype):

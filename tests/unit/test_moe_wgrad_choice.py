@@ -15,12 +15,12 @@ import torch
 from megatron.core.distributed.ddp import DistributedDataParallel
 from megatron.core.parallel_state import single_process
 from megatron.core.transformer.config import ExecutionConfig
-from megatron.core.transformer.fp8 import DelayedScaling, FP8Linear, FP8Options
 from megatron.core.transformer.moe import experts as experts_module
 from megatron.core.transformer.moe.experts import GroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.wgrad_choice import (choose_expert_wgrad, probe_experts, rows_per_expert,
                                                         time_expert_wgrad)
+from tests.unit.test_moe_grad_fusion import attach_fp8
 from tests.unit.test_moe_layer import config
 
 CPU = torch.device("cpu")
@@ -114,15 +114,7 @@ def _model(fp8_format=None, recipe="tensorwise"):
     with torch.no_grad():
         for param in modules.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-    scaling = None
-    if fp8_format:
-        options = FP8Options(fp8_format, recipe, amax_history_len=2, amax_compute_algo="max")
-        scaling = DelayedScaling(options) if recipe == "delayed" else None
-        linears = [linear for m in experts_of(modules) for linear in m.attach_fp8(lambda: FP8Linear(options, scaling))]
-        if scaling is not None:
-            scaling.allocate("cpu")
-            for linear in linears:
-                linear.bind()
+    scaling = attach_fp8(experts_of(modules), fp8_format, recipe) if fp8_format else None
     ddp = DistributedDataParallel(modules, single_process())
     ddp.zero_grad_buffer()
     return modules, ddp, scaling
