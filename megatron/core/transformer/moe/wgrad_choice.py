@@ -31,8 +31,9 @@ CHOICES = ("grouped-mm", "per-expert")
 MARGIN = 0.05                 # per-expert is taken only when at least 5% faster
 # fp32 stand-in gradients the probe may allocate: at most one layer's experts' main_grad, which data
 # parallelism allocates after it anyway for every layer (returned to the device when the probe ends);
-# enough for every local expert of the presets, so that the compiled accumulation sees the shapes it
-# trains with (no recompilation for the probe's)
+# enough for every local expert of the Mixtral and Qwen3-MoE presets, so that the compiled
+# accumulation sees the shapes it trains with (DeepSeek-V3's 256 experts of 2048 run 48 of them: one
+# more compilation, at start-up)
 SCRATCH_BYTES = 8 * 2 ** 30
 
 
