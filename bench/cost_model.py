@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from megatron.core.transformer.moe.wgrad_choice import ACCUMULATING
+
 # H100 80GB SXM ceilings measured at these shapes (middle of each measured range), bytes/s and FLOP/s.
 GEMM_BF16, GEMM_FP8 = 630e12, 1000e12            # measured 545-715 and 742-1280 TFLOP/s
 ATTENTION = {64: 338e12, 128: 414e12}           # SDPA causal flash forward+backward, by head dim
@@ -345,8 +347,10 @@ def moe_step_parts(name: str, precision: str, wgrad: str = "grouped-mm") -> dict
         # unless --moe-grouped-wgrad triton, whose kernels multiply E5M2 by E4M3 (at the FP8 rate
         # assumed here, unmeasured).
         # With --moe-grouped-wgrad per-expert, cuBLAS's `_scaled_mm` per expert multiplies them (FP8
-        # rate, a GEMM per expert).
-        widened = 0 if wgrad in ("triton", "per-expert") else flops["experts"] * 2 / 3
+        # rate, a GEMM per expert); accumulating in bf16 (ACCUMULATING, which auto may choose), the
+        # weight gradients of a step's later micro-batches are bf16 GEMMs of the widened casts.
+        widened = {"triton": 0, "per-expert": 0,
+                   ACCUMULATING: flops["experts"] / 3 * (m - 1) / m}.get(wgrad, flops["experts"] * 2 / 3)
         gemm_seconds = m * (layers * ((layer_gemm - widened) / GEMM_FP8 + widened / GEMM_BF16) + output / GEMM_BF16)
     else:
         gemm_seconds = m * (layers * layer_gemm / GEMM_BF16 + output / GEMM_BF16)
@@ -388,20 +392,25 @@ def moe_step_parts(name: str, precision: str, wgrad: str = "grouped-mm") -> dict
         x = tokens * (p["h"] + q) + rows * (p["h"] + p["expert_f"])
         g = tokens * (q + 2 * kv + p["h"]) + rows * (2 * p["expert_f"] + p["h"])
         # The Triton kernel adds into main_grad itself; per expert, `_scaled_mm` writes a step's first
-        # micro-batch into main_grad (fp32, 4 bytes), the later ones' bf16 products are added (12).
-        expert_wgrad_bytes = {"triton": 8, "per-expert": (4 + 12 * (m - 1)) / m}.get(wgrad, 12)
+        # micro-batch into main_grad (fp32, 4 bytes), the later ones' bf16 products are added (12),
+        # or, accumulating in bf16, cuBLAS reads and writes main_grad (8, as bf16's per-expert path).
+        expert_wgrad_bytes = {"triton": 8, "per-expert": (4 + 12 * (m - 1)) / m,
+                              ACCUMULATING: (4 + 8 * (m - 1)) / m}.get(wgrad, 12)
         casts = m * layers * (6 * (x + g) + 12 * attention_weights + expert_wgrad_bytes * expert_weights)
         casts += layers * 6 * (expert_weights + attention_weights)
         # hybrid's widened gradient GEMMs: the input gradient's operands (the experts' weight casts and
         # the gradient's rows, 1 byte read and 2 written each) and the weight gradient's (the
         # gradient's and input's rows); none with the Triton kernels, which take the casts as they are.
         expert_g, expert_x = rows * (2 * p["expert_f"] + p["h"]), rows * (p["h"] + p["expert_f"])
-        casts += 0 if wgrad in ("triton", "per-expert") else m * layers * 3 * (expert_weights + 2 * expert_g + expert_x)
+        if wgrad == ACCUMULATING:   # the later micro-batches' gradient and input rows widened
+            casts += (m - 1) * layers * 3 * (expert_g + expert_x)
+        elif wgrad not in ("triton", "per-expert"):
+            casts += m * layers * 3 * (expert_weights + 2 * expert_g + expert_x)
         parts["FP8 casts"] = (casts / HBM, f"{casts / 1e9:.0f} GB")
     # The host runs ahead of the GPU (no read-back in the MoE layer at EP 1): only host time beyond
     # the GPU's adds to the step.
     ops = m * moe_host_ops(name)
-    if wgrad == "per-expert":  # a weight-gradient GEMM per expert and weight (FP8: the input gradient's too)
+    if wgrad in ("per-expert", ACCUMULATING):  # a weight-gradient GEMM per expert and weight (FP8: the input gradient's too)
         ops += m * layers * 2 * p["experts"] * (2 if precision == "fp8" else 1)
     host, gpu = ops * HOST_SECONDS_PER_OP, sum(t for t, _ in parts.values())
     parts["host beyond the GPU"] = (max(0.0, host - gpu), f"{ops} ops, {host * 1e3:.0f} ms of CPU")
@@ -424,7 +433,7 @@ def moe_prediction(name: str, precision: str, wgrad: str = "grouped-mm") -> dict
 
 
 RUNS = (("bf16", "grouped-mm"), ("bf16", "triton"), ("bf16", "per-expert"), ("fp8", "per-expert"),
-        ("fp8", "grouped-mm"))  # the columns of `moe_markdown`
+        ("fp8", ACCUMULATING), ("fp8", "grouped-mm"))  # the columns of `moe_markdown`
 
 
 def moe_markdown() -> str:
@@ -436,7 +445,8 @@ def moe_markdown() -> str:
                   f"before activations; predicted, ms per step of {MICRO_BATCHES} micro-batches)", "",
                   "| part | bf16, --moe-grouped-wgrad grouped-mm | bf16, --moe-grouped-wgrad triton "
                   "| bf16, --moe-grouped-wgrad per-expert | fp8, --moe-grouped-wgrad per-expert "
-                  "| fp8, --moe-grouped-wgrad grouped-mm | work (fp8) |", "|---|---|---|---|---|---|---|"]
+                  f"| fp8, {ACCUMULATING} (auto) | fp8, --moe-grouped-wgrad grouped-mm | work (fp8) |",
+                  "|---|---|---|---|---|---|---|---|"]
         for part in rows[-1]["parts"]:
             cells = [f"{r['parts'][part]['seconds'] * 1e3:.0f}" if part in r["parts"] else "" for r in rows]
             lines.append(f"| {part} | " + " | ".join(cells) + f" | {rows[-1]['parts'][part]['work']} |")
@@ -446,9 +456,9 @@ def moe_markdown() -> str:
         lines.append("| tokens/s | " + " | ".join(f"{r['tokens_per_second']:.0f}" for r in rows) + " | |")
         auto = {precision: min(r["step_seconds"] for r, (p, wgrad) in zip(rows, RUNS) if p == precision
                                and wgrad != "triton") for precision in ("bf16", "fp8")}
-        lines += ["", f"The default, --moe-grouped-wgrad auto, runs whichever of grouped-mm and per-expert its "
-                      f"start-up probe times faster: {auto['bf16'] * 1e3:.0f} ms in bf16 and {auto['fp8'] * 1e3:.0f} "
-                      f"in FP8 on these predictions.", ""]
+        lines += ["", f"The default, --moe-grouped-wgrad auto, runs whichever of grouped-mm and per-expert (FP8: "
+                      f"also {ACCUMULATING}) its start-up probe times fastest: {auto['bf16'] * 1e3:.0f} ms in "
+                      f"bf16 and {auto['fp8'] * 1e3:.0f} in FP8 on these predictions.", ""]
     return "\n".join(lines)
 
 
@@ -459,7 +469,7 @@ def main() -> None:
     rows = predictions()
     moe = [moe_prediction(name, precision, wgrad) for name in MOE_PRESETS
            for precision, wgrad in (("bf16", "grouped-mm"), ("bf16", "triton"), ("bf16", "per-expert"),
-                                    ("fp8", "grouped-mm"), ("fp8", "per-expert"))]
+                                    ("fp8", "grouped-mm"), ("fp8", "per-expert"), ("fp8", ACCUMULATING))]
     print(json.dumps(rows + moe, indent=1) if args.json else markdown(rows) + "\n" + moe_markdown())
 
 

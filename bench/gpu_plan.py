@@ -50,6 +50,8 @@ def runs(tunableop: bool, dense_ab: bool = False) -> list:
             ("bf16-per-expert-wgrad", MIXTRAL, PER_EXPERT_WGRAD, *ab, ""),
             # the compiled permutation and router, where the host's share is largest
             ("bf16-fused", QWEN3_MOE, FUSIONS, *ab, ""),
+            # (auto: its start-up probe times grouped-mm, per-expert and per-expert accumulating in
+            # bf16, and the fast-paths line gives the three times and the choice)
             ("fp8-tensorwise", MIXTRAL, f"{FP8_TENSORWISE} --moe-router-padding-for-fp8", *ab, ""),
             # FP8's gradient GEMMs per expert by cuBLAS (E5M2 x E4M3 at the FP8 rate; the Triton
             # kernels, which widen FP8 tiles to fp16, measured 692 ms against 714 on 2026-11-28: run

@@ -6,7 +6,8 @@ CPU cannot run, each against the loop of GEMMs it replaces.
   product added eagerly, compiled, by the Triton grouped GEMM (--moe-grouped-wgrad triton), and by a
   cuBLAS GEMM per expert accumulating into it, the counts copied to the host without waiting
   (--moe-grouped-wgrad per-expert: one non-blocking copy, nothing else read back); under FP8 its
-  per-expert `_scaled_mm` gradients (E5M2 x E4M3 under hybrid) against the loop.
+  per-expert `_scaled_mm` gradients (E5M2 x E4M3 under hybrid) against the loop, the weight
+  gradient also as bf16 GEMMs of the widened casts accumulating into main_grad.
 - FP8: `torch._scaled_grouped_mm` (one cast per tensor for all experts, each expert's scale per
   row) against the loop of `torch._scaled_mm` with each expert's `FP8Linear`: the same FP8 values,
   so only the bf16 rounding of the results differs; and both within the FP8 bound of bf16.
@@ -181,14 +182,17 @@ def test_scaled_grouped_mm_fp8_experts_equal_the_loop(fp8_format):
 
 
 @pytest.mark.parametrize("fp8_format", ["e4m3", "hybrid"])
-@pytest.mark.parametrize("empty", [True, False], ids=["written", "added"])
-def test_fp8_per_expert_gradients_equal_the_loop_on_cuda(fp8_format, empty):
+@pytest.mark.parametrize("empty, bf16_accumulation", [(True, False), (False, False), (False, True)],
+                         ids=["written", "added", "accumulated-in-bf16"])
+def test_fp8_per_expert_gradients_equal_the_loop_on_cuda(fp8_format, empty, bf16_accumulation):
     """--moe-grouped-wgrad per-expert under FP8 on the GPU: the grouped forward, then per expert
     cuBLAS `_scaled_mm` (E5M2 x E4M3 under hybrid) on column slices of the transposed casts, whose
     leading dimension is rounded up to 16 bytes (here N = 101 rows with the sentinel rows: an
     expert's columns of an unpadded [n, N] transpose are no operand cuBLAS takes). The weight
     gradient written into a zeroed main_grad on a step's first micro-batch (`written`), else its
-    product added (`added`, onto 0.5); against the loop of `_scaled_mm` with each expert's
+    product added (`added`, onto 0.5) or, with `bf16_accumulation`, the casts widened to bf16 and
+    multiplied by cuBLAS accumulating into main_grad (`accumulated-in-bf16`: a column-major operand
+    of the widened transpose, fp32 output); against the loop of `_scaled_mm` with each expert's
     `FP8Linear` (the same FP8 values)."""
     from megatron.core.transformer.fp8 import FP8Linear, FP8Options
     from megatron.core.transformer.moe.experts import HostCounts, accumulate_expert_grads_
@@ -202,6 +206,7 @@ def test_fp8_per_expert_gradients_equal_the_loop_on_cuda(fp8_format, empty):
     grad_s = torch.cat([grad, torch.ones(sentinel, FFN, device="cuda", dtype=grad.dtype)])
     options = FP8Options(fp8_format, "tensorwise")
     grouped = ExpertsFP8([FP8Linear(options, None) for _ in COUNTS])
+    grouped.bf16_accumulation = bf16_accumulation
     loop = [FP8Linear(options, None) for _ in COUNTS]
     start = 0.0 if empty else 0.5
     fused = _with_main_grad(weight, start, empty)
@@ -318,9 +323,10 @@ def test_moe_layer_with_every_fusion_compiled_matches_eager_on_cuda(dispatcher):
 
 @pytest.mark.parametrize("fp8_format", [None, "hybrid"], ids=["bf16", "fp8-hybrid"])
 def test_auto_weight_gradient_probe_times_both_paths_on_cuda(fp8_format):
-    """--moe-grouped-wgrad auto on the GPU: both paths timed (no failure), the choice set on every
-    module of the kind, the model's main_grad and weights untouched (the probe's gradients go to
-    stand-ins). FP8: hybrid tensorwise experts on padded routing."""
+    """--moe-grouped-wgrad auto on the GPU: every path timed (no failure; FP8 also per-expert
+    accumulating in bf16), the choice set on every module of the kind, the model's main_grad and
+    weights untouched (the probe's gradients go to stand-ins). FP8: hybrid tensorwise experts on
+    padded routing."""
     from megatron.core.transformer.fp8 import FP8Linear, FP8Options
     from megatron.core.transformer.moe.wgrad_choice import choose_expert_wgrad
     from tests.unit.test_moe_wgrad_choice import chunk, experts_of
@@ -338,9 +344,14 @@ def test_auto_weight_gradient_probe_times_both_paths_on_cuda(fp8_format):
     before = [p.detach().clone() for p in modules.parameters()]
     report = choose_expert_wgrad([modules], 64, torch.device("cuda"))
     assert report.startswith("auto -> ") and "grouped-mm " in report and "per-expert " in report, report
+    assert ("per-expert accumulating in bf16 " in report) == bool(fp8_format), report
     assert "failed" not in report, report
-    chosen = {module.per_expert_wgrad for module in experts_of(modules)}
-    assert len(chosen) == 1 and report.startswith(f"auto -> {'per-expert' if chosen.pop() else 'grouped-mm'} (")
+    chosen = {(module.per_expert_wgrad, module.fp8 is not None and module.fp8["fc1"].bf16_accumulation)
+              for module in experts_of(modules)}
+    assert len(chosen) == 1, chosen
+    per_expert, accumulating = chosen.pop()
+    name = "per-expert accumulating in bf16" if accumulating else "per-expert" if per_expert else "grouped-mm"
+    assert report.startswith(f"auto -> {name} ("), report
     for param, old in zip(modules.parameters(), before):
         assert torch.equal(param.detach(), old)
     for module in experts_of(modules):

@@ -272,9 +272,12 @@ def test_fp8_per_expert_gradients_equal_the_grouped_path(fp8_format, recipe, mon
     device, sentinel rows after them): both gradient GEMMs are `torch._scaled_mm` per expert with
     rows, on the casts the grouped path makes (E5M2 x E4M3 under hybrid, which the grouped FP8 kernel
     cannot multiply), no grouped GEMM left in backward; the first micro-batch's weight gradients are
-    written into main_grad by the GEMM, the later ones added. Same FP8 values and scales as the
-    grouped path (here its dequantized grouped GEMM, as on the CPU), which rounds every weight-gradient
-    product to bf16 where the first per-expert one is written in fp32: within bf16's rounding."""
+    written into main_grad by the GEMM, the later ones added, or, with `bf16_accumulation` (what
+    --moe-grouped-wgrad auto may choose), multiplied as the casts widened to bf16 by one GEMM per
+    expert accumulating into main_grad (`accumulate_matmul_`; no FP8 product made). Same FP8 values
+    and scales as the grouped path (here its dequantized grouped GEMM, as on the CPU), which rounds
+    every weight-gradient product to bf16 where the first per-expert one is written in fp32: within
+    bf16's rounding."""
     from megatron.core.transformer.moe import fp8_experts
     from tests.unit.test_moe_host_sync import HostReads
 
@@ -292,10 +295,17 @@ def test_fp8_per_expert_gradients_equal_the_grouped_path(fp8_format, recipe, mon
     mode = HostReads()
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: mode.reads.append("tolist") or tolist(self))
+    accumulated = []
+    monkeypatch.setattr(fp8_experts, "accumulate_matmul_",
+                        lambda *a: accumulated.append(1) or experts_module.accumulate_matmul_(*a))
     results = {}
-    for wgrad in ("grouped-mm", "per-expert"):
+    for variant in ("grouped-mm", "per-expert", "bf16 accumulation"):
+        wgrad = "grouped-mm" if variant == "grouped-mm" else "per-expert"
         experts, ddp = _experts(torch.bfloat16, fusion=True, fp8_recipe=recipe, grouped=True, fp8_format=fp8_format,
                                 moe_router_padding_for_fp8=True, moe_grouped_wgrad=wgrad)
+        for fp8 in experts.fp8.values():
+            fp8.bf16_accumulation = variant == "bf16 accumulation"
+        accumulated.clear()
         assert experts.fp8_counts_on_device(batches[0][1])
         # (probed here, not counted below)
         assert experts.fp8["fc1"].linears[0].writes_into(experts.fc1_weight.main_grad)
@@ -314,18 +324,23 @@ def test_fp8_per_expert_gradients_equal_the_grouped_path(fp8_format, recipe, mon
                     assert torch.all(inputs.grad[int(counts.sum()):] == 0)
                 input_grads.append(inputs.grad[:int(counts.sum())].float())
         ddp.finish_grad_sync()
-        results[wgrad] = dict(grouped=backward_grouped, into=gemms.into, made=gemms.made, reads=reads,
-                              input_grad=torch.cat(input_grads), fc1=experts.fc1_weight.main_grad.clone(),
-                              fc2=experts.fc2_weight.main_grad.clone())
-    per_expert, grouped = results["per-expert"], results["grouped-mm"]
+        results[variant] = dict(grouped=backward_grouped, into=gemms.into, made=gemms.made, reads=reads,
+                                accumulated=len(accumulated), input_grad=torch.cat(input_grads),
+                                fc1=experts.fc1_weight.main_grad.clone(), fc2=experts.fc2_weight.main_grad.clone())
+    grouped = results["grouped-mm"]
     with_rows = [sum(count > 0 for count in counts.tolist()) for counts, *_ in batches]
-    assert grouped["grouped"] == 2 * 2 * len(batches) and per_expert["grouped"] == 0
-    assert per_expert["reads"] == [["tolist"]] * len(batches)  # the counts once per backward, both weights
-    # Per weight: the first micro-batch's experts with rows write into main_grad, then a product
-    # each; an input gradient per expert with rows (written into its rows of the result).
-    assert per_expert["into"] == 2 * (with_rows[0] + sum(with_rows))
-    assert per_expert["made"] == 2 * sum(with_rows[1:])
-    for name in ("input_grad", "fc1", "fc2"):
-        torch.testing.assert_close(per_expert[name], grouped[name], rtol=2 ** -7,
-                                   atol=2 ** -7 * grouped[name].abs().max().item())
-    assert per_expert["fc1"].abs().sum() > 0 and per_expert["fc2"].abs().sum() > 0
+    assert grouped["grouped"] == 2 * 2 * len(batches)
+    for variant in ("per-expert", "bf16 accumulation"):
+        per_expert = results[variant]
+        assert per_expert["grouped"] == 0
+        assert per_expert["reads"] == [["tolist"]] * len(batches)  # the counts once per backward, both weights
+        # Per weight: the first micro-batch's experts with rows write into main_grad, then a product
+        # each (or a bf16 GEMM accumulating); an input gradient per expert with rows (written into its
+        # rows of the result).
+        assert per_expert["into"] == 2 * (with_rows[0] + sum(with_rows))
+        later = 2 * sum(with_rows[1:])
+        assert (per_expert["made"], per_expert["accumulated"]) == ((later, 0) if variant == "per-expert" else (0, later))
+        for name in ("input_grad", "fc1", "fc2"):
+            torch.testing.assert_close(per_expert[name], grouped[name], rtol=2 ** -7,
+                                       atol=2 ** -7 * grouped[name].abs().max().item())
+        assert per_expert["fc1"].abs().sum() > 0 and per_expert["fc2"].abs().sum() > 0

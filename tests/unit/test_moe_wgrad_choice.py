@@ -3,9 +3,10 @@ timing both (moe/wgrad_choice.py).
 
 The choice itself, with the timing replaced: the faster path wins, per-expert only by 5%, a path that
 raises is never taken and is named, each kind of experts module is timed once and every module of
-that kind takes its choice; nothing is timed on the CPU (grouped-mm stays). The timing, run for real
-on the CPU (bf16 and FP8 experts, both paths): it runs the path it times (one accumulating GEMM per
-expert, or the grouped product's one add) into stand-in gradients, and leaves the model's weights,
+that kind takes its choice (FP8 experts choose among three: per expert also with bf16 accumulation);
+nothing is timed on the CPU (grouped-mm stays). The timing, run for real on the CPU (bf16 and FP8
+experts, every path): it runs the path it times (one accumulating GEMM per expert, or the grouped
+product's one add, or FP8's widened casts) into stand-in gradients, and leaves the model's weights,
 main_grad, data-parallel hooks and delayed-scaling history as they were. The rows per expert are
 the balanced routing's.
 """
@@ -18,8 +19,8 @@ from megatron.core.transformer.config import ExecutionConfig
 from megatron.core.transformer.moe import experts as experts_module
 from megatron.core.transformer.moe.experts import GroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.wgrad_choice import (choose_expert_wgrad, probe_experts, rows_per_expert,
-                                                        time_expert_wgrad)
+from megatron.core.transformer.moe.wgrad_choice import (choices, choose_expert_wgrad, probe_experts,
+                                                        rows_per_expert, time_expert_wgrad)
 from tests.unit.test_moe_grad_fusion import attach_fp8
 from tests.unit.test_moe_layer import config
 
@@ -41,8 +42,7 @@ def experts_of(modules) -> list:
 
 
 def timer(times: dict, calls: list):
-    def time_path(module, per_expert):
-        choice = "per-expert" if per_expert else "grouped-mm"
+    def time_path(module, choice):
         calls.append(choice)
         if isinstance(times[choice], Exception):
             raise times[choice]
@@ -64,6 +64,32 @@ def test_the_faster_path_is_taken_by_every_module_of_the_kind(grouped, per_exper
     assert [m.per_expert_wgrad for m in experts_of(modules)] == [chosen == "per-expert"] * 2
     assert report == (f"auto -> {chosen} (grouped-mm {grouped * 1e3:.2f} ms, per-expert {per_expert * 1e3:.2f} ms "
                       f"for 4 experts x 64 rows)")
+
+
+@pytest.mark.parametrize("accumulating, chosen", [
+    (0.8e-3, "per-expert accumulating in bf16"),
+    (0.95e-3, "per-expert"),                # the faster per-expert path, whichever it is
+    (2e-3, "per-expert"),
+])
+def test_fp8_experts_also_time_per_expert_accumulating_in_bf16(accumulating, chosen):
+    """FP8 experts time a third path (the later micro-batches' weight gradients as bf16 GEMMs of the
+    widened casts accumulating into main_grad); the fastest per-expert path is set on every module
+    of the kind, FP8 products or bf16 accumulation on both of its weights."""
+    modules = chunk(dtype=torch.bfloat16, fp8="hybrid", fp8_recipe="tensorwise", moe_router_padding_for_fp8=True)
+    attach_fp8(experts_of(modules), "hybrid", "tensorwise")
+    calls = []
+    times = {"grouped-mm": 2e-3, "per-expert": 0.9e-3, "per-expert accumulating in bf16": accumulating}
+    report = choose_expert_wgrad([modules], 64, CPU, timer(times, calls))
+    assert calls == list(times)
+    for module in experts_of(modules):
+        assert module.per_expert_wgrad
+        assert [fp8.bf16_accumulation for fp8 in module.fp8.values()] == [chosen != "per-expert"] * 2
+    assert report == (f"auto -> {chosen} (grouped-mm 2.00 ms, per-expert 0.90 ms, per-expert accumulating in bf16 "
+                      f"{accumulating * 1e3:.2f} ms for 4 experts x 64 rows)")
+    # a grouped path within the margin of the fastest stays
+    times["grouped-mm"] = 0.82e-3
+    choose_expert_wgrad([modules], 64, CPU, timer(times, []))
+    assert not any(m.per_expert_wgrad or m.fp8["fc1"].bf16_accumulation for m in experts_of(modules))
 
 
 def test_a_path_that_fails_is_not_taken_and_is_named():
@@ -137,15 +163,21 @@ def test_the_timing_runs_each_path_and_leaves_the_model_alone(fp8_format, recipe
     from megatron.core.transformer.moe import fp8_experts
     scaled = fp8_experts._per_expert_gradients
     monkeypatch.setattr(fp8_experts, "_per_expert_gradients", lambda *a: per_expert.append(1) or scaled(*a))
+    widened, widen = [], fp8_experts._widened_for_accumulation
+    monkeypatch.setattr(fp8_experts, "_widened_for_accumulation", lambda *a: widened.append(1) or widen(*a))
     assert probe_experts(module) == 4
     runs = 1 + 1   # one warm-up call and one timed one
     seconds = {}
-    for choice in ("grouped-mm", "per-expert"):
-        seconds[choice] = time_expert_wgrad(module, choice == "per-expert", 32, CPU, warmup=1, repeats=1)
+    assert choices(module) == (("grouped-mm", "per-expert") if fp8_format is None else
+                               ("grouped-mm", "per-expert", "per-expert accumulating in bf16"))
+    for choice in choices(module):
+        seconds[choice] = time_expert_wgrad(module, choice, 32, CPU, warmup=1, repeats=1)
     assert all(s > 0 for s in seconds.values())
-    # each path ran: per weight and call, the grouped product's add or the per-expert GEMMs
+    # each path ran: per weight and call, the grouped product's add or the per-expert GEMMs; FP8's
+    # third path with the casts widened for accumulation (every call: the stand-ins' main_grad holds a sum)
     assert grouped == [1] * 2 * runs
-    assert per_expert == [1] * 2 * runs
+    assert per_expert == [1] * 2 * runs * (len(seconds) - 1)
+    assert widened == ([] if fp8_format is None else [1] * 2 * runs)
     assert hooked == []
     for name, p in modules.named_parameters():
         assert torch.equal(p.detach(), before[name]), name

@@ -124,7 +124,7 @@ def test_expert_weight_gradients_cost_time_only_where_their_gemm_does_not_accumu
     nothing beyond the GEMM, as for the dense linears. Without the fusion,
     under FP8 (the GEMM's product in bf16) or FSDP2 (no main_grad buffer), 12 bytes: bf16 written
     and read, fp32 main_grad read and written. auto, the default, costs the cheaper of grouped-mm
-    and per-expert."""
+    and per-expert, and under FP8 the cheaper of the product added and per-expert accumulation in bf16."""
     arch = architecture_of(MIXTRAL_8X7B)
     target = cluster("h100-80gb")
     lay = Layout(tp=1, pp=1, cp=1, dp=8, micro_batch_size=1, global_batch_size=8, seq_length=4096, ep=8)
@@ -153,6 +153,21 @@ def test_expert_weight_gradients_cost_time_only_where_their_gemm_does_not_accumu
     assert layer_time(arch, lay, cluster("a100-80gb"), moe=True).expert_grad_accumulation == 0.0
     for other in (lay.replace(gradient_accumulation_fusion=False), lay.replace(fp8=True), lay.replace(fsdp2=True)):
         assert layer_time(arch, other, target, moe=True).expert_grad_accumulation == pytest.approx(unfused, rel=1e-9)
+    # FP8 under auto: also the probe's per-expert bf16 accumulation (main_grad read and written, 8
+    # bytes; the gradient's and input's rows widened, 1 byte read and 2 written; the weight-gradient
+    # GEMMs at the bf16 rate instead of FP8's). At EP 8 (8192 rows per expert) the FP8 product added
+    # stays cheaper (above); at EP 1 (1024 rows per expert, eight experts) the accumulation is.
+    rows, f, h = 1024, 14336, 4096
+    gemms = {fp8: 8 * (target.gemm_seconds(2 * rows * h * 2 * f, fp8) + target.gemm_seconds(2 * rows * f * h, fp8))
+             for fp8 in (False, True)}
+    accumulating = target.memory_seconds(8 * 8 * local_weights + 3 * rows * 8 * (2 * f + h + h + f), 2) + (
+        gemms[False] - gemms[True])
+    fp8_ep1 = layer_time(arch, lay.replace(ep=1, fp8=True), target, moe=True).expert_grad_accumulation
+    assert fp8_ep1 == pytest.approx(accumulating, rel=1e-9)
+    assert accumulating < target.memory_seconds(12 * 8 * local_weights, 2)
+    assert layer_time(arch, lay.replace(ep=1, fp8=True, moe_grouped_wgrad="per-expert"), target,
+                      moe=True).expert_grad_accumulation == pytest.approx(target.memory_seconds(12 * 8 * local_weights, 2),
+                                                                          rel=1e-9)
     from megatron.training.planning.plan import plan_for_flags
 
     flags = [*MIXTRAL_8X7B, "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "0", "--train-iters", "1",

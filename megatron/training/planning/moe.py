@@ -184,8 +184,20 @@ def grad_accumulation_seconds(arch, lay, cluster) -> float:
     (nothing more). Under FP8, or
     without the fusion, the GEMM writes its product in the compute dtype and it is added to
     main_grad: written and read in the compute dtype, main_grad read and written (the FP8 loop's
-    direct write on a step's first micro-batch is not counted)."""
+    direct write on a step's first micro-batch is not counted); under FP8 with the fusion and auto,
+    where the GPU runs grouped GEMMs, the cheaper of that and the probe's third path: per expert,
+    bf16 GEMMs of the widened casts accumulating into main_grad (8 bytes, the weight gradient at the
+    bf16 rate instead of FP8's, the gradient's and input's rows widened: 1 byte read, 2 written)."""
     weights = expert_layer_parameters(arch, lay.ep, lay.etp, weights_only=True)
+    product = cluster.memory_seconds((2 * lay.compute_bytes + 2 * FP32) * weights, 2)
+    if (lay.fp8 and lay.gradient_accumulation_fusion and not lay.fsdp2 and lay.moe_grouped_wgrad == "auto"
+            and cluster.gpu.grouped_gemm):
+        n, h, f = rows_computed(arch, lay), arch.hidden_size, arch.moe_ffn_hidden_size / lay.etp
+        fc1 = (2 if arch.gated_linear_unit else 1) * f
+        accumulating = (cluster.memory_seconds(2 * FP32 * weights + 3 * n * (fc1 + h + h + f), 2)
+                        + _routed_expert_gemm_seconds(arch, lay, cluster, False)
+                        - _routed_expert_gemm_seconds(arch, lay, cluster, False, fp8=True))
+        return min(product, accumulating)
     if lay.gradient_accumulation_fusion and not lay.fsdp2 and not lay.fp8:
         if not cluster.gpu.grouped_gemm:
             return 0.0
@@ -196,7 +208,7 @@ def grad_accumulation_seconds(arch, lay, cluster) -> float:
         if lay.moe_grouped_wgrad == "auto":  # the start-up probe takes the faster
             return min(per_expert, grouped)
         return per_expert if lay.moe_grouped_wgrad == "per-expert" else grouped
-    return cluster.memory_seconds((2 * lay.compute_bytes + 2 * FP32) * weights, 2)
+    return product
 
 
 def elementwise_bytes(arch, lay, fp8: bool = False) -> float:

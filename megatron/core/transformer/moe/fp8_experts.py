@@ -26,7 +26,10 @@ GEMM of the casts widened to bf16, the dequantizing factors folded into one oper
 (`_bf16_grouped_mm_of_casts`; an fp32 grouped GEMM on the GPU is PyTorch's slow fallback, which
 reads the offsets back), unless --moe-grouped-wgrad per-expert: then both gradient GEMMs are one
 `torch._scaled_mm` per expert on the same casts (cuBLAS multiplies E5M2 by E4M3 at the FP8 rate),
-the counts copied to the host without waiting in forward (`_per_expert_gradients`). Elsewhere, and
+the counts copied to the host without waiting in forward (`_per_expert_gradients`; with
+`bf16_accumulation`, which --moe-grouped-wgrad auto sets where it times faster, the weight gradients
+of a step's later micro-batches are bf16 GEMMs of the widened casts accumulating into main_grad
+instead of FP8 products added to it). Elsewhere, and
 for rowwise, all three GEMMs loop over the experts that received rows, each with its `FP8Linear`.
 
 Under --moe-router-padding-for-fp8 the dispatcher pads the routing instead of these rows: every
@@ -37,9 +40,11 @@ runs as `torch._grouped_mm` on the dequantized casts: the same FP8 values and sc
 exact in fp32 (an E4M3 x E4M3 product has 8 significant bits), sums in fp32 as the kernel's, so
 only the order of the fp32 additions and the output's rounding differ from the GPU's.
 """
+import itertools
+
 import torch
 
-from megatron.core.tensor_parallel.layers import main_grad_accumulated, main_grad_empty
+from megatron.core.tensor_parallel.layers import accumulate_matmul_, main_grad_accumulated, main_grad_empty
 from megatron.core.transformer.moe import triton_experts
 from megatron.core.transformer.fp8 import GRAD, INPUT, WEIGHT, quantize, scale_from_amax
 from megatron.core.utils import compiled
@@ -248,6 +253,10 @@ class ExpertsFP8:
         self.widen = compiled(widen_scaled, None) if fuse else widen_scaled
         self._weight_key = self._weight = None
         self._slots = {}  # role -> the experts' slots in the delayed-scaling state, as a device tensor
+        # Per expert (`host_counts`), once main_grad holds this step's sum: the weight gradient as a
+        # bf16 GEMM of the widened casts accumulating into main_grad (set by --moe-grouped-wgrad auto
+        # where it times faster, moe/wgrad_choice.py), instead of an FP8 product added to it.
+        self.bf16_accumulation = False
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, counts, accumulate=None,
                  triton_wgrad: bool = False, host_counts=None) -> torch.Tensor:
@@ -343,7 +352,7 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
         _, w_dgrad, w_scale = fp8.weights(weight)
         if ctx.host_counts is not None:
             grad_input = _per_expert_gradients(weight, g_q, g_scale, x_kept, x_scale, w_dgrad, w_scale,
-                                               ctx.host_counts.read(), fp8, grad.dtype)
+                                               ctx.host_counts.read(), fp8, grad.dtype, row_expert)
             return grad_input, None, None, None, None, None, None
         # The grouped kernel multiplies E4M3 operands only: under `hybrid` (E5M2 gradients) both
         # gradient GEMMs run as a bf16 grouped GEMM of the widened casts on the GPU, as the fp32 one
@@ -380,6 +389,22 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
         return grad_input, None, None, None, None, None, None
 
 
+def _widened_for_accumulation(g_q, factors, row_expert, x_t, widen=None):
+    """The weight gradient's operands for `fp8.bf16_accumulation`: the output gradient's cast g_q [N, n]
+    widened to bf16 with each row's expert's whole dequantizing factor (`factors` [E]: 1 / (g_scale
+    x_scale); sentinel rows 0) folded in, in fp32 and rounded to bf16 once (as the grouped path's
+    `_bf16_grouped_mm_of_casts`), and the input's transpose x_t [k, N] (FP8) widened exactly (every
+    E4M3 and E5M2 value is a bf16 value), kept with its 16-element leading dimension. Two kernels, each
+    reading one byte and writing two per element (`widen`: `widen_scaled`, compiled where the casts
+    are)."""
+    widen = widen_scaled if widen is None else widen
+    factor = _with_sentinel(factors).index_select(0, row_expert).unsqueeze(1)        # [N, 1]
+    g16 = widen(g_q, factor)                                                         # [N, n]
+    rows, cols = x_t.shape
+    x16 = x_t.new_empty((rows, x_t.stride(0)), dtype=torch.bfloat16)[:, :cols].copy_(x_t)   # [k, N]
+    return g16, x16
+
+
 def aligned_transpose(q: torch.Tensor) -> torch.Tensor:
     """q [N, k] -> its transpose [k, N] stored row-major with a leading dimension rounded up to 16
     elements (FP8: 16 bytes), so that any columns [s, s + r) with s a multiple of 16 are a row-major
@@ -389,35 +414,46 @@ def aligned_transpose(q: torch.Tensor) -> torch.Tensor:
     return q.new_empty((cols, padded))[:, :rows].copy_(q.t())
 
 
-def _per_expert_gradients(weight, g_q, g_scale, x_t, x_scale, w_dgrad, w_scale, counts: list, fp8, dtype):
+def _per_expert_gradients(weight, g_q, g_scale, x_t, x_scale, w_dgrad, w_scale, counts: list, fp8, dtype,
+                          row_expert):
     """--moe-grouped-wgrad per-expert under FP8: for each expert e with rows (`counts` read on the host,
     each a multiple of 16 on padded routing), its input gradient g_e @ W_e into its rows of the
     result and its weight gradient g_e^T @ x_e into main_grad[e], each one `torch._scaled_mm` of the
     casts as they are (one scale per expert and tensor): on the GPU cuBLAS multiplies E5M2 by E4M3
     (hybrid) at the FP8 rate, which `torch._scaled_grouped_mm` (E4M3 only) cannot. The weight
     gradient is written into fp32 main_grad by the GEMM while nothing is accumulated there yet this
-    step (where `_scaled_mm` writes fp32), else its product in the compute dtype is added. Returns
-    the input gradient [N, k] (the dispatcher's sentinel rows past the counted ones zero)."""
+    step (where `_scaled_mm` writes fp32). Later, `_scaled_mm` having no accumulating output, its
+    product in the compute dtype is added (12 bytes per weight element: the product written and
+    read, main_grad read and written), or, with `fp8.bf16_accumulation`, the same casts widened to
+    bf16 (`_widened_for_accumulation`) are multiplied by one GEMM per expert that adds into main_grad
+    itself (`accumulate_matmul_`: cuBLAS, fp32 output, beta = 1), at the bf16 rate but with no pass
+    over main_grad, which is cheaper when an expert gets few rows. Returns the input gradient [N, k]
+    (the dispatcher's sentinel rows past the counted ones zero)."""
     num_rows, in_features = g_q.shape[0], w_dgrad.shape[2]
     grad_input = g_q.new_empty((num_rows, in_features), dtype=dtype)
-    g_t = aligned_transpose(g_q)                                                     # [n, N]
     g_inv, w_inv, x_inv = g_scale.reciprocal(), w_scale.reciprocal(), x_scale.reciprocal()
     main_grad = weight.main_grad
     write_into = main_grad_empty(weight) and fp8.linears[0].writes_into(main_grad)
-    start = 0
-    for index, rows in enumerate(counts):
-        end = start + rows
-        if rows:
-            torch._scaled_mm(g_q[start:end], w_dgrad[index], scale_a=g_inv[index], scale_b=w_inv[index],
-                             out_dtype=dtype, out=grad_input[start:end])
-            a, b = g_t[:, start:end], x_t[:, start:end].t()                         # [n, r], [r, k]
-            if write_into:
-                torch._scaled_mm(a, b, scale_a=g_inv[index], scale_b=x_inv[index], out_dtype=main_grad.dtype,
-                                 out=main_grad[index])
-            else:
-                main_grad[index].add_(torch._scaled_mm(a, b, scale_a=g_inv[index], scale_b=x_inv[index],
-                                                       out_dtype=dtype))
-        start = end
-    grad_input[start:].zero_()
+    widened = None
+    if not write_into and fp8.bf16_accumulation:
+        widened = _widened_for_accumulation(g_q, g_inv * x_inv, row_expert, x_t, fp8.widen)
+    g_t = aligned_transpose(g_q) if widened is None else None                       # [n, N]
+    ends = list(itertools.accumulate(counts))
+    for index, (start, end) in enumerate(zip([0] + ends, ends)):
+        if start == end:
+            continue
+        torch._scaled_mm(g_q[start:end], w_dgrad[index], scale_a=g_inv[index], scale_b=w_inv[index],
+                         out_dtype=dtype, out=grad_input[start:end])
+        if widened is not None:                                                      # [n, r] @ [r, k]
+            accumulate_matmul_(main_grad[index], widened[0][start:end].t(), widened[1][:, start:end].t())
+            continue
+        a, b = g_t[:, start:end], x_t[:, start:end].t()                             # [n, r], [r, k]
+        if write_into:
+            torch._scaled_mm(a, b, scale_a=g_inv[index], scale_b=x_inv[index], out_dtype=main_grad.dtype,
+                             out=main_grad[index])
+        else:
+            main_grad[index].add_(torch._scaled_mm(a, b, scale_a=g_inv[index], scale_b=x_inv[index],
+                                                   out_dtype=dtype))
+    grad_input[sum(counts):].zero_()
     main_grad_accumulated(weight)
     return grad_input

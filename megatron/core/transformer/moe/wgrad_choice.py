@@ -10,6 +10,14 @@ is timed once with both paths, on this rank's device, and every module of that k
 faster one; `per-expert` must win by `MARGIN`, so that a tie keeps the grouped path (the one the
 CPU and the tests run by default). Each rank probes for itself, as the attention probe does.
 
+FP8 experts time a third path: per expert, with the weight gradients of a step's later micro-batches
+(once main_grad holds a sum) as bf16 GEMMs of the widened FP8 casts accumulating into main_grad,
+instead of FP8 GEMMs whose products are added to it (`torch._scaled_mm` has no accumulating output:
+12 bytes per weight element and micro-batch). The bf16 GEMM is slower, but the pass it saves does
+not shrink with the rows an expert gets, so it can only win for experts with few rows: the cost
+model calls it a draw at Mixtral's 1,024 rows per micro-batch on one GPU, unless cuBLAS hides
+main_grad's traffic under the GEMM, and a loss at EP 8's 8,192; the timing decides.
+
 The timing runs one forward and backward of both weights of the first `probe_experts` local
 experts (as many as fit `SCRATCH_BYTES` of fp32 gradients) on the rows each receives from a
 micro-batch under balanced routing, into stand-in parameters: the module's weights (views, not
@@ -27,7 +35,8 @@ from megatron.core import utils
 from megatron.core.transformer.moe.experts import GroupedMLP, HostCounts, _ExpertsFunction
 from megatron.core.transformer.moe.fp8_experts import FP8_ALIGNMENT, ExpertsFP8
 
-CHOICES = ("grouped-mm", "per-expert")
+GROUPED, PER_EXPERT, ACCUMULATING = "grouped-mm", "per-expert", "per-expert accumulating in bf16"
+CHOICES = (GROUPED, PER_EXPERT)  # and, for FP8 experts, ACCUMULATING (`choices`)
 MARGIN = 0.05                 # per-expert is taken only when at least 5% faster
 # fp32 stand-in gradients the probe may allocate: at most one layer's experts' main_grad, which data
 # parallelism allocates after it anyway for every layer (returned to the device when the probe ends);
@@ -50,6 +59,13 @@ def rows_per_expert(tokens: int, topk: int, num_experts: int, expert_ranks: int)
     (EP x ETP), rounded up to 16 (FP8's alignment; at least 16)."""
     rows = math.ceil(tokens * topk * expert_ranks / num_experts)
     return max(FP8_ALIGNMENT, -(-rows // FP8_ALIGNMENT) * FP8_ALIGNMENT)
+
+
+def choices(module: GroupedMLP) -> tuple:
+    """The paths timed for a module: FP8 experts also time per-expert with the weight gradients of a
+    step's later micro-batches as bf16 GEMMs of the widened casts accumulating into main_grad
+    (`ExpertsFP8.bf16_accumulation`) against FP8 products added to it."""
+    return CHOICES + ((ACCUMULATING,) if module.fp8 is not None else ())
 
 
 def _kind(module: GroupedMLP) -> tuple:
@@ -75,7 +91,7 @@ def choose_expert_wgrad(chunks: list, rows: int, device, time_path: Optional[Cal
     """Sets, on every `GroupedMLP` of `chunks` under --moe-grouped-wgrad auto that takes a choice,
     the faster weight-gradient path (`module.per_expert_wgrad`), one timing per kind of module;
     returns what was chosen for the fast-paths line ("" where nothing was). `rows`: rows per local
-    expert and micro-batch (`rows_per_expert`). `time_path(module, per_expert)` -> seconds (or raises)
+    expert and micro-batch (`rows_per_expert`). `time_path(module, choice)` -> seconds (or raises)
     replaces the timing (tests); without it nothing is timed on the CPU and `grouped-mm` stays."""
     kinds = {}
     for chunk in chunks:
@@ -87,8 +103,8 @@ def choose_expert_wgrad(chunks: list, rows: int, device, time_path: Optional[Cal
     if time_path is None:
         if device.type == "cpu":
             return "auto -> grouped-mm (not timed on the CPU)"
-        def time_path(module, per_expert):
-            return time_expert_wgrad(module, per_expert, rows, device)
+        def time_path(module, choice):
+            return time_expert_wgrad(module, choice, rows, device)
     reports = []
     try:
         for modules in kinds.values():
@@ -99,29 +115,36 @@ def choose_expert_wgrad(chunks: list, rows: int, device, time_path: Optional[Cal
 
 
 def _choose_for_kind(modules: list, time_path, rows: int) -> str:
-    """Times both paths for one kind of module (`modules`), sets the faster on all of them and says so."""
+    """Times each path for one kind of module (`modules`), sets the fastest on all of them and says
+    so; a per-expert path must beat the grouped one by MARGIN."""
     seconds, failures = {}, []
-    for choice in CHOICES:
+    for choice in choices(modules[0]):
         try:
-            seconds[choice] = time_path(modules[0], choice == "per-expert")
+            seconds[choice] = time_path(modules[0], choice)
         except (RuntimeError, ValueError, NotImplementedError) as error:
             failures.append(f"{choice} failed: {str(error).splitlines()[0][:120]}")
-    grouped, per_expert = seconds.get("grouped-mm", math.inf), seconds.get("per-expert", math.inf)
-    chosen = "per-expert" if per_expert < (1 - MARGIN) * grouped else "grouped-mm"
+    fastest = min((choice for choice in seconds if choice != GROUPED), key=seconds.get, default=None)
+    chosen = GROUPED
+    if fastest is not None and seconds[fastest] < (1 - MARGIN) * seconds.get(GROUPED, math.inf):
+        chosen = fastest
     for module in modules:
-        module.per_expert_wgrad = chosen == "per-expert"
-    timed = ", ".join(f"{choice} {seconds[choice] * 1e3:.2f} ms" for choice in CHOICES if choice in seconds)
+        module.per_expert_wgrad = chosen != GROUPED
+        for fp8 in (module.fp8 or {}).values():
+            fp8.bf16_accumulation = chosen == ACCUMULATING
+    timed = ", ".join(f"{choice} {seconds[choice] * 1e3:.2f} ms" for choice in choices(modules[0])
+                      if choice in seconds)
     experts = probe_experts(modules[0])
     return (f"auto -> {chosen} ({timed} for {experts} experts x {rows} rows"
             + "".join(f"; {failure}" for failure in failures) + ")")
 
 
-def time_expert_wgrad(module: GroupedMLP, per_expert: bool, rows: int, device, warmup: int = None,
+def time_expert_wgrad(module: GroupedMLP, choice: str, rows: int, device, warmup: int = None,
                       repeats: int = None) -> float:
     """Median seconds of one forward and backward of both of the module's weights for its first
     `probe_experts` experts, `rows` rows each, the weight gradients reaching stand-in fp32
-    main_grads by the grouped path or per expert (`per_expert`). The module's parameters, their
-    main_grad and hooks are untouched."""
+    main_grads by the path `choice` (one of `choices(module)`; the stand-ins' main_grad is never
+    marked empty, so every call accumulates, as a step's later micro-batches do). The module's
+    parameters, their main_grad and hooks are untouched."""
     from megatron.core.transformer.attention import PROBE_REPEATS, PROBE_WARMUP, median_seconds
     from megatron.core.transformer.fp8 import FP8Linear, FP8Options
 
@@ -142,6 +165,9 @@ def time_expert_wgrad(module: GroupedMLP, per_expert: bool, rows: int, device, w
         options = FP8Options(first.options.format, "tensorwise")
         fp8 = {name: ExpertsFP8([FP8Linear(options, None, compiled=first.compiled) for _ in range(experts)])
                for name in ("fc1", "fc2")}
+        for experts_fp8 in fp8.values():
+            experts_fp8.bf16_accumulation = choice == ACCUMULATING
+    per_expert = choice != GROUPED
 
     def linear(inputs, weight, name, host_counts):
         if fp8 is not None:
