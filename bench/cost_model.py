@@ -402,8 +402,9 @@ def moe_step_parts(name: str, precision: str, wgrad: str = "grouped-mm") -> dict
         # the gradient's rows, 1 byte read and 2 written each) and the weight gradient's (the
         # gradient's and input's rows); none with the Triton kernels, which take the casts as they are.
         expert_g, expert_x = rows * (2 * p["expert_f"] + p["h"]), rows * (p["h"] + p["expert_f"])
-        if wgrad == ACCUMULATING:   # the later micro-batches' gradient and input rows widened
-            casts += (m - 1) * layers * 3 * (expert_g + expert_x)
+        if wgrad == ACCUMULATING:   # the later micro-batches' gradient and input rows widened (the
+            # gradient's from its cast as it is: no transpose of it, 2 bytes, on those micro-batches)
+            casts += (m - 1) * layers * (3 * (expert_g + expert_x) - 2 * expert_g)
         elif wgrad not in ("triton", "per-expert"):
             casts += m * layers * 3 * (expert_weights + 2 * expert_g + expert_x)
         parts["FP8 casts"] = (casts / HBM, f"{casts / 1e9:.0f} GB")
