@@ -389,7 +389,7 @@ class _GroupedExpertsFP8Function(torch.autograd.Function):
         return grad_input, None, None, None, None, None, None
 
 
-def _widened_for_accumulation(g_q, factors, row_expert, x_t, widen=None):
+def _widened_for_accumulation(g_q, factors, row_expert, x_t, widen):
     """The weight gradient's operands for `fp8.bf16_accumulation`: the output gradient's cast g_q [N, n]
     widened to bf16 with each row's expert's whole dequantizing factor (`factors` [E]: 1 / (g_scale
     x_scale); sentinel rows 0) folded in, in fp32 and rounded to bf16 once (as the grouped path's
@@ -397,7 +397,6 @@ def _widened_for_accumulation(g_q, factors, row_expert, x_t, widen=None):
     E4M3 and E5M2 value is a bf16 value), kept with its 16-element leading dimension. Two kernels, each
     reading one byte and writing two per element (`widen`: `widen_scaled`, compiled where the casts
     are)."""
-    widen = widen_scaled if widen is None else widen
     factor = _with_sentinel(factors).index_select(0, row_expert).unsqueeze(1)        # [N, 1]
     g16 = widen(g_q, factor)                                                         # [N, n]
     rows, cols = x_t.shape
@@ -427,25 +426,26 @@ def _per_expert_gradients(weight, g_q, g_scale, x_t, x_scale, w_dgrad, w_scale, 
     read, main_grad read and written), or, with `fp8.bf16_accumulation`, the same casts widened to
     bf16 (`_widened_for_accumulation`) are multiplied by one GEMM per expert that adds into main_grad
     itself (`accumulate_matmul_`: cuBLAS, fp32 output, beta = 1), at the bf16 rate but with no pass
-    over main_grad, which is cheaper when an expert gets few rows. Returns the input gradient [N, k]
+    over main_grad, which can be cheaper when an expert gets few rows (the start-up probe decides). Returns the input gradient [N, k]
     (the dispatcher's sentinel rows past the counted ones zero)."""
     num_rows, in_features = g_q.shape[0], w_dgrad.shape[2]
     grad_input = g_q.new_empty((num_rows, in_features), dtype=dtype)
     g_inv, w_inv, x_inv = g_scale.reciprocal(), w_scale.reciprocal(), x_scale.reciprocal()
     main_grad = weight.main_grad
     write_into = main_grad_empty(weight) and fp8.linears[0].writes_into(main_grad)
-    widened = None
-    if not write_into and fp8.bf16_accumulation:
-        widened = _widened_for_accumulation(g_q, g_inv * x_inv, row_expert, x_t, fp8.widen)
-    g_t = aligned_transpose(g_q) if widened is None else None                       # [n, N]
+    widened = not write_into and fp8.bf16_accumulation
+    if widened:
+        g16, x16 = _widened_for_accumulation(g_q, g_inv * x_inv, row_expert, x_t, fp8.widen)   # [N, n], [k, N]
+    else:
+        g_t = aligned_transpose(g_q)                                                 # [n, N]
     ends = list(itertools.accumulate(counts))
     for index, (start, end) in enumerate(zip([0] + ends, ends)):
         if start == end:
             continue
         torch._scaled_mm(g_q[start:end], w_dgrad[index], scale_a=g_inv[index], scale_b=w_inv[index],
                          out_dtype=dtype, out=grad_input[start:end])
-        if widened is not None:                                                      # [n, r] @ [r, k]
-            accumulate_matmul_(main_grad[index], widened[0][start:end].t(), widened[1][:, start:end].t())
+        if widened:                                                                  # [n, r] @ [r, k]
+            accumulate_matmul_(main_grad[index], g16[start:end].t(), x16[:, start:end].t())
             continue
         a, b = g_t[:, start:end], x_t[:, start:end].t()                             # [n, r], [r, k]
         if write_into:
